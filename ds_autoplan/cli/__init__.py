@@ -1,0 +1,57 @@
+"""`ds-autoplan` command line.  Each sub-command lives in its own module of this package
+with ``add_parser(subparsers)`` and ``run(args) -> int``; errors that are the user's
+(bad input) are raised as :class:`UserError` and printed as one line, exit code 2."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# sub-command name -> module (modules that are missing are skipped)
+COMMANDS = ["simulate", "plan", "profile", "launch", "patch"]
+
+
+class UserError(Exception):
+    """Bad input: printed as one line, non-zero exit, never a traceback."""
+
+
+def _user_errors() -> tuple[type, ...]:
+    from ..schedule.ir import ScheduleError
+    errs: list[type] = [UserError, ScheduleError]
+    try:
+        from ..spec import SpecError  # provided by the planner
+        errs.append(SpecError)
+    except ImportError:
+        pass
+    return tuple(errs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ds-autoplan", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f"{__name__}.{name}_cmd")
+        except ModuleNotFoundError as e:
+            if e.name == f"{__name__}.{name}_cmd":
+                continue
+            raise
+        mod.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except _user_errors() as e:
+        print(f"ds-autoplan {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        print(f"ds-autoplan {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""`ds-autoplan simulate`: build a schedule, simulate it, print a table or JSON, plot it."""
+from __future__ import annotations
+
+import json
+import os
+
+from ..schedule import Costs, Schedule, ScheduleError, build, lower, names, simulate
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("simulate", help="build and simulate a pipeline schedule",
+                       description="Build a pipeline schedule, simulate it and report makespan, "
+                                   "bubble ratio and peak activation memory per rank.")
+    p.add_argument("--schedule", default="1f1b",
+                   help="builder name (gpipe, 1f1b, interleaved, zb-h1, v-min, v-half, v-zb, "
+                        "merak-scp, adaptive, ...)")
+    p.add_argument("--compare", help="comma-separated schedules, printed side by side with "
+                                     "ratios to the first")
+    p.add_argument("--file", help="simulate a schedule file (.json or text form) instead")
+    p.add_argument("--stages", "-d", type=int, default=4, help="pipeline devices d")
+    p.add_argument("--microbatches", "-n", type=int, default=8, help="micro-batches n")
+    p.add_argument("--chunks", "-v", type=int, default=None, help="chunks per rank (interleaved)")
+    p.add_argument("--times", default="1,1,1",
+                   help="F,B,W durations of one micro-batch over 1/d of the model")
+    p.add_argument("--p2p", type=float, default=0.0, help="latency of a cross-rank transfer")
+    p.add_argument("--mem-cap", type=float, default=None,
+                   help="activation cap per rank (units of 1/d model micro-batch; adaptive)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--plot", help="write a Gantt chart (PNG/SVG); memory plot goes next to it")
+    p.add_argument("--save", help="write the (lowered) schedule to this file (.json or .txt)")
+    p.set_defaults(func=run)
+
+
+def _times(text: str) -> tuple[float, float, float]:
+    try:
+        vals = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ScheduleError(f"--times must be three numbers F,B,W, got {text!r}") from None
+    if len(vals) != 3:
+        raise ScheduleError(f"--times must be three numbers F,B,W, got {text!r}")
+    if min(vals) < 0:
+        raise ScheduleError(f"--times must be non-negative, got {text!r}")
+    return vals[0], vals[1], vals[2]
+
+
+def _options(name: str, args) -> dict:
+    opts = {}
+    if args.chunks is not None and name == "interleaved":
+        opts["v"] = args.chunks
+    if args.mem_cap is not None and name == "adaptive":
+        opts["mem_cap"] = args.mem_cap
+    return opts
+
+
+def simulate_one(sched: Schedule, f: float, b: float, w: float, p2p: float = 0.0):
+    costs = Costs.uniform(sched, f, b, w, p2p=p2p)
+    return simulate(sched, costs), costs
+
+
+def run(args) -> int:
+    f, b, w = _times(args.times)
+    if args.file:
+        scheds = [Schedule.load(args.file)]
+    else:
+        sel = args.compare.split(",") if args.compare else [args.schedule]
+        known = names()
+        for s in sel:
+            if s not in known:
+                raise ScheduleError(f"unknown schedule {s!r}; choose from {', '.join(known)}")
+        scheds = [build(s, args.stages, args.microbatches, **_options(s, args)) for s in sel]
+    rows = []
+    for sched in scheds:
+        res, costs = simulate_one(sched, f, b, w, args.p2p)
+        rows.append((sched, res, costs))
+    base = rows[0][1]
+    out = []
+    for sched, res, costs in rows:
+        out.append({"schedule": sched.name, "stages": sched.num_ranks,
+                    "microbatches": sched.num_microbatches, "makespan": res.makespan,
+                    "bubble_ratio": res.bubble_ratio, "peak_activation": res.peak_units,
+                    "makespan_ratio": res.makespan / base.makespan if base.makespan else 1.0,
+                    "peak_ratio": max(res.peak_units) / max(base.peak_units)
+                    if max(base.peak_units) else 1.0,
+                    **({} if len(rows) > 1 else {"schedule_lists": sched.to_dict()["ranks"]})})
+    if args.save:
+        sched, _, costs = rows[0]
+        lower(sched, costs).save(args.save)
+    if args.plot:
+        from ..schedule.plots import plot_gantt, plot_memory
+        root, ext = os.path.splitext(args.plot)
+        for i, (sched, res, _) in enumerate(rows):
+            suffix = "" if len(rows) == 1 else f"-{sched.name}"
+            plot_gantt(sched, res, f"{root}{suffix}{ext or '.png'}")
+            plot_memory(sched, res, f"{root}{suffix}-memory{ext or '.png'}")
+    if args.json:
+        if len(out) == 1:
+            o = dict(out[0])
+            o["schedule"] = {"name": o["schedule"], "ranks": o.pop("schedule_lists")}
+            print(json.dumps(o))
+        else:
+            print(json.dumps({"compare": out}))
+        return 0
+    hdr = f"{'schedule':<14}{'d':>3}{'n':>5}{'makespan':>11}{'bubble':>9}{'peak act (per rank)':>28}{'time x':>8}{'mem x':>7}"
+    print(hdr)
+    for o in out:
+        peaks = " ".join(f"{p:g}" for p in o["peak_activation"])
+        print(f"{o['schedule']:<14}{o['stages']:>3}{o['microbatches']:>5}{o['makespan']:>11.4g}"
+              f"{o['bubble_ratio']:>9.3f}{peaks:>28}{o['makespan_ratio']:>8.3f}{o['peak_ratio']:>7.3f}")
+    return 0

@@ -1,0 +1,128 @@
+"""Per-(stage, micro-batch) durations and activation-memory deltas fed to the simulator.
+
+Memory model (schedules.md §0, §8 decision 2): F allocates ``mem_f``; B changes memory by
+``mem_b`` (<= 0) and W by ``mem_w`` (<= 0), with mem_f + mem_b + mem_w = 0; a fused BW
+frees ``mem_b + mem_w``.  The paper's analysis uses (1, 0, -1)·m: everything is held until W.
+With recomputation (an R action for that stage/mb), F keeps only ``keep_ckpt`` (the
+boundary input) and R allocates the rest again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .ir import Kind, Schedule, ScheduleError
+
+
+def _grid(x, S: int, n: int, name: str) -> np.ndarray:
+    """Broadcast a scalar, a per-stage list, or an [S, n] array to float [S, n]."""
+    a = np.asarray(x, dtype=float)
+    if a.ndim == 0:
+        a = np.full((S, n), float(a))
+    elif a.ndim == 1:
+        if a.shape[0] != S:
+            raise ScheduleError(f"{name}: expected {S} per-stage values, got {a.shape[0]}")
+        a = np.repeat(a[:, None], n, axis=1)
+    elif a.shape != (S, n):
+        raise ScheduleError(f"{name}: expected shape ({S}, {n}), got {a.shape}")
+    if not np.all(np.isfinite(a)):
+        raise ScheduleError(f"{name}: values must be finite")
+    return a
+
+
+@dataclass
+class Costs:
+    """Arrays of shape [num_stages, num_microbatches]."""
+
+    f: np.ndarray
+    b: np.ndarray
+    w: np.ndarray
+    r: np.ndarray
+    mem_f: np.ndarray
+    mem_b: np.ndarray
+    mem_w: np.ndarray
+    keep_ckpt: np.ndarray
+    p2p: float = 0.0            # latency of one cross-rank transfer
+    send: float = 0.0           # time a rank spends issuing a SEND (lowered lists only)
+    num_ranks: int | None = None  # for the "units of 1/d of the model" scale
+
+    @classmethod
+    def per_stage(cls, num_stages: int, n: int, f, b, w, *, r=None, mem_f=1.0, mem_b=None,
+                  mem_w=None, keep_ckpt=0.0, p2p: float = 0.0, send: float = 0.0,
+                  num_ranks: int | None = None) -> "Costs":
+        """Costs given per stage (scalar, list of S, or [S, n] array each)."""
+        S = num_stages
+        F, Bt, Wt = (_grid(x, S, n, nm) for x, nm in ((f, "f"), (b, "b"), (w, "w")))
+        for nm, a in (("f", F), ("b", Bt), ("w", Wt)):
+            if np.any(a < 0):
+                raise ScheduleError(f"durations must be non-negative; {nm} has {a.min()}")
+        if p2p < 0 or send < 0:
+            raise ScheduleError("p2p latency and send time must be non-negative")
+        R = F.copy() if r is None else _grid(r, S, n, "r")
+        mf = _grid(mem_f, S, n, "mem_f")
+        mb_ = np.zeros((S, n)) if mem_b is None else _grid(mem_b, S, n, "mem_b")
+        mw = -(mf + mb_) if mem_w is None else _grid(mem_w, S, n, "mem_w")
+        if not np.allclose(mf + mb_ + mw, 0.0, atol=1e-9 * max(1.0, float(np.abs(mf).max()))):
+            raise ScheduleError("memory deltas must balance: mem_f + mem_b + mem_w = 0")
+        return cls(F, Bt, Wt, R, mf, mb_, mw, _grid(keep_ckpt, S, n, "keep_ckpt"),
+                   float(p2p), float(send), num_ranks)
+
+    @classmethod
+    def uniform(cls, sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0, *,
+                act: float = 1.0, mem_split=(1.0, 0.0, -1.0), p2p: float = 0.0,
+                per: str = "slice") -> "Costs":
+        """Uniform model.  ``per='slice'``: f, b, w, act are for one micro-batch over 1/d of
+        the model (one 1F1B stage), so a schedule with S stages gets d/S of each per stage
+        and all schedules on d ranks are compared on the same model.  ``per='stage'``: the
+        values are per stage as given (the unit model of schedules.md §3.4)."""
+        S, d, n = sched.num_stages, sched.num_ranks, sched.num_microbatches
+        scale = d / S if per == "slice" else 1.0
+        if per not in ("slice", "stage"):
+            raise ScheduleError("per must be 'slice' or 'stage'")
+        a_f, a_b, a_w = (x * act * scale for x in mem_split)
+        return cls.per_stage(S, n, f * scale, b * scale, w * scale, mem_f=a_f, mem_b=a_b,
+                             mem_w=a_w, p2p=p2p, num_ranks=d)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.f.shape
+
+    def check(self, sched: Schedule) -> None:
+        if self.shape != (sched.num_stages, sched.num_microbatches):
+            raise ScheduleError(f"costs are for {self.shape[0]} stages x {self.shape[1]} "
+                                f"micro-batches; schedule has {sched.num_stages} x "
+                                f"{sched.num_microbatches}")
+
+    def duration(self, kind: Kind, s: int, m: int) -> float:
+        if kind == Kind.F:
+            return self.f[s, m]
+        if kind == Kind.B:
+            return self.b[s, m]
+        if kind == Kind.W:
+            return self.w[s, m]
+        if kind == Kind.BW:
+            return self.b[s, m] + self.w[s, m]
+        if kind == Kind.R:
+            return self.r[s, m]
+        if kind in (Kind.SEND_F, Kind.SEND_B):
+            return self.send
+        return 0.0
+
+    def mem_delta(self, kind: Kind, s: int, m: int, recomputed: bool) -> float:
+        if kind == Kind.F:
+            return self.keep_ckpt[s, m] if recomputed else self.mem_f[s, m]
+        if kind == Kind.R:
+            return self.mem_f[s, m] - self.keep_ckpt[s, m]
+        if kind == Kind.B:
+            return self.mem_b[s, m]
+        if kind == Kind.W:
+            return self.mem_w[s, m]
+        if kind == Kind.BW:
+            return self.mem_b[s, m] + self.mem_w[s, m]
+        return 0.0
+
+    def unit(self, num_ranks: int) -> float:
+        """One micro-batch's activation for 1/d of the model (the scale of `peak_units`)."""
+        d = self.num_ranks or num_ranks
+        return float(self.mem_f.mean(axis=1).sum()) / d

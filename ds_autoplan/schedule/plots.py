@@ -1,0 +1,60 @@
+"""Matplotlib plots of a simulated schedule: Gantt chart and activation memory over time."""
+from __future__ import annotations
+
+from .ir import Kind, Schedule
+from .simulator import SimResult
+
+COLORS = {Kind.F: "#4C72B0", Kind.B: "#DD8452", Kind.W: "#55A868", Kind.BW: "#C44E52",
+          Kind.R: "#8172B3"}
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_gantt(sched: Schedule, res: SimResult, path: str, title: str | None = None) -> str:
+    """One row per rank; colour = F/B/W/BW/R, label = micro-batch id (chunk shown by shade)."""
+    plt = _pyplot()
+    d = sched.num_ranks
+    fig, ax = plt.subplots(figsize=(max(8.0, res.makespan * 0.12 + 2), 0.5 * d + 1.4))
+    for a, st in res.start.items():
+        if a.kind.is_comm:
+            continue
+        en = res.end[a]
+        chunk = sched.chunk_of(a.stage)
+        ax.barh(a.rank, en - st, left=st, height=0.8, color=COLORS[a.kind],
+                alpha=1.0 if chunk == 0 else 0.6, edgecolor="black", linewidth=0.3)
+        if en - st > 0.02 * res.makespan or res.makespan < 80:
+            ax.text((st + en) / 2, a.rank, str(a.mb), ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(d), [f"rank {r}" for r in range(d)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    ax.legend(handles, [k.value for k in COLORS], ncol=5, fontsize=7, loc="upper right")
+    ax.set_title(title or f"{sched.name}: d={d}, n={sched.num_microbatches}, "
+                 f"makespan {res.makespan:g}, bubble {res.bubble_ratio:.1%}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_memory(sched: Schedule, res: SimResult, path: str, title: str | None = None) -> str:
+    """Activation memory (units of one micro-batch over 1/d of the model) per rank over time."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for r, curve in enumerate(res.mem_curve):
+        xs = [p[0] for p in curve] + [res.makespan]
+        ys = [p[1] / res.unit for p in curve] + [curve[-1][1] / res.unit]
+        ax.step(xs, ys, where="post", label=f"rank {r} (peak {res.peak_units[r]:g})")
+    ax.set_xlabel("time")
+    ax.set_ylabel("activation (micro-batch × 1/d model)")
+    ax.legend(fontsize=7)
+    ax.set_title(title or f"{sched.name}: activation memory per rank")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
