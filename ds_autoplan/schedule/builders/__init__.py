@@ -51,7 +51,7 @@ def _load_all() -> None:
         from . import vshape  # noqa: F401
     except ImportError:  # pragma: no cover - during development
         pass
-    for mod in ("zb", "merak", "adaptive"):
+    for mod in ("zb", "merak", "adaptive", "dynapipe"):
         try:
             __import__(f"{__name__}.{mod}")
         except ImportError as e:  # pragma: no cover
