@@ -513,6 +513,13 @@ def adaptive(d: int, n: int, mem_cap: float | None = None, f: float = 1.0, b: fl
         raise ScheduleError(f"adaptive: mem_cap and f, b, w must be positive, got "
                             f"mem_cap={mem_cap!r}, f, b, w = {fbw}")
     cap_m = int(2 * cap + 1e-9)           # one unit = 2 m (two V stages)
+    if cap_m >= 2 * d and fbw[0] == fbw[1] == fbw[2] and n >= 2 * d:
+        # §4.1: from 2d·m up the family's best is the V-ZB block (bubble d-1 slots, §2.6);
+        # skip the search, which would only find it again
+        from dataclasses import replace
+        from .vshape import v_zb
+        s = v_zb(d, n)
+        return replace(s, name="adaptive", meta={**s.meta, "layout": "v-zb block", "mem_cap": cap})
     blk, method = search(d, n, cap_m, fbw)
     mk, pk = evaluate(blk, n, cap_m, method)
     return slots_to_schedule("adaptive", _layout(blk, n, cap_m, method),
