@@ -1,0 +1,125 @@
+"""`ds-autoplan plan`: search a plan and write ds_config.json, megatron.json,
+megatron_args.txt, plan.json and report.md (+ plots) into --out."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="plan hybrid-parallel training (Galvatron-BMW search)",
+                       description="Search the parallel plan for MODEL on CLUSTER and emit "
+                                   "DeepSpeed and Megatron configuration.")
+    p.add_argument("--model", required=True, help="preset name, model YAML, or HF config.json")
+    p.add_argument("--cluster", required=True, help="preset name or cluster YAML")
+    p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--out", default=None, help="output directory (written atomically)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--memory-budget-gb", type=float, default=None,
+                   help="per-device budget (default: device memory minus the preset's reserve)")
+    p.add_argument("--partitioner", default="bmw", choices=["bmw", "even", "dawnpiper", "merak"])
+    p.add_argument("--schedules", default=None,
+                   help="comma-separated candidate schedules (default 1f1b,interleaved,v-half,v-min,v-zb)")
+    p.add_argument("--world-size", type=int, default=None, help="expected number of devices (checked)")
+    p.add_argument("--profile", default=None, help="YAML/JSON of measured cluster overrides")
+    p.add_argument("--pp", type=int, default=None, help="restrict the search to this pipeline degree")
+    p.add_argument("--tp", type=int, default=None, help="restrict the search to this tensor degree")
+    p.add_argument("--no-wide", action="store_true", help="skip the wide Galvatron-BMW mode")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def summary(plan) -> dict:
+    pr = plan.predicted
+    return {"throughput_tokens_per_s": pr["throughput_tokens_per_s"],
+            "iteration_time_s": pr["iteration_time_s"], "pp": plan.pp, "tp": plan.tp, "dp": plan.dp,
+            "zero_stage": plan.zero_stage, "schedule": plan.schedule,
+            "micro_batch_size": plan.micro_batch_size,
+            "peak_memory_gb_per_stage": pr["peak_memory_gb_per_stage"],
+            "search_time_s": pr["search_time_s"], "num_microbatches": plan.num_microbatches,
+            "layers_per_stage": plan.layers_per_stage, "recompute_per_stage": plan.recompute_per_stage,
+            "mfu": pr["mfu"], "ratio_vs_best_baseline": pr.get("ratio_vs_best_baseline"),
+            "wide_gain": pr.get("wide_gain")}
+
+
+def write_outputs(res, out: str) -> list[str]:
+    """Everything into a temporary sibling directory, then renamed into place: a failure
+    never leaves a partial output directory."""
+    from ..emit.deepspeed import ds_config
+    from ..emit.megatron import megatron_args, megatron_config
+    from ..report import write_report
+    from . import UserError
+    out = os.path.abspath(out)
+    if os.path.isfile(out):
+        raise UserError(f"--out {out} is a file")
+    if os.path.isdir(out) and os.listdir(out) and not os.path.exists(os.path.join(out, "plan.json")):
+        raise UserError(f"--out {out} exists and is not a ds-autoplan output directory; "
+                        f"refusing to overwrite")
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".ds-autoplan-", dir=parent)
+    try:
+        plan = res.plan
+        plan.save(os.path.join(tmp, "plan.json"))
+        with open(os.path.join(tmp, "ds_config.json"), "w") as f:
+            json.dump(ds_config(plan), f, indent=2)
+        with open(os.path.join(tmp, "megatron.json"), "w") as f:
+            json.dump(megatron_config(plan, res.model), f, indent=2)
+        with open(os.path.join(tmp, "megatron_args.txt"), "w") as f:
+            f.write("\n".join(" ".join(shlex.quote(x) for x in a.split(" ", 1))
+                              for a in megatron_args(plan, res.model)) + "\n")
+        files = ["plan.json", "ds_config.json", "megatron.json", "megatron_args.txt"]
+        files += write_report(res, tmp)
+        old = None
+        if os.path.exists(out):
+            old = out + ".old-" + os.path.basename(tmp)
+            os.rename(out, old)
+        os.rename(tmp, out)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        return files
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def run(args) -> int:
+    from ..search import search
+    from . import UserError
+    if args.global_batch <= 0:
+        raise UserError(f"--global-batch must be positive, got {args.global_batch}")
+    scheds = [s.strip() for s in args.schedules.split(",") if s.strip()] if args.schedules else None
+    if scheds:
+        from ..schedule import names
+        bad = [s for s in scheds if s not in names()]
+        if bad:
+            raise UserError(f"unknown schedule(s) {', '.join(bad)}; choose from {', '.join(names())}")
+    res = search(args.model, args.cluster, args.global_batch, args.seq, precision=args.precision,
+                 budget_gb=args.memory_budget_gb, partitioner=args.partitioner, schedules=scheds,
+                 wide=not args.no_wide, progress=not args.quiet and sys.stderr.isatty(),
+                 world_size=args.world_size, profile=args.profile, keep_sim=bool(args.out),
+                 pp=args.pp, tp=args.tp)
+    files = write_outputs(res, args.out) if args.out else []
+    plan = res.plan
+    if args.json:
+        print(json.dumps(summary(plan)))
+    else:
+        pr = plan.predicted
+        print(f"{plan.model} on {plan.cluster}: pp={plan.pp} tp={plan.tp} dp={plan.dp} "
+              f"ZeRO-{plan.zero_stage} schedule={plan.schedule} micro-batch={plan.micro_batch_size} "
+              f"x {plan.num_microbatches}")
+        print(f"layers per stage {plan.layers_per_stage}, recompute {plan.recompute_per_stage}")
+        print(f"predicted {pr['iteration_time_s']:.4g} s/iteration, "
+              f"{pr['throughput_tokens_per_s']:.6g} tokens/s, MFU {pr['mfu']:.1%}, "
+              f"peak memory {max(pr['peak_memory_gb_per_stage']):.2f} GB / {pr['memory_budget_gb']:.1f} GB")
+        if pr.get("ratio_vs_best_baseline"):
+            print(f"{pr['ratio_vs_best_baseline']:.3f}x the best baseline; search {pr['search_time_s']:.2f} s")
+        if files:
+            print(f"wrote {', '.join(files)} to {args.out}")
+    return 0

@@ -1,0 +1,185 @@
+"""Per-layer, per-strategy memory and time (planner-galvatron.md §2.2, §2.4, §2.5).
+
+Everything is vectorised over (layer type, strategy): the DP and BMW only index arrays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from ..spec.cluster import ClusterSpec
+from ..spec.model import LayerSpec, ModelSpec
+from .collectives import Network
+
+# bytes per parameter of (param, grad, optimizer) under Adam (§2.1: beta_ms = 16)
+STATE_BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}
+ACT_SCALE = {"bf16": 1.0, "fp16": 1.0, "fp32": 2.0}   # activations are specified at 2 bytes
+
+
+class Strategy(NamedTuple):
+    """One intra-stage strategy (a pruned decision tree, §1.3): TP degree, data degree, how
+    the data dimension shards model states (ZeRO stage; SDP = 3), level order and CKPT."""
+    tp: int
+    dp: int
+    zero: int = 0
+    tp_outer: bool = False   # True: TP is the outer tree level (strided TP groups)
+    ckpt: bool = False
+
+    @property
+    def n(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def sdp(self) -> bool:
+        return self.zero == 3
+
+    def label(self) -> str:
+        parts = []
+        data = (f"SDP{self.dp}" if self.zero == 3 else f"DP{self.dp}" +
+                (f"/Z{self.zero}" if self.zero else "")) if self.dp > 1 else ""
+        tp = f"TP{self.tp}" if self.tp > 1 else ""
+        parts = [tp, data] if self.tp_outer else [data, tp]
+        s = "+".join(p for p in parts if p) or "1 device"
+        return s + ("+CKPT" if self.ckpt else "")
+
+    def tp_stride(self) -> int:
+        return self.dp if self.tp_outer else 1
+
+    def dp_stride(self) -> int:
+        return 1 if self.tp_outer else self.tp
+
+    def data_index(self) -> np.ndarray:
+        """Batch shard held by each local rank of the stage group (§1.4)."""
+        r = np.arange(self.n)
+        return r % self.dp if self.tp_outer else r // self.tp
+
+
+@dataclass
+class LayerTables:
+    """Arrays [T, S] for T layer types and S strategies (one stage group, one micro-batch)."""
+    strategies: list
+    ms: np.ndarray       # O_ms: model states
+    f1: np.ndarray       # O_f1: forward stash of one micro-batch
+    ob: np.ndarray       # O_b: backward transient (recompute, SDP gathered layer)
+    fwd: np.ndarray      # T_fwd
+    bwd: np.ndarray      # T_bwd with gradient sync (last micro-batch)
+    bwd_ns: np.ndarray   # T_bwd without sync
+    wgrad: np.ndarray    # weight-gradient share of bwd_ns (the W of B/W-split schedules)
+    p2p: np.ndarray      # send of this layer's output to the next stage (per micro-batch)
+    R: np.ndarray        # [T, S, S] re-layout cost before a layer of type T, from s' to s
+    allowed: np.ndarray  # [T, S] bool
+
+    @property
+    def c(self) -> np.ndarray:
+        return self.fwd + self.bwd
+
+    @property
+    def c_ns(self) -> np.ndarray:
+        return self.fwd + self.bwd_ns
+
+
+class CostModel:
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str = "bf16"):
+        if precision not in STATE_BYTES:
+            from ..spec import SpecError
+            raise SpecError(f"precision must be one of {', '.join(STATE_BYTES)}, got {precision!r}")
+        self.model, self.cluster, self.precision = model, cluster, precision
+        self.net = Network(cluster)
+        self.gamma = cluster.overlap_slowdown
+        # unit types: 0 = pre, 1 = post, 2.. distinct blocks
+        blocks = model.type_ids
+        self.units: list[LayerSpec] = [model.pre, model.post]
+        for i, t in enumerate(blocks):
+            if t + 2 >= len(self.units):
+                self.units.append(model.layers[i])
+        self.block_types = np.array([t + 2 for t in blocks], dtype=np.int64)
+        self._cache: dict = {}
+        self._relayout: dict = {}
+
+    def ov(self, x, y):
+        """Overlap with mutual slowdown gamma: max + (gamma-1)*min (§2.4, §6 #5)."""
+        return np.maximum(x, y) + (self.gamma - 1) * np.minimum(x, y)
+
+    def tables(self, strategies: list, B_m: int) -> LayerTables:
+        key = (tuple(strategies), B_m)
+        if key in self._cache:
+            return self._cache[key]
+        pb, gb, obytes = STATE_BYTES[self.precision]
+        cb = 4 if self.precision == "fp32" else 2
+        ab = ACT_SCALE[self.precision]
+        T, S = len(self.units), len(strategies)
+        shape = (T, S)
+        ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p = (np.zeros(shape) for _ in range(8))
+        allowed = np.ones(shape, dtype=bool)
+        R = np.zeros((T, S, S))
+        net, flops = self.net, self.cluster.flops
+        for j, s in enumerate(strategies):
+            t, d, z = s.tp, s.dp, s.zero
+            b = B_m / d
+            if B_m % d:
+                allowed[:, j] = False
+            state = {0: pb + gb + obytes, 1: pb + gb + obytes / d, 2: pb + (gb + obytes) / d,
+                     3: (pb + gb + obytes) / d}[z]
+            for i, u in enumerate(self.units):
+                W = u.params / t
+                act = (u.act_rep + u.act_tp / t) * ab
+                ck = s.ckpt and u.checkpointable
+                if s.ckpt and not u.checkpointable:
+                    allowed[i, j] = False
+                ms[i, j] = W * state
+                f1[i, j] = b * (u.boundary * ab if ck else act)
+                ob[i, j] = (b * act if ck else 0.0) + (W * (pb + gb) if z == 3 else 0.0)
+                F = b * u.flops / (t * flops)
+                A_tp = u.tp_allreduces * net.all_reduce(b * u.boundary * ab, t, s.tp_stride()) if t > 1 else 0.0
+                ds = s.dp_stride()
+                g_f = net.all_gather(W * cb, d, ds) if z == 3 else 0.0
+                g_b = (net.all_gather(W * cb, d, ds) + net.reduce_scatter(W * cb, d, ds)) if z == 3 else \
+                    (net.reduce_scatter(W * cb, d, ds) if z == 2 else 0.0)
+                g_sync = {0: net.all_reduce(W * cb, d, ds),
+                          1: net.reduce_scatter(W * cb, d, ds) + net.all_gather(W * cb, d, ds),
+                          2: net.all_gather(W * cb, d, ds), 3: 0.0}[z]
+                k_comp = 2 * F + (F if ck else 0.0)          # CKPT recomputes the forward
+                k_tp = A_tp * (2 if ck else 1)                # ... and its TP all-reduces
+                fwd[i, j] = F + A_tp + g_f
+                bwd[i, j] = self.ov(k_comp, g_sync + g_b) + k_tp
+                bwd_ns[i, j] = self.ov(k_comp, g_b) + k_tp
+                wg[i, j] = F
+                p2p[i, j] = net.p2p(b * u.boundary * ab, s.n)
+        # re-layout before each layer type (§2.5): activations only
+        shape_key = tuple(strategies)
+        if shape_key not in self._relayout:
+            self._relayout[shape_key] = [[self.relayout_shape(sp, s) for s in strategies]
+                                         for sp in strategies]
+        shapes = self._relayout[shape_key]
+        for a in range(S):
+            for c in range(S):
+                frac, g = shapes[a][c]
+                if g > 1:
+                    bw, lat = self.net.link(g, 1)
+                    for i, u in enumerate(self.units):
+                        R[i, a, c] = (g - 1) / g * B_m * u.boundary * ab * frac / bw + lat
+        res = LayerTables(list(strategies), ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, R, allowed)
+        self._cache[key] = res
+        return res
+
+    @staticmethod
+    def relayout_shape(sp: Strategy, s: Strategy) -> tuple[float, int]:
+        """R(l, s', s) of §2.5 as (fraction of the micro-batch tensor X gathered, group size):
+        containment is checked on the rank mapping of §1.4; (0, 1) = free."""
+        if (sp.tp, sp.dp, sp.tp_outer) == (s.tp, s.dp, s.tp_outer) or sp.n != s.n:
+            return 0.0, 1
+        d0, d1 = sp.dp, s.dp
+        i0, i1 = sp.data_index(), s.data_index()
+        if d1 > d0 and np.all(i1 * d0 // d1 == i0):        # slice forward, gather backward
+            return 1.0 / d0, d1 // d0
+        if d1 < d0 and np.all(i0 * d1 // d0 == i1):        # gather forward, slice backward
+            return 1.0 / d1, d0 // d1
+        if d1 == d0 and np.all(i0 == i1):
+            return 0.0, 1
+        return 1.0, s.n
+
+    def relayout(self, X: float, sp: Strategy, s: Strategy) -> float:
+        frac, g = self.relayout_shape(sp, s)
+        return self.net.all_gather(X * frac, g, 1)

@@ -1,0 +1,1 @@
+"""Emitters: a Plan as DeepSpeed and Megatron-core/Megatron-LM configuration."""

@@ -1,0 +1,89 @@
+"""Plan -> ds_config.json (integration.md §3), validated by DeepSpeed's own config classes."""
+from __future__ import annotations
+
+import contextlib
+
+from ..plan import Plan
+
+
+def autoplan_section(plan: Plan) -> dict:
+    """What DeepSpeed has no key for: partition, schedule, per-stage recompute."""
+    return {"schedule": plan.schedule, "schedule_options": dict(plan.schedule_options),
+            "layers_per_stage": list(plan.layers_per_stage),
+            "recompute_per_stage": list(plan.recompute_per_stage),
+            "tensor_parallel_size": plan.tp, "pipeline_parallel_size": plan.pp,
+            "data_parallel_size": plan.dp, "num_microbatches": plan.num_microbatches,
+            "partitioner": plan.partitioner, "model": plan.model, "cluster": plan.cluster}
+
+
+def ds_config(plan: Plan) -> dict:
+    """The DeepSpeed config of ``plan``.  ZeRO 2/3 only without pipeline parallelism
+    (PipelineEngine asserts ZeRO < 2).  ``pipeline.activation_checkpoint_interval`` is 1 when
+    any stage recomputes (DeepSpeed's switch is global; the ds_autoplan runtime narrows it
+    per stage from the ``autoplan`` section), 0 otherwise."""
+    if plan.pp > 1 and plan.zero_stage > 1:
+        raise ValueError(f"ZeRO stage {plan.zero_stage} cannot run with pipeline parallelism "
+                         f"(pp={plan.pp}) in DeepSpeed")
+    rec = any(r > 0 for r in plan.recompute_per_stage)
+    cfg = {
+        "train_batch_size": plan.global_batch_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.num_microbatches,
+        "zero_optimization": {"stage": plan.zero_stage},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10,
+        "wall_clock_breakdown": False,
+        "activation_checkpointing": {"partition_activations": False,
+                                     "contiguous_memory_optimization": False,
+                                     "cpu_checkpointing": False},
+        "pipeline": {"activation_checkpoint_interval": 1 if rec else 0,
+                     "stages": plan.pp, "partition": "autoplan"},
+        "autoplan": autoplan_section(plan),
+    }
+    if plan.precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif plan.precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    if plan.zero_stage >= 1:
+        cfg["zero_optimization"].update({"overlap_comm": True, "contiguous_gradients": True})
+    return cfg
+
+
+class _FakeMPU:
+    """Just enough of an mpu for DeepSpeedConfig's batch-size check (integration.md §3)."""
+
+    def __init__(self, dp: int):
+        self.dp = dp
+
+    def get_data_parallel_world_size(self):
+        return self.dp
+
+    def get_data_parallel_rank(self):
+        return 0
+
+    def get_model_parallel_world_size(self):
+        return 1
+
+    def get_model_parallel_rank(self):
+        return 0
+
+
+def validate(cfg: dict, plan: Plan):
+    """Parse ``cfg`` with ``deepspeed.runtime.config.DeepSpeedConfig`` for the plan's
+    data-parallel size (no process group needed), then the engine-time rules the parser
+    does not check.  Returns the DeepSpeedConfig; raises on any violation."""
+    from unittest import mock
+
+    import deepspeed.comm as dist
+    from deepspeed.runtime.config import DeepSpeedConfig
+    stack = contextlib.ExitStack()
+    with stack:
+        stack.enter_context(mock.patch.object(dist, "get_rank", lambda *a, **k: 0))
+        stack.enter_context(mock.patch.object(dist, "get_world_size", lambda *a, **k: plan.dp))
+        parsed = DeepSpeedConfig(cfg, mpu=_FakeMPU(plan.dp))
+    if plan.pp > 1 and parsed.zero_optimization_stage >= 2:
+        raise ValueError("ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism")
+    if parsed.train_batch_size != parsed.train_micro_batch_size_per_gpu * \
+            parsed.gradient_accumulation_steps * plan.dp:
+        raise ValueError("batch triple does not match the data-parallel size")
+    return parsed

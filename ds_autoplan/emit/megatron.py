@@ -1,0 +1,127 @@
+"""Plan -> megatron.json (TransformerConfig / parallel sizes) and megatron_args.txt (flags of
+Megatron-LM's pretrain_gpt.py).  Uneven stage layer counts use megatron-core 0.16's
+``pipeline_model_parallel_layout`` (integration.md §4.3; 'E' embedding, 't' decoder layer,
+'L' loss, '|' between stages, ordered vpp0pp0, vpp0pp1, ...)."""
+from __future__ import annotations
+
+from ..plan import Plan
+
+V_SHAPES = ("v-min", "v-half", "v-zb", "adaptive")
+
+
+def megatron_stage_counts(plan: Plan) -> list[int] | None:
+    """Layer counts in Megatron's (vpp, pp) order, or None when Megatron's placement cannot
+    express the schedule's (V-shapes put stage 2P-1-r on rank r)."""
+    if plan.schedule in V_SHAPES:
+        return None
+    return list(plan.layers_per_stage)      # 1F1B: pp order; interleaved: chunk*pp + rank
+
+
+def layout_string(counts: list[int]) -> str:
+    parts = []
+    for i, n in enumerate(counts):
+        s = ("E" if i == 0 else "") + (f"t*{n}" if n > 1 else "t" * n)
+        if i == len(counts) - 1:
+            s += ",L" if n else "L"
+        parts.append(s)
+    return "|".join(parts)
+
+
+def megatron_config(plan: Plan, model=None) -> dict:
+    """Keys named as megatron-core's ModelParallelConfig / TransformerConfig fields."""
+    from ..spec import SpecError
+    from ..spec.model import load_model
+    m = model
+    if m is None and plan.model:
+        try:
+            m = load_model(plan.model, plan.seq_len or None)
+        except SpecError:          # not a preset (profiled or user spec): sizes from the plan only
+            m = None
+    vpp = len(plan.layers_per_stage) // plan.pp if plan.pp > 1 else None
+    cfg = {
+        "tensor_model_parallel_size": plan.tp,
+        "pipeline_model_parallel_size": plan.pp,
+        "virtual_pipeline_model_parallel_size": vpp if vpp and vpp > 1 else None,
+        "sequence_parallel": bool(plan.sequence_parallel and plan.tp > 1),
+        "micro_batch_size": plan.micro_batch_size,
+        "global_batch_size": plan.global_batch_size,
+        "num_microbatches": plan.num_microbatches,
+        "data_parallel_size": plan.dp,
+        "use_distributed_optimizer": plan.zero_stage >= 1,
+        "bf16": plan.precision == "bf16", "fp16": plan.precision == "fp16",
+    }
+    if m is not None:
+        cfg.update({"num_layers": m.num_layers, "hidden_size": m.hidden,
+                    "num_attention_heads": m.heads,
+                    "num_query_groups": int(m.config.get("kv_heads", m.heads)),
+                    "ffn_hidden_size": int(m.config.get("ffn", 4 * m.hidden)),
+                    "seq_length": m.seq_len, "vocab_size": m.vocab,
+                    "gated_linear_unit": m.arch == "llama"})
+    counts = megatron_stage_counts(plan)
+    if plan.pp > 1 and counts is not None:
+        cfg["pipeline_model_parallel_layout"] = layout_string(counts)
+    # recompute: Megatron's 'block' method recomputes the first N layers of every stage; the
+    # value is global in the args, so emit the largest per-stage count (memory-safe) and the
+    # per-stage counts for the ds_autoplan runtime (integration.md §4.3).
+    per_stage = [round(r * n) for r, n in zip(plan.recompute_per_stage, plan.layers_per_stage)]
+    if any(per_stage):
+        cfg.update({"recompute_granularity": "full", "recompute_method": "block",
+                    "recompute_num_layers": max(per_stage)})
+    else:
+        cfg.update({"recompute_granularity": None, "recompute_method": None,
+                    "recompute_num_layers": None})
+    cfg["autoplan"] = {"schedule": plan.schedule, "schedule_options": dict(plan.schedule_options),
+                       "layers_per_stage": list(plan.layers_per_stage),
+                       "recompute_layers_per_stage": per_stage,
+                       "layers_per_rank": layers_per_rank(plan)}
+    if counts is None and plan.pp > 1:
+        cfg["autoplan"]["note"] = (f"{plan.schedule} places stage i and 2P-1-i on rank i; Megatron's "
+                                   "layout cannot express that order: run with ds_autoplan's "
+                                   "Megatron schedule runtime")
+    if m is not None and m.arch not in ("gpt", "llama"):
+        cfg["autoplan"]["note_arch"] = f"pretrain_gpt.py trains decoder-only models; {m.arch} needs its own script"
+    return cfg
+
+
+def layers_per_rank(plan: Plan) -> list[list[int]]:
+    """Stage layer counts grouped by pipeline rank (schedule placement)."""
+    S, P = len(plan.layers_per_stage), plan.pp
+    if plan.schedule in V_SHAPES:
+        place = [s if s < P else 2 * P - 1 - s for s in range(S)]
+    else:
+        place = [s % P for s in range(S)]
+    return [[plan.layers_per_stage[s] for s in range(S) if place[s] == r] for r in range(P)]
+
+
+def megatron_args(plan: Plan, model=None) -> list[str]:
+    """Flags for Megatron-LM's pretrain_gpt.py."""
+    c = megatron_config(plan, model)
+    a = [f"--tensor-model-parallel-size {c['tensor_model_parallel_size']}",
+         f"--pipeline-model-parallel-size {c['pipeline_model_parallel_size']}",
+         f"--micro-batch-size {c['micro_batch_size']}",
+         f"--global-batch-size {c['global_batch_size']}"]
+    if "num_layers" in c:
+        a += [f"--num-layers {c['num_layers']}", f"--hidden-size {c['hidden_size']}",
+              f"--num-attention-heads {c['num_attention_heads']}",
+              f"--ffn-hidden-size {c['ffn_hidden_size']}",
+              f"--seq-length {c['seq_length']}", f"--max-position-embeddings {c['seq_length']}"]
+        if c["num_query_groups"] != c["num_attention_heads"]:
+            a += ["--group-query-attention", f"--num-query-groups {c['num_query_groups']}"]
+        if c["gated_linear_unit"]:
+            a += ["--swiglu", "--normalization RMSNorm", "--position-embedding-type rope",
+                  "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+    if c.get("pipeline_model_parallel_layout"):
+        a.append(f"--pipeline-model-parallel-layout {c['pipeline_model_parallel_layout']}")
+    if c["sequence_parallel"]:
+        a.append("--sequence-parallel")
+    if c["use_distributed_optimizer"]:
+        a.append("--use-distributed-optimizer")
+    if c["recompute_granularity"]:
+        a += [f"--recompute-granularity {c['recompute_granularity']}",
+              f"--recompute-method {c['recompute_method']}",
+              f"--recompute-num-layers {c['recompute_num_layers']}"]
+    if c["bf16"]:
+        a.append("--bf16")
+    elif c["fp16"]:
+        a.append("--fp16")
+    return a

@@ -1,0 +1,145 @@
+"""The planner's report: chosen strategy per layer group, predicted time/throughput/MFU,
+per-stage memory, baselines, wide-mode gain, alternatives and partitioners, plots."""
+from __future__ import annotations
+
+import itertools
+import os
+
+GB = 1024 ** 3
+
+
+def _groups(labels: list[str]) -> list[tuple[int, int, str]]:
+    out, i = [], 0
+    for lab, grp in itertools.groupby(labels):
+        n = len(list(grp))
+        out.append((i, i + n - 1, lab))
+        i += n
+    return out
+
+
+def _fmt(x, nd=3):
+    return "-" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def plot_stage_memory(peaks_gb: list[float], budget_gb: float, path: str, title: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(max(5, 0.5 * len(peaks_gb) + 2), 3.2))
+    ax.bar(range(len(peaks_gb)), peaks_gb, color="#4C72B0")
+    ax.axhline(budget_gb, color="#C44E52", linestyle="--", label=f"budget {budget_gb:.1f} GB")
+    ax.set_xlabel("pipeline rank")
+    ax.set_ylabel("peak memory (GB)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(res, out_dir: str) -> list[str]:
+    """Write report.md (+ gantt.png, memory.png, memory_per_stage.png); returns file names."""
+    plan, best, pred = res.plan, res.best, res.plan.predicted
+    files = []
+    budget = pred["memory_budget_gb"]
+    if best.sim is not None:
+        sched, costs, sim = best.sim
+        try:
+            from ..schedule.plots import plot_gantt, plot_memory
+            plot_gantt(sched, sim, os.path.join(out_dir, "gantt.png"),
+                       title=f"{plan.schedule}: pp={plan.pp}, shown with {sched.num_microbatches} "
+                             f"of {plan.num_microbatches} micro-batches (seconds)")
+            plot_memory(sched, sim, os.path.join(out_dir, "memory.png"))
+            files += ["gantt.png", "memory.png"]
+        except ImportError:   # pragma: no cover - plots module absent
+            pass
+    plot_stage_memory(pred["peak_memory_gb_per_stage"], budget, os.path.join(out_dir, "memory_per_stage.png"),
+                      f"{plan.model}: peak memory per pipeline rank")
+    files.append("memory_per_stage.png")
+    L = []
+    w = L.append
+    w(f"# ds-autoplan plan: {plan.model} on {plan.cluster}\n")
+    w(f"Global batch {plan.global_batch_size}, sequence {plan.seq_len}, precision {plan.precision}, "
+      f"memory budget {budget:.1f} GB per device, {plan.world_size} devices. "
+      f"Search took {pred['search_time_s']:.2f} s ({pred['candidates_evaluated']} configurations costed).\n")
+    w("## Chosen plan\n")
+    w("| pp | tp | dp | ZeRO | schedule | micro-batch | micro-batches | partitioner |")
+    w("|---|---|---|---|---|---|---|---|")
+    w(f"| {plan.pp} | {plan.tp} | {plan.dp} | {plan.zero_stage} | {plan.schedule} "
+      f"{plan.schedule_options or ''} | {plan.micro_batch_size} | {plan.num_microbatches} | {plan.partitioner} |\n")
+    w(f"Predicted iteration time **{pred['iteration_time_s']:.4g} s**, throughput "
+      f"**{pred['throughput_tokens_per_s']:.6g} tokens/s** ({pred['samples_per_s']:.4g} samples/s), "
+      f"MFU {pred['mfu']:.1%}.")
+    if pred.get("ratio_vs_best_baseline"):
+        w(f" Versus the best baseline: **{pred['ratio_vs_best_baseline']:.3f}x**.")
+    w("\n## Layers, recompute and memory per stage\n")
+    w("| stage | layers | recomputed fraction |")
+    w("|---|---|---|")
+    for i, (n, r) in enumerate(zip(plan.layers_per_stage, plan.recompute_per_stage)):
+        w(f"| {i} | {n} | {r:.2f} |")
+    w("\n| pipeline rank | peak memory (GB) |")
+    w("|---|---|")
+    for r, g in enumerate(pred["peak_memory_gb_per_stage"]):
+        w(f"| {r} | {g:.2f} |")
+    if plan.layer_strategies:
+        w("\n## Strategy per layer group (unit 0 = embedding, last = head)\n")
+        w("| units | strategy |")
+        w("|---|---|")
+        for a, b, lab in _groups(plan.layer_strategies):
+            w(f"| {a}-{b} | {lab} |")
+    w("\n## Baselines (same cost model)\n")
+    w("| baseline | pp | tp | dp | ZeRO | schedule | micro-batches | tokens/s | plan / baseline |")
+    w("|---|---|---|---|---|---|---|---|---|")
+    for name, b in pred["baselines"].items():
+        if b is None or not b["iteration_time_s"]:
+            w(f"| {name} | - | - | - | - | - | - | OOM | - |")
+            continue
+        w(f"| {name} | {b['pp']} | {b['tp']} | {b['dp']} | {b['zero_stage']} | {b['schedule']} | "
+          f"{b['num_microbatches']} | {b['throughput_tokens_per_s']:.6g} | "
+          f"{pred['throughput_tokens_per_s'] / b['throughput_tokens_per_s']:.3f} |")
+    wide = pred.get("wide") or {}
+    if wide.get("bmw"):
+        wb, ws = wide["bmw"], wide.get("base")
+        w("\n## Wide Galvatron-BMW mode (not executable)\n")
+        w("Per-layer TP/DP/SDP mixtures (planner-galvatron.md §1) run in neither DeepSpeed nor "
+          "Megatron-core; costed with Eq. 9 and 1F1B:\n")
+        w(f"* Galvatron-BMW: pp={wb['pp']}, {wb['num_microbatches']} micro-batches, split "
+          f"{wb['layers_per_stage']}, {wb['throughput_tokens_per_s']:.6g} tokens/s "
+          f"(**{pred.get('wide_gain', 0):.3f}x** the executable plan"
+          + (f", {pred['wide_gain_vs_1f1b']:.3f}x its best 1F1B configuration" if pred.get("wide_gain_vs_1f1b") else "")
+          + ")")
+        if ws:
+            w(f"* Galvatron-Base (even split): pp={ws['pp']}, {ws['throughput_tokens_per_s']:.6g} tokens/s")
+        w("\n| units | strategy |")
+        w("|---|---|")
+        for a, b, lab in _groups(wb["strategies"]):
+            w(f"| {a}-{b} | {lab} |")
+    if pred.get("schedules_tried"):
+        w("\n## Schedules tried for the chosen configuration\n")
+        w("| schedule | iteration (s) | fits | layers per stage | recomputed layers |")
+        w("|---|---|---|---|---|")
+        for e in pred["schedules_tried"]:
+            why = "" if e["fits"] else " (over budget)"
+            w(f"| {e['schedule']} | {_fmt(e['iteration_time_s'], 4)}{why} | {e['fits']} | "
+              f"{e['layers_per_stage']} | {e['recompute_layers']} |")
+    if res.partitioners:
+        w("\n## Partitioners (1F1B, same configuration)\n")
+        w("| partitioner | iteration (s) | layers per stage |")
+        w("|---|---|---|")
+        for pn, c in res.partitioners.items():
+            w(f"| {pn} | {_fmt(c.time if c.ok else None, 4)} | {list(c.parts)} |")
+    w("\n## Alternatives costed\n")
+    w("| pp | tp | dp | ZeRO | micro-batches | best schedule | iteration (s) | why it lost |")
+    w("|---|---|---|---|---|---|---|---|")
+    for c in sorted(res.alternatives, key=lambda c: c.time):
+        why = "chosen" if c is best else ("does not fit" if not c.ok else
+                                           f"{c.time / best.time:.3f}x slower")
+        w(f"| {c.P} | {c.tp} | {c.dp} | {c.zero} | {c.m} | {c.schedule} | "
+          f"{_fmt(c.time if c.ok else None, 4)} | {why} |")
+    w("\n## Plots\n")
+    for f in files:
+        w(f"![{f}]({f})")
+    with open(os.path.join(out_dir, "report.md"), "w") as fh:
+        fh.write("\n".join(L) + "\n")
+    return ["report.md"] + files

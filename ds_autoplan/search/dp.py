@@ -1,0 +1,210 @@
+"""Galvatron's per-stage dynamic programme (planner-galvatron.md §3) and the pipeline cost
+of a full plan (Eq. 9), vectorised with numpy and memoised on stage prefixes."""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cost.model import CostModel, LayerTables
+
+INF = float("inf")
+
+
+@dataclass
+class StagePlan:
+    strategies: list      # strategy index per unit of the stage
+    E_all: float          # Eq. 2 peak bytes
+
+
+class Context:
+    """Everything fixed for one (P, m, B_m, strategy set): tables, discretised weights,
+    DP prefix cache.  ``seq`` is the unit sequence pre, blocks..., post (type ids)."""
+
+    def __init__(self, cm: CostModel, strategies: list, P: int, m: int, B_m: int, budget: float,
+                 units: int = 512, paper_mode: bool = False):
+        self.cm, self.P, self.m, self.B_m, self.E = cm, P, m, B_m, float(budget)
+        self.tab: LayerTables = cm.tables(strategies, B_m)
+        self.S = len(strategies)
+        self.strategies = strategies
+        self.g = max(2.0 ** 20, self.E / units)          # memory unit (§6 #4)
+        self.units = int(self.E // self.g)
+        self.paper_mode = paper_mode
+        t = self.tab
+        bad = ~t.allowed
+        # DP objective per layer: c + (m-1) c_ns (§3.1, §6 #25); R counted m times
+        self.cost = np.where(bad, INF, t.c + (m - 1) * t.c_ns)
+        self.Rm = m * t.R
+        self.seq = np.concatenate([[0], cm.block_types, [1]])
+        self._w: dict[int, np.ndarray] = {}
+        self._r_zero = ~np.any(self.Rm != 0, axis=(1, 2))
+        self._cols = np.arange(self.S)[None, :]
+        self._shifts: dict = {}
+        self._prefix: dict = {}
+        self._solved: dict = {}
+
+    def w(self, K: int) -> np.ndarray:
+        """Discretised forward-memory weight per (type, strategy): K*O_f1 + O_ms (Eq. 3),
+        rounded to the nearest unit; the exact Eq. 2 check follows on the plan."""
+        if K not in self._w:
+            t = self.tab
+            raw = np.rint((K * t.f1 + t.ms) / self.g)
+            raw[~t.allowed] = self.units + 1
+            self._w[K] = np.minimum(raw, self.units + 1).astype(np.int64)
+        return self._w[K]
+
+    def _shift(self, K: int, t: int):
+        """Row index e - w(t, s) (clipped) and its validity, per (K, type)."""
+        key = (K, t)
+        if key not in self._shifts:
+            idx = np.arange(self.units + 1)[:, None] - self.w(K)[t][None, :]
+            self._shifts[key] = (np.clip(idx, 0, None), idx >= 0)
+        return self._shifts[key]
+
+    # -- §3.3 recurrence over a stage's unit types, cached by prefix --------------------
+    def _table(self, rle: tuple, K: int):
+        """D and back-pointers for a unit sequence given run-length encoded, ((type, count), ...):
+        identical layers share prefixes, so uniform models hit the cache almost always."""
+        key = (K, rle)
+        hit = self._prefix.get(key)
+        if hit is not None:
+            return hit
+        E1, S = self.units + 1, self.S
+        w = self.w(K)
+        t, c = rle[-1]
+        if len(rle) == 1 and c == 1:
+            e = np.arange(E1)[:, None]
+            D = np.where(e >= w[t][None, :], self.cost[t][None, :], INF)
+            res = (D, ())
+        else:
+            prev = rle[:-1] + (((t, c - 1),) if c > 1 else ())
+            Dp, args = self._table(prev, K)
+            # M[e, s] = min_s' D[e, s'] + m R(s', s)
+            if self._r_zero[t]:
+                a1 = np.argmin(Dp, axis=1)
+                M = np.repeat(Dp[np.arange(E1), a1][:, None], S, axis=1)
+                arg = np.repeat(a1[:, None], S, axis=1)
+            else:
+                tot = Dp[:, :, None] + self.Rm[t][None, :, :]
+                arg = np.argmin(tot, axis=1)
+                M = tot.min(axis=1)
+            src, valid = self._shift(K, t)
+            D = np.where(valid, M[src, self._cols], INF) + self.cost[t][None, :]
+            res = (D, args + (arg.astype(np.int16),))
+        self._prefix[key] = res
+        return res
+
+    def _backtrack(self, types: tuple, K: int, D, args, e: int, s: int) -> list:
+        w = self.w(K)
+        plan = [s]
+        for j in range(len(types) - 1, 0, -1):
+            e -= int(w[types[j], s])
+            sp = int(args[j - 1][e, s])
+            s = sp
+            plan.append(s)
+        return plan[::-1]
+
+    def e_all(self, types, plan, K: int) -> float:
+        """Stage peak, Eq. 2 generalised with K in-flight micro-batches (§2.2)."""
+        t = self.tab
+        f1 = t.f1[list(types), plan]
+        ob = t.ob[list(types), plan]
+        ms = t.ms[list(types), plan]
+        return float((K - 1) * f1.sum() + np.max(np.cumsum(f1) + ob) + ms.sum())
+
+    def solve(self, types: tuple, K: int) -> StagePlan | None:
+        """Fastest per-layer strategies of one stage under the budget (Algorithm 3 with
+        the full-window scan, §3.4)."""
+        rle = tuple((k, len(list(g))) for k, g in itertools.groupby(types))
+        key = (K, rle)
+        if key in self._solved:
+            return self._solved[key]
+        D, args = self._table(rle, K)
+        t = self.tab
+        b_up = float(np.max(np.where(t.allowed[list(types)], t.ob[list(types)], 0.0)))
+        lo = max(0, self.units - math.ceil(b_up / self.g) - 1)
+        out = None
+        # the whole window (E - b_up, E], then geometric steps below it: with rounded
+        # weights a plan's true E_f can exceed e*g slightly, so validity is re-checked
+        es = list(range(self.units, lo - 1, -1))
+        step = 2
+        while es[-1] - step >= 0:
+            es.append(es[-1] - step)
+            step *= 2
+        for e in es:
+            s = int(np.argmin(D[e]))
+            if not np.isfinite(D[e, s]):
+                break
+            plan = self._backtrack(types, K, D, args, e, s)
+            ea = self.e_all(types, plan, K)
+            if ea <= self.E:
+                out = StagePlan(plan, ea)
+                break
+            if self.paper_mode:
+                break
+        self._solved[key] = out
+        return out
+
+    # -- whole pipeline ----------------------------------------------------------------
+    def stage_types(self, parts: tuple) -> list[tuple]:
+        """Unit-type tuples of each stage for block counts ``parts`` (pre on the first stage,
+        post on the last)."""
+        out, a = [], 1
+        for i, n in enumerate(parts):
+            lo = 0 if i == 0 else a
+            hi = a + n + (1 if i == len(parts) - 1 else 0)
+            out.append(tuple(int(x) for x in self.seq[lo:hi]))
+            a += n
+        return out
+
+    def K(self, i: int) -> int:
+        return min(self.P - i, self.m)            # 1F1B in-flight micro-batches (§6 #2)
+
+    def search(self, parts: tuple):
+        """Galvatron_Search: per-stage DP for a fixed partition; returns (T_iter, plan)."""
+        plan = []
+        for i, types in enumerate(self.stage_types(parts)):
+            sp = self.solve(types, self.K(i))
+            if sp is None:
+                return INF, None
+            plan += sp.strategies
+        return self.pipeline_time(parts, plan), plan
+
+    def layer_arrays(self, plan: list):
+        """Per-unit arrays (seq order) of the given full-model plan."""
+        t, seq = self.tab, self.seq
+        p = np.asarray(plan)
+        R = np.zeros(len(seq))
+        R[1:] = t.R[seq[1:], p[:-1], p[1:]]
+        return dict(c=t.c[seq, p] + R, cns=t.c_ns[seq, p] + R, f1=t.f1[seq, p], ob=t.ob[seq, p],
+                    ms=t.ms[seq, p], p2p=t.p2p[seq, p], fwd=t.fwd[seq, p], bwd_ns=t.bwd_ns[seq, p],
+                    wgrad=t.wgrad[seq, p], sync=(t.bwd - t.bwd_ns)[seq, p], R=R)
+
+    def bounds(self, parts: tuple) -> list[tuple[int, int]]:
+        """[lo, hi) unit ranges of the stages."""
+        out, a = [], 1
+        for i, n in enumerate(parts):
+            lo = 0 if i == 0 else a
+            hi = a + n + (1 if i == len(parts) - 1 else 0)
+            out.append((lo, hi))
+            a += n
+        return out
+
+    def stage_costs(self, parts: tuple, plan: list):
+        """(C, C_ns, E_all) per stage (§2.6; P2P on non-final stages, §6 #16)."""
+        A = self.layer_arrays(plan)
+        C, Cns, Mem = [], [], []
+        for i, (lo, hi) in enumerate(self.bounds(parts)):
+            p2p = 2 * A["p2p"][hi - 1] if i < len(parts) - 1 else 0.0
+            C.append(A["c"][lo:hi].sum() + p2p)
+            Cns.append(A["cns"][lo:hi].sum() + p2p)
+            f1, ob = A["f1"][lo:hi], A["ob"][lo:hi]
+            Mem.append((self.K(i) - 1) * f1.sum() + np.max(np.cumsum(f1) + ob) + A["ms"][lo:hi].sum())
+        return np.array(C), np.array(Cns), np.array(Mem)
+
+    def pipeline_time(self, parts: tuple, plan: list) -> float:
+        """Eq. 9: T = (m-1) max_i C_ns(M_i) + sum_i C(M_i)."""
+        C, Cns, _ = self.stage_costs(parts, plan)
+        return float((self.m - 1) * Cns.max() + C.sum())

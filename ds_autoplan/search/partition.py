@@ -1,0 +1,255 @@
+"""Pipeline partitioners over transformer blocks: even (Galvatron-Base), min-max time /
+memory (p_t, p_m), Galvatron-BMW's bi-objective walk (planner-galvatron.md §4), DawnPiper's
+binary partition (partition-dawnpiper.md §6) and Merak's parameter-balanced sharding
+(partition-merak.md §4.4, at layer granularity).  A partition is a tuple of block counts."""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+from .dp import INF, Context
+
+
+def even_partition(L: int, P: int) -> tuple:
+    """Equal counts, remainder on the *last* stages (they hold fewer 1F1B micro-batches)."""
+    q, r = divmod(L, P)
+    return tuple(q + (1 if i >= P - r else 0) for i in range(P))
+
+
+def _seg_matrices(ctx: Context, plan: list):
+    """Unit-range matrices [lo, hi) -> time C, steady time C_ns, (f1 sum, peak term, ms sum)."""
+    A = ctx.layer_arrays(plan)
+    N = len(ctx.seq)
+    pc, pcn, pf, pm = (np.concatenate([[0.0], np.cumsum(A[k])]) for k in ("c", "cns", "f1", "ms"))
+    v = pf[1:] + A["ob"]                                  # cumsum(f1) up to j + ob[j]
+    lo = np.arange(N)[:, None]
+    j = np.arange(N)[None, :]
+    run = np.maximum.accumulate(np.where(j >= lo, v[None, :], -INF), axis=1)   # max_{lo<=j<=col}
+    return A, pc, pcn, pf, pm, run
+
+
+def stage_matrices(ctx: Context, plan: list, objective: str):
+    """SEG[i][a, b] for stage i over blocks a..b (inclusive): stage time or Eq. 2 memory
+    (memoised per plan: BMW revisits the same per-layer strategies)."""
+    memo = ctx.__dict__.setdefault("_seg_memo", {})
+    key = (objective, tuple(plan))
+    if key not in memo:
+        memo[key] = _stage_matrices(ctx, plan, objective)
+    return memo[key]
+
+
+def _stage_matrices(ctx: Context, plan: list, objective: str):
+    A, pc, pcn, pf, pm, run = _seg_matrices(ctx, plan)
+    L, P = len(ctx.seq) - 2, ctx.P
+    a = np.arange(L)[:, None]
+    b = np.arange(L)[None, :]
+    out = []
+    for i in range(P):
+        lo = np.zeros_like(a) if i == 0 else a + 1
+        hi = (b + 3) if i == P - 1 else (b + 2)
+        hi = np.minimum(hi, L + 2)
+        valid = (a <= b) & ((b == L - 1) if i == P - 1 else True)
+        if objective == "time":
+            p2p = 0.0 if i == P - 1 else 2 * A["p2p"][np.minimum(hi - 1, L + 1)]
+            seg = pcn[hi] - pcn[lo] + p2p
+        else:
+            f1 = pf[hi] - pf[lo]
+            seg = (ctx.K(i) - 1) * f1 + run[np.broadcast_to(lo, (L, L)), hi - 1] - pf[lo] + pm[hi] - pm[lo]
+        out.append(np.where(valid, seg, INF))
+    return out
+
+
+def minmax_partition(segs: list) -> tuple:
+    """Exact min-max contiguous partition (§4.2) given SEG[i][a, b]; ties -> lower sum."""
+    P = len(segs)
+    L = segs[0].shape[0]
+    F = segs[0][0].copy()                      # F[b]: best max over stage 0 = blocks 0..b
+    cuts = []
+    for i in range(1, P):
+        prev = np.concatenate([[INF], F[:-1]])  # F_{i-1}[a-1]
+        vals = np.maximum(prev[:, None], segs[i])
+        arg = np.argmin(vals, axis=0)
+        F = vals[arg, np.arange(L)]
+        cuts.append(arg)
+    if not np.isfinite(F[L - 1]):
+        return None
+    parts, b = [], L - 1
+    for i in range(P - 1, 0, -1):
+        a = int(cuts[i - 1][b])
+        parts.append(b - a + 1)
+        b = a - 1
+    parts.append(b + 1)
+    return tuple(parts[::-1])
+
+
+def frugal_plan(ctx: Context) -> list:
+    """Most memory-frugal allowed strategy per unit (BMW's fallback Strategy_Init, §4.4)."""
+    t = ctx.tab
+    mem = np.where(t.allowed, ctx.P * t.f1 + t.ms, INF)
+    return [int(np.argmin(mem[u])) for u in ctx.seq]
+
+
+def stage_times(ctx: Context, parts, plan):
+    C, Cns, Mem = ctx.stage_costs(parts, plan)
+    return Cns, Mem
+
+
+def adjust(ctx: Context, p: tuple, plan: list, p_t: tuple):
+    """PP_Partition_Adjust with validation rules 1-3 (§4.3, strict <, both neighbours)."""
+    T, _ = stage_times(ctx, p, plan)
+    j = int(np.argmax(T))
+    C_max = T[j]
+    _, Ot = stage_times(ctx, p_t, plan)
+    cands = []
+    P = len(p)
+    if j > 0 and p[j] > 1:
+        cands.append(tuple(x + (1 if i == j - 1 else -1 if i == j else 0) for i, x in enumerate(p)))
+    if j < P - 1 and p[j] > 1:
+        cands.append(tuple(x + (1 if i == j + 1 else -1 if i == j else 0) for i, x in enumerate(p)))
+    best = None
+    for q in cands:
+        Tq, Oq = stage_times(ctx, q, plan)
+        if Tq.max() < C_max and Oq.max() <= ctx.E and Oq.max() <= Ot.max():
+            k = (Tq.max(), Oq.max())
+            if best is None or k < best[0]:
+                best = (k, q)
+    return None if best is None else best[1]
+
+
+def bmw(ctx: Context, max_iters: int | None = None, log: list | None = None):
+    """Galvatron-BMW's bi-objective balancing loop for one (P, m) (Algorithm 2, §4.4).
+    Returns (T_iter, parts, plan, base) where base is Galvatron-Base's even-split result."""
+    L = len(ctx.seq) - 2
+    p0 = even_partition(L, ctx.P)
+    T0, plan0 = ctx.search(p0)
+    base = (T0, p0, plan0)
+    best = base
+    if ctx.P == 1:
+        return best + (base,)
+    S0 = plan0 if plan0 is not None else frugal_plan(ctx)
+    p_m = minmax_partition(stage_matrices(ctx, S0, "mem"))
+    p_t = minmax_partition(stage_matrices(ctx, S0, "time"))
+    starts = [p for p in (p_m, p_t) if p is not None]
+    Q, seen = deque(starts[:1]), set(starts[:1])
+    for p in starts[1:]:                        # p_t is evaluated too (the box's other corner)
+        T, plan = ctx.search(p)
+        if T < best[0]:
+            best = (T, p, plan)
+    iters, cap = 0, max_iters or L * ctx.P
+    while Q and iters < cap:
+        p = Q.popleft()
+        iters += 1
+        T, plan = ctx.search(p)
+        if log is not None:
+            log.append((p, T))
+        if T < best[0]:
+            best = (T, p, plan)
+        if not math.isfinite(T):
+            continue
+        pt = minmax_partition(stage_matrices(ctx, plan, "time")) or p_t
+        q = adjust(ctx, p, plan, pt)
+        if q is not None and q not in seen:
+            Q.append(q)
+            seen.add(q)
+    return best + (base,)
+
+
+def dawnpiper(ctx: Context):
+    """DawnPiper binary partitioning at block granularity (partition-dawnpiper.md §6.1-6.2):
+    each cut is searched between the compute-balanced and memory-balanced cuts, ordered from
+    the compute-balanced one, stopping at the first cut needing no memory optimisation;
+    memory optimisation = the stage DP's CKPT choice.  Returns (T_iter, parts, plan)."""
+    L, P = len(ctx.seq) - 2, ctx.P
+    if P == 1:
+        T, plan = ctx.search((L,))
+        return T, (L,), plan
+    nomo = [int(np.argmin(np.where(ctx.tab.allowed[u] & ~np.array([s.ckpt for s in ctx.strategies]),
+                                    ctx.cost[u], INF))) for u in ctx.seq]
+    segT = stage_matrices(ctx, nomo, "time")
+    segM = stage_matrices(ctx, nomo, "mem")
+
+    def sub_minmax(segs, A, B, Ls, Rs):
+        sub = [segs[i][A:B + 1, A:B + 1] for i in range(Ls, Rs + 1)]
+        return minmax_partition(sub)
+
+    def stage(i, a, b):
+        lo = 0 if i == 0 else a + 1
+        hi = b + 3 if i == P - 1 else b + 2
+        sp = ctx.solve(tuple(int(x) for x in ctx.seq[lo:hi]), ctx.K(i))
+        if sp is None:
+            return INF, None, True
+        tcost = float((ctx.tab.c_ns[ctx.seq[lo:hi], sp.strategies]).sum())
+        used_mo = any(ctx.strategies[s].ckpt for s in sp.strategies)
+        return tcost, (b - a + 1,), used_mo
+
+    memo = {}
+
+    def bipar(A, B, Ls, Rs):
+        key = (A, B, Ls, Rs)
+        if key in memo:
+            return memo[key]
+        if Ls == Rs:
+            t, parts, mo = stage(Ls, A, B)
+            memo[key] = (t, parts, mo)
+            return memo[key]
+        k = Rs - Ls + 1
+        left = 1 if k == 3 else (k + 1) // 2
+        mid = Ls + left - 1
+        pcb = sub_minmax(segT, A, B, Ls, Rs)
+        pmb = sub_minmax(segM, A, B, Ls, Rs)
+        if pcb is None:
+            memo[key] = (INF, None, True)
+            return memo[key]
+        c_cb = A + sum(pcb[:left]) - 1            # last block of the left group
+        c_mb = A + sum((pmb or pcb)[:left]) - 1
+        step = -1 if c_mb < c_cb else 1
+        best = (INF, None, True)
+        for c in range(c_cb, c_mb + step, step):
+            if c < A + left - 1 or B - c < Rs - mid:
+                continue
+            tl, pl, ml = bipar(A, c, Ls, mid)
+            tr, pr, mr = bipar(c + 1, B, mid + 1, Rs)
+            if pl is None or pr is None:
+                continue
+            t = max(tl, tr)
+            if t < best[0]:
+                best = (t, pl + pr, ml or mr)
+            if not (ml or mr):
+                break
+        memo[key] = best
+        return best
+
+    t, parts, _ = bipar(0, L - 1, 0, P - 1)
+    if parts is None:
+        return INF, None, None
+    T, plan = ctx.search(parts)
+    return T, parts, plan
+
+
+def merak(ctx: Context):
+    """Merak's graph sharding at block granularity (partition-merak.md §4.4-4.5): close a
+    shard as soon as its parameter count passes total/P; the stage gets the blocks up to
+    that point (the pre/post parameters count on the first/last stage)."""
+    L, P = len(ctx.seq) - 2, ctx.P
+    units = ctx.cm.units
+    params = np.array([units[u].params for u in ctx.seq])
+    thr = params.sum() / P
+    parts, acc, cnt = [], params[0], 0
+    for i in range(L):
+        acc += params[i + 1]
+        cnt += 1
+        left_blocks, left_stages = L - i - 1, P - len(parts) - 1
+        if (acc >= thr and left_blocks >= left_stages and left_stages > 0) or left_blocks == left_stages > 0:
+            parts.append(cnt)
+            acc, cnt = 0.0, 0
+    parts.append(cnt)
+    parts = tuple(parts)
+    if len(parts) != P or min(parts) < 1:
+        parts = even_partition(L, P)
+    T, plan = ctx.search(parts)
+    return T, parts, plan
+
+
+PARTITIONERS = ("bmw", "even", "dawnpiper", "merak")

@@ -1,0 +1,230 @@
+"""Schedule-aware pipeline cost: per-stage costs from the cost model fed to the schedule
+simulator, stage-aware recomputation to fit the per-device cap (partition-merak.md §6.6),
+and the choice of the fastest schedule that fits (issue 3: the joint choice)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from .dp import INF, Context
+from .partition import minmax_partition, stage_matrices
+
+DEFAULT_SCHEDULES = ("1f1b", "interleaved", "v-half", "v-min", "v-zb")
+
+
+@lru_cache(maxsize=256)
+def _build(name: str, d: int, n: int, opts: tuple):
+    from ..schedule import build
+    return build(name, d, n, **dict(opts))
+
+
+def available(names) -> list[str]:
+    from ..schedule import names as registered
+    have = set(registered())
+    return [s for s in names if s in have]
+
+
+def schedule_options(name: str) -> dict:
+    return {"v": 2} if name == "interleaved" else {}
+
+
+def num_stages(name: str, P: int) -> int:
+    if name == "interleaved":
+        return 2 * P
+    if name.startswith("v-") or name == "adaptive":
+        return 2 * P
+    return P
+
+
+@dataclass
+class Eval:
+    """One executable configuration costed end to end."""
+    schedule: str
+    time: float                      # iteration seconds
+    parts: tuple                     # blocks per schedule stage
+    recompute: list                  # blocks recomputed per stage
+    peak: list = field(default_factory=list)     # bytes per pipeline rank
+    fits: bool = True
+    bubble: float = 0.0
+    sim: object = None               # (Schedule, Costs, SimResult) for plots
+    ctx: object = None               # the context and stage figures it was costed with
+    figs: list = None
+
+    @property
+    def ok(self) -> bool:
+        return self.fits and math.isfinite(self.time)
+
+
+def stage_figures(ctx: Context, parts: tuple, plan_nock: list, plan_ck: list):
+    """Per-stage sums for the no-recompute and all-recompute variants of a uniform plan."""
+    A0, A1 = ctx.layer_arrays(plan_nock), ctx.layer_arrays(plan_ck)
+    out = []
+    ck = np.array([ctx.cm.units[u].checkpointable for u in ctx.seq])
+    for i, (lo, hi) in enumerate(ctx.bounds(parts)):
+        sl = slice(lo, hi)
+        nblk = int(ck[sl].sum())
+        d_mem = (A0["f1"][sl] - A1["f1"][sl])[ck[sl]]
+        d_time = (A1["bwd_ns"][sl] - A0["bwd_ns"][sl])[ck[sl]]
+        out.append(dict(
+            f=A0["fwd"][sl].sum() + A0["R"][sl].sum(), bw=A0["bwd_ns"][sl].sum(), w=A0["wgrad"][sl].sum(),
+            act=A0["f1"][sl].sum(), ms=A0["ms"][sl].sum(), sync=A0["sync"][sl].sum(),
+            p2p=A0["p2p"][hi - 1], nblk=nblk,
+            d_mem=float(d_mem.mean()) if nblk else 0.0, d_time=float(d_time.mean()) if nblk else 0.0,
+            ob=float(A1["ob"][sl][ck[sl]].max()) if nblk else 0.0))
+    return out
+
+
+def simulate_plan(ctx: Context, name: str, parts: tuple, rec: list, figs: list, keep_sim=False):
+    """Simulate schedule ``name`` on ctx.P ranks with per-stage costs; returns
+    (iteration time, peak bytes per rank, bubble, sim tuple).  For many micro-batches the
+    makespan is extrapolated from runs at 2P and 4P (P > 8: P and 2P) micro-batches (steady state: the time is
+    affine in m and the peak constant) [decision]; ``keep_sim`` keeps the larger run for plots."""
+    from ..schedule import Costs, simulate
+    P, m = ctx.P, ctx.m
+    opts = tuple(sorted(schedule_options(name).items()))
+    S = len(parts)
+    f = np.array([g["f"] for g in figs])
+    k = np.array(rec, dtype=float)
+    bw = np.array([g["bw"] for g in figs]) + k * np.array([g["d_time"] for g in figs])
+    w = np.array([g["w"] for g in figs])
+    act = np.array([g["act"] for g in figs]) - k * np.array([g["d_mem"] for g in figs])
+    p2p = float(max(g["p2p"] for g in figs))
+
+    def run(n):
+        sched = _build(name, P, n, opts)
+        split = any(a.kind.name == "W" for r in sched.ranks for a in r)
+        costs = Costs.per_stage(S, n, f=f, b=bw - w if split else bw, w=w if split else np.zeros(S),
+                                mem_f=act, mem_b=np.zeros(S), mem_w=-act, p2p=p2p, num_ranks=P)
+        return sched, costs, simulate(sched, costs, check=False)  # builders are validated by their tests
+
+    n1, n2 = (2 * P, 4 * P) if P <= 8 else (P, 2 * P)
+    if m <= n2:
+        sched, costs, res = run(m)
+        makespan, peak_act, bub = res.makespan, np.array(res.peak_memory), res.bubble_ratio
+    else:
+        sched, costs, res = run(n2)
+        # each extra micro-batch adds at least the busiest rank's work; the ratio of the
+        # measured slope to it is kept per (schedule, split), recompute changes only the work
+        work = np.zeros(P)
+        for s in range(S):
+            work[sched.placement[s]] += f[s] + bw[s]
+        memo = ctx.__dict__.setdefault("_slope_memo", {})
+        key = (name, tuple(parts))
+        if key not in memo:
+            _, _, r1 = run(n1)
+            memo[key] = max(1.0, (res.makespan - r1.makespan) / (n2 - n1) / float(work.max()))
+        slope = memo[key] * float(work.max())
+        makespan = res.makespan + slope * (m - n2)
+        peak_act = np.array(res.peak_memory)
+        busy = np.array(res.busy) * m / n2
+        bub = max(0.0, 1.0 - float(busy.mean()) / makespan)
+    static = np.zeros(P)
+    tail = np.zeros(P)
+    for s in range(S):
+        r = sched.placement[s]
+        static[r] += figs[s]["ms"] + (figs[s]["ob"] if rec[s] else 0.0)
+        tail[r] += figs[s]["sync"]
+    peak = static + peak_act
+    T = makespan + float(tail.max())
+    return T, peak, bub, ((sched, costs, res) if keep_sim else None)
+
+
+def stage_aware_recompute(ctx: Context, name: str, parts: tuple, figs: list, rec0=None,
+                          keep_sim=False, max_rounds: int = 3, bound: float = INF) -> Eval:
+    """Recomputed blocks per stage so that every rank fits (Merak SR, ds_autoplan version
+    §6.6, with the headroom taken from the simulator): try ``rec0`` (default none); if a rank
+    is over the cap, simulate full recomputation (if even that does not fit, the schedule is
+    out), interpolate each rank's block count linearly between the two, then add one block
+    per round on ranks still over."""
+    from ..schedule import ScheduleError
+    S = len(parts)
+    rec = list(rec0) if rec0 is not None else [0] * S
+    full = [g["nblk"] for g in figs]
+    try:
+        sched = _build(name, ctx.P, min(ctx.m, 2 * ctx.P), tuple(sorted(schedule_options(name).items())))
+    except ScheduleError:
+        return Eval(name, INF, parts, rec, fits=False)
+    place = [sched.placement[s] for s in range(S)]
+
+    memo = ctx.__dict__.setdefault("_sim_memo", {})
+
+    def run(r):
+        key = (name, tuple(parts), tuple(r), keep_sim)
+        if key not in memo:
+            memo[key] = simulate_plan(ctx, name, parts, r, figs, keep_sim)
+        T, peak, bub, sim = memo[key]
+        return Eval(name, T, parts, list(r), list(peak), bool(np.all(peak <= ctx.E)), bub, sim, ctx, figs)
+
+    e0 = run(rec)
+    if e0.fits or max_rounds == 0 or e0.time >= bound:   # more recompute is only slower
+        return e0
+    ef = run(full)
+    if not ef.fits:
+        return ef
+    p0, pf = np.array(e0.peak), np.array(ef.peak)
+    for r in range(ctx.P):
+        if p0[r] <= ctx.E:
+            continue
+        a = (p0[r] - ctx.E) / max(p0[r] - pf[r], 1e-9)
+        for s in range(S):
+            if place[s] == r:
+                rec[s] = max(rec[s], min(full[s], math.ceil(a * full[s] - 1e-9)))
+    e = run(rec)
+    for _ in range(max_rounds):
+        if e.fits:
+            return e
+        over = np.array(e.peak) > ctx.E
+        changed = False
+        for s in range(S):
+            if over[place[s]] and rec[s] < full[s]:
+                rec[s] += 1
+                changed = True
+        if not changed:
+            break
+        e = run(rec)
+    return e if e.fits else ef
+
+
+def time_partition(ctx: Context, S: int, plan_nock_fn) -> tuple | None:
+    """Time-balanced min-max partition of the blocks into S schedule stages."""
+    L = len(ctx.seq) - 2
+    if L < S:
+        return None
+    sub = Context(ctx.cm, ctx.strategies, S, ctx.m, ctx.B_m, ctx.E, ctx.units)
+    return minmax_partition(stage_matrices(sub, plan_nock_fn(sub), "time"))
+
+
+def choose_schedule(ctx: Context, parts: tuple, plan: list, schedules, keep_sim=False,
+                    bound: float = INF) -> list[Eval]:
+    """Cost every schedule for a uniform executable config (strategies [s, s+CKPT]):
+    1F1B on the given (BMW) partition with the DP's CKPT counts and with stage-aware
+    recompute; the others on a time-balanced split into their stage count.  Sorted, best first."""
+    nock = lambda c: [0] * len(c.seq)   # noqa: E731  strategy 0 = no CKPT
+    ck = lambda c: [1 if c.cm.units[u].checkpointable else 0 for u in c.seq]   # noqa: E731
+    evals = []
+    P = ctx.P
+    for name in schedules:
+        S = num_stages(name, P)
+        if name == "1f1b":
+            figs = stage_figures(ctx, parts, nock(ctx), ck(ctx))
+            dp_rec = []
+            for lo, hi in ctx.bounds(parts):
+                dp_rec.append(sum(1 for u in range(lo, hi) if plan[u] == 1))
+            evals.append(stage_aware_recompute(ctx, name, parts, figs, dp_rec, keep_sim, bound=bound))
+            evals.append(stage_aware_recompute(ctx, name, parts, figs, None, keep_sim, bound=bound))
+            continue
+        sp = time_partition(ctx, S, nock)
+        if sp is None:
+            continue
+        sub = Context(ctx.cm, ctx.strategies, S, ctx.m, ctx.B_m, ctx.E, ctx.units)
+        figs = stage_figures(sub, sp, nock(sub), ck(sub))
+        e = stage_aware_recompute(ctx, name, sp, figs, None, keep_sim, bound=bound)
+        evals.append(e)
+    uniq = {}
+    for e in evals:
+        uniq.setdefault((e.schedule, tuple(e.parts), tuple(e.recompute)), e)
+    evals = sorted(uniq.values(), key=lambda e: (not e.ok, e.time))
+    return evals

@@ -1,0 +1,494 @@
+"""The planner: executable-space search (one TP size and ZeRO stage, per-layer CKPT, BMW
+partition, schedule chosen by simulation), baselines on the same cost model, and the wide
+Galvatron-BMW mode (per-layer TP/DP/SDP mixtures) reported separately."""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..cost.model import CostModel, Strategy
+from ..plan import Plan
+from ..spec import SpecError
+from ..spec.cluster import GB, ClusterSpec, load_cluster
+from ..spec.model import ModelSpec, load_model
+from . import partition as part
+from .dp import INF, Context
+from .pipeline import DEFAULT_SCHEDULES, Eval, available, choose_schedule, schedule_options, \
+    stage_aware_recompute, stage_figures
+from .space import strategies as wide_strategies
+
+
+def pow2(n: int) -> list[int]:
+    out, x = [], 1
+    while x <= n:
+        out.append(x)
+        x *= 2
+    return out
+
+
+@dataclass
+class Candidate:
+    """An executable configuration and its cost."""
+    name: str
+    P: int
+    tp: int
+    dp: int
+    zero: int
+    m: int
+    B_m: int
+    time: float
+    schedule: str = "1f1b"
+    parts: tuple = ()
+    recompute: list = field(default_factory=list)
+    peak: list = field(default_factory=list)
+    partitioner: str = "bmw"
+    ctx: Context | None = field(default=None, repr=False)
+    plan: list | None = field(default=None, repr=False)
+    sim: object = field(default=None, repr=False)
+    note: str = ""
+    alts: list = field(default_factory=list, repr=False)   # schedules costed (Eval), best first
+    estimate: float = INF                                  # Eq. 9 ranking key
+
+    @property
+    def ok(self) -> bool:
+        return math.isfinite(self.time)
+
+    def summary(self, B: int, seq: int) -> dict:
+        return {"name": self.name, "pp": self.P, "tp": self.tp, "dp": self.dp, "zero_stage": self.zero,
+                "micro_batch_size": self.B_m // self.dp if self.dp else 0, "num_microbatches": self.m,
+                "schedule": self.schedule, "partitioner": self.partitioner,
+                "iteration_time_s": self.time if self.ok else None,
+                "throughput_tokens_per_s": B * seq / self.time if self.ok else 0.0,
+                "layers_per_stage": list(self.parts), "recompute_layers": list(self.recompute),
+                "peak_memory_gb": [round(x / GB, 3) for x in self.peak], "note": self.note}
+
+
+@dataclass
+class SearchResult:
+    plan: Plan
+    best: Candidate
+    baselines: dict
+    wide: dict
+    alternatives: list
+    partitioners: dict
+    model: ModelSpec
+    cluster: ClusterSpec
+    search_time_s: float
+    evaluated: int
+
+
+class Planner:
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
+                 precision: str = "bf16", budget_gb: float | None = None, units: int = 512,
+                 schedules=None, partitioner: str = "bmw", max_tp: int | None = None,
+                 allow_zero: tuple = (0, 1, 2, 3), progress: bool = False,
+                 pp: int | None = None, tp: int | None = None):
+        if budget_gb is not None and budget_gb <= 0:
+            raise SpecError(f"memory budget must be positive, got {budget_gb} GB")
+        self.model, self.cluster, self.B = model, cluster, int(global_batch)
+        self.E = budget_gb * GB if budget_gb else cluster.budget_bytes
+        self.cm = CostModel(model, cluster, precision)
+        self.precision, self.units = precision, units
+        self.schedules = available(schedules or DEFAULT_SCHEDULES)
+        if partitioner not in part.PARTITIONERS:
+            raise SpecError(f"unknown partitioner {partitioner!r}; choose from {', '.join(part.PARTITIONERS)}")
+        self.partitioner = partitioner
+        self.N = cluster.world_size
+        self.L = model.num_layers
+        kv = int(model.config.get("kv_heads", model.heads))
+        G = cluster.gpus_per_node
+        self.tps = [t for t in pow2(min(max_tp or G, G)) if model.heads % t == 0 and kv % t == 0]
+        self.allow_zero = allow_zero
+        self.progress = progress
+        self.pps = None
+        if pp is not None:
+            if pp < 1 or pp & (pp - 1) or pp > min(self.N, self.L):
+                raise SpecError(f"pp={pp} must be a power of two <= min(devices {self.N}, layers {self.L})")
+            self.pps = [pp]
+        if tp is not None:
+            if tp not in self.tps:
+                raise SpecError(f"tp={tp} is not possible here; choose from {self.tps} (divides the "
+                                f"heads, at most one node)")
+            self.tps = [tp]
+        self._ctx: dict = {}
+        self.evaluated = 0
+
+    # -- contexts ---------------------------------------------------------------------
+    def ctx(self, P, m, B_m, strats) -> Context:
+        key = (P, m, B_m, tuple(strats))
+        if key not in self._ctx:
+            self._ctx[key] = Context(self.cm, list(strats), P, m, B_m, self.E, self.units)
+        return self._ctx[key]
+
+    def combos(self, pps=None, tps=None, zeros=None):
+        """(P, t, d, zero, m, B_m) of the executable space: DeepSpeed's pipeline engine takes
+        ZeRO 0/1 only with P > 1 (integration.md §1.3); micro-batch per GPU a power of two."""
+        for P in pps or self.pps or pow2(min(self.N, self.L)):
+            n = self.N // P
+            for t in tps or self.tps:
+                if n % t:
+                    continue
+                d = n // t
+                for z in zeros or self.allow_zero:
+                    if (P > 1 and z > 1) or (d == 1 and z > 0):
+                        continue
+                    for b in pow2(self.B):
+                        if self.B % (b * d):
+                            continue
+                        m = self.B // (b * d)
+                        if P > 1 and m < P:
+                            continue
+                        yield P, t, d, z, m, b * d
+
+    @staticmethod
+    def exec_strats(t, d, z):
+        return (Strategy(t, d, z, False, False), Strategy(t, d, z, False, True))
+
+    def static_floor(self, P, t, d, z, m, B_m) -> float:
+        """Model states of the heaviest even stage: no plan of this config fits below it."""
+        ctx = self.ctx(P, m, B_m, self.exec_strats(t, d, z))
+        ms = ctx.tab.ms[ctx.seq, 0]
+        q = self.L // P
+        return float(max(ms[0] + ms[1:1 + q].sum(), ms[-1] + ms[-1 - q:-1].sum()))
+
+    def lower_bound(self, P, t, d, z, m, B_m) -> float:
+        """No bubble, perfect balance, no recompute: m * sum_l c_ns / P (for B&B ordering)."""
+        ctx = self.ctx(P, m, B_m, self.exec_strats(t, d, z))
+        cns = ctx.tab.c_ns[ctx.seq, 0]
+        return m * float(cns.sum()) / P
+
+    # -- evaluation of one executable config ------------------------------------------
+    def evaluate(self, P, t, d, z, m, B_m, *, partitioner=None, schedules=None, ckpt="dp",
+                 name="plan", keep_sim=False, bound: float = INF) -> Candidate:
+        """ckpt: 'dp' (per-layer choice + stage-aware), 'none', 'full' (uniform, Megatron)."""
+        self.evaluated += 1
+        strats = self.exec_strats(t, d, z)
+        if ckpt == "none":
+            strats = strats[:1]
+        ctx = self.ctx(P, m, B_m, strats)
+        pname = partitioner or self.partitioner
+        L = self.L
+        if ckpt == "full":
+            parts = part.even_partition(L, P)
+            plan = [1 if self.cm.units[u].checkpointable else 0 for u in ctx.seq]
+            full = self.ctx(P, m, B_m, self.exec_strats(t, d, z))
+            if P == 1:
+                C, Cns, Mem = full.stage_costs(parts, plan)
+                T = full.pipeline_time(parts, plan) if Mem.max() <= self.E else INF
+                return Candidate(name, P, t, d, z, m, B_m, T, "1f1b", parts, [L], list(Mem), "even",
+                                 full, plan)
+            figs = stage_figures(full, parts, [0] * len(full.seq), plan)
+            e = stage_aware_recompute(full, "1f1b", parts, figs, [f["nblk"] for f in figs], keep_sim,
+                                      max_rounds=0)
+            return Candidate(name, P, t, d, z, m, B_m, e.time if e.fits else INF, "1f1b", parts,
+                             e.recompute, e.peak, "even", full, plan, e.sim)
+        if pname == "bmw":
+            T, parts, plan, base = part.bmw(ctx)
+        elif pname == "even":
+            parts = part.even_partition(L, P)
+            T, plan = ctx.search(parts)
+        elif pname == "dawnpiper":
+            T, parts, plan = part.dawnpiper(ctx)
+        else:
+            T, parts, plan = part.merak(ctx)
+        if P == 1 or not schedules and schedules is not None:
+            if plan is None:
+                return Candidate(name, P, t, d, z, m, B_m, INF, "1f1b", parts or (), [], [], pname, ctx)
+            _, _, Mem = ctx.stage_costs(parts, plan)
+            rec = [sum(1 for u in range(lo, hi) if plan[u] == 1) for lo, hi in ctx.bounds(parts)]
+            return Candidate(name, P, t, d, z, m, B_m, T, "1f1b", parts, rec, list(Mem), pname, ctx, plan)
+        if plan is None:       # the 1F1B DP found nothing: schedules with less memory may fit
+            parts = part.even_partition(L, P)
+            plan = [0] * len(ctx.seq)
+        full = self.ctx(P, m, B_m, self.exec_strats(t, d, z)) if ckpt == "none" else ctx
+        scheds = schedules or self.schedules
+        evs = choose_schedule(full, parts, plan, scheds, keep_sim, bound)
+        if ckpt == "none":
+            evs = [e for e in evs if not any(e.recompute)]
+        if not evs or not evs[0].ok:
+            return Candidate(name, P, t, d, z, m, B_m, INF, "1f1b", parts, [], [], pname, ctx, plan)
+        e: Eval = evs[0]
+        c = Candidate(name, P, t, d, z, m, B_m, e.time, e.schedule, e.parts, e.recompute, e.peak,
+                      pname if e.schedule == "1f1b" else "time-balanced", full, plan, e.sim)
+        c.alts = evs
+        return c
+
+    # -- searches -----------------------------------------------------------------------
+    def _bar(self, total, desc):
+        if not self.progress:
+            return None
+        try:
+            from tqdm import tqdm
+            return tqdm(total=total, desc=desc, file=sys.stderr, leave=False)
+        except ImportError:   # pragma: no cover
+            return None
+
+    def estimate(self, P, t, d, z, m, B_m, partitioner=None, ckpt="dp"):
+        """Eq. 9 time (1F1B, no simulation) of the partitioner's plan: the cheap ranking key."""
+        strats = self.exec_strats(t, d, z)
+        if ckpt == "none":
+            strats = strats[:1]
+        ctx = self.ctx(P, m, B_m, strats)
+        pname = partitioner or self.partitioner
+        if ckpt == "full":
+            parts = part.even_partition(self.L, P)
+            plan = [1 if self.cm.units[u].checkpointable else 0 for u in ctx.seq]
+            _, _, Mem = ctx.stage_costs(parts, plan)
+            return ctx.pipeline_time(parts, plan) if Mem.max() <= self.E else INF
+        if P == 1 or pname == "even":
+            return ctx.search(part.even_partition(self.L, P))[0]
+        if pname == "bmw":
+            return part.bmw(ctx)[0]
+        return (part.dawnpiper(ctx) if pname == "dawnpiper" else part.merak(ctx))[0]
+
+    def search_exec(self, top: int = 3, oom_probe: int = 2) -> tuple[Candidate | None, list]:
+        """Rank the executable space by Eq. 9 (1F1B), then choose schedules by simulation for
+        the best ``top`` configs and for ``oom_probe`` configs that 1F1B cannot fit (a
+        memory-lean schedule may), branch and bound on the no-bubble lower bound."""
+        ranked = []
+        for c in self.combos():
+            if self.static_floor(*c) > self.E:
+                continue
+            ranked.append((self.lower_bound(*c), c))
+        ranked.sort(key=lambda r: r[0])
+        bar = self._bar(len(ranked), "search")
+        best_est, scored = INF, []
+        for lb, c in ranked:
+            if bar:
+                bar.update(1)
+            if lb >= best_est:         # no schedule beats the incumbent's 1F1B time
+                break
+            est = self.estimate(*c)
+            best_est = min(best_est, est)
+            scored.append((est, lb, c))
+        if bar:
+            bar.close()
+        ranked = scored
+        fit = sorted((r for r in ranked if math.isfinite(r[0])), key=lambda r: r[0])
+        oom = sorted((r for r in ranked if not math.isfinite(r[0])), key=lambda r: r[1])
+        todo = fit[:top] + oom[:oom_probe]
+        todo.sort(key=lambda r: r[1])
+        best, tried = None, []
+        for est, lb, c in todo:
+            if best is not None and lb >= best.time:
+                continue
+            cand = self.evaluate(*c, bound=best.time if best is not None else INF)
+            cand.estimate = est
+            tried.append(cand)
+            if cand.ok and (best is None or cand.time < best.time):
+                best = cand
+        return best, tried
+
+    def best_of(self, name, combos, **kw) -> Candidate | None:
+        """Best config of a restricted space: ranked by Eq. 9, the winner costed in full."""
+        ek = {k: v for k, v in kw.items() if k in ("partitioner", "ckpt")}
+        ranked = sorted(((self.estimate(*c, **ek), c) for c in combos), key=lambda x: x[0])
+        best = None
+        for est, c in ranked[:2]:
+            if not math.isfinite(est):
+                break
+            cand = self.evaluate(*c, name=name, **kw)
+            if cand.ok and (best is None or cand.time < best.time):
+                best = cand
+        return best
+
+    def baselines(self) -> dict:
+        """Pure DP, ZeRO-3, Megatron default 3D (uniform TPxPPxDP, 1F1B, even split, no or full
+        recompute), DeepSpeed autotuning's space (ZeRO stage x micro-batch, P = 1, TP = 1) and
+        Galvatron without BMW (even split, per-layer CKPT), all on this cost model."""
+        out = {}
+        p1 = dict(ckpt="none", schedules=[])
+        out["pure DP"] = self.best_of("pure DP", self.combos([1], [1], [0]), **p1)
+        out["ZeRO-3"] = self.best_of("ZeRO-3", self.combos([1], [1], [3]), **p1)
+        mg = None
+        for kw in (dict(ckpt="full"), dict(ckpt="none", partitioner="even", schedules=["1f1b"])):
+            c = self.best_of("Megatron 3D", self.combos(zeros=[0]), **kw)
+            if c and (mg is None or c.time < mg.time):
+                mg = c
+        out["Megatron 3D"] = mg
+        out["DeepSpeed autotuning"] = self.best_of("DeepSpeed autotuning", self.combos([1], [1]), **p1)
+        out["Galvatron (no BMW)"] = self.best_of("Galvatron (no BMW)", self.combos(),
+                                                 partitioner="even", schedules=["1f1b"])
+        return out
+
+    def search_wide(self, bmw: bool = True, pps=None) -> dict:
+        """Galvatron-BMW in its own (wide, per-layer hetero) space with Eq. 9 and 1F1B;
+        (P, m) pairs in order of Eq. 9's balanced-stage lower bound, branch and bound."""
+        best = {"bmw": None, "base": None}
+        cands = []
+        for P in pps or pow2(min(self.N, self.L)):
+            S = wide_strategies(self.N // P, max_tp=max(self.tps))
+            for B_m in pow2(self.B):          # micro-batch (whole stage group): a power of two
+                m = self.B // B_m
+                if self.B % B_m or (P > 1 and m < P):
+                    continue
+                tab = self.cm.tables(S, B_m)
+                if not tab.allowed[2:].any():
+                    continue
+                seq = np.concatenate([[0], self.cm.block_types, [1]])
+                cns = np.where(tab.allowed, tab.c_ns, INF)[seq].min(axis=1)
+                # Eq. 9 >= (m-1) sum/P + sum: perfectly balanced stages, no re-layout
+                cands.append(((m + P - 1) * float(cns.sum()) / P, P, m, S))
+        cands.sort(key=lambda x: x[0])
+        for lb, P, m, S in cands:
+            if best["bmw"] is not None and lb >= best["bmw"]["time"]:
+                break
+            ctx = Context(self.cm, S, P, m, self.B // m, self.E, min(self.units, 128))
+            if bmw:
+                T, parts, plan, base = part.bmw(ctx, max_iters=2 * P)
+            else:
+                parts = part.even_partition(self.L, P)
+                T, plan = ctx.search(parts)
+                base = (T, parts, plan)
+            for key, (tt, pp_, pl) in (("bmw", (T, parts, plan)), ("base", base)):
+                if pl is not None and math.isfinite(tt) and (best[key] is None or tt < best[key]["time"]):
+                    best[key] = {"time": tt, "pp": P, "num_microbatches": m, "layers_per_stage": list(pp_),
+                                 "strategies": [S[i].label() for i in pl],
+                                 "throughput_tokens_per_s": self.B * self.model.seq_len / tt}
+        return best
+
+    def min_memory(self) -> float:
+        """Least per-device memory of any executable config (max pipeline stage, all CKPT,
+        memory-balanced split, micro-batch 1) for the 'cannot fit' message."""
+        best = INF
+        for P, t, d, z, m, B_m in self.combos():
+            if B_m != d:
+                continue
+            ctx = self.ctx(P, m, B_m, self.exec_strats(t, d, z))
+            plan = [1 if self.cm.units[u].checkpointable else 0 for u in ctx.seq]
+            parts = part.minmax_partition(part.stage_matrices(ctx, plan, "mem")) if P > 1 else (self.L,)
+            if parts is None:
+                continue
+            _, _, Mem = ctx.stage_costs(parts, plan)
+            best = min(best, float(Mem.max()))
+        return best
+
+
+def _validate(model: ModelSpec, cluster: ClusterSpec, B: int, world_size: int | None):
+    if not isinstance(B, int) or B <= 0:
+        raise SpecError(f"global batch must be a positive integer, got {B!r}")
+    N = cluster.world_size
+    if world_size is not None and world_size != N:
+        raise SpecError(f"world size {world_size} does not match cluster {cluster.name!r} "
+                        f"({cluster.num_nodes} nodes x {cluster.gpus_per_node} devices = {N})")
+    if N & (N - 1):
+        raise SpecError(f"cluster {cluster.name!r} has {N} devices; the planner needs a power of two")
+
+
+def search(model, cluster, global_batch: int, seq: int | None = None, *, precision: str = "bf16",
+           budget_gb: float | None = None, partitioner: str = "bmw", schedules=None,
+           wide: bool = True, baselines: bool = True, progress: bool = False,
+           world_size: int | None = None, profile: str | None = None, units: int = 512,
+           max_tp: int | None = None, keep_sim: bool = True, pp: int | None = None,
+           tp: int | None = None) -> SearchResult:
+    """Plan ``model`` on ``cluster`` for ``global_batch``: the executable plan (never worse than
+    the baselines on the same cost model), the baselines, the wide Galvatron-BMW result and
+    the partitioner comparison.  ``pp``/``tp`` restrict the search to one degree."""
+    t0 = time.perf_counter()
+    model = load_model(model, seq)
+    cluster = load_cluster(cluster, profile)
+    _validate(model, cluster, global_batch, world_size)
+    pl = Planner(model, cluster, global_batch, precision=precision, budget_gb=budget_gb,
+                 partitioner=partitioner, schedules=schedules, progress=progress, units=units,
+                 max_tp=max_tp, pp=pp, tp=tp)
+    if next(pl.combos(), None) is None:
+        raise SpecError(f"global batch {global_batch} is not divisible into micro-batches for "
+                        f"{cluster.world_size} devices: no pipeline/tensor/data layout gives "
+                        f"global_batch = micro_batch x micro-batches x dp with micro-batches >= pp; "
+                        f"use a multiple of {cluster.world_size}")
+    phases = {}
+    tp0 = time.perf_counter()
+    best, tried = pl.search_exec()
+    phases["executable"] = time.perf_counter() - tp0
+    tp0 = time.perf_counter()
+    bl = pl.baselines() if baselines else {}
+    phases["baselines"] = time.perf_counter() - tp0
+    for c in bl.values():              # the plan is never worse than a baseline
+        if pp is not None and c is not None and c.P != pp or tp is not None and c is not None and c.tp != tp:
+            continue
+        if c is not None and c.ok and (best is None or c.time < best.time * (1 - 1e-12)):
+            best = c
+    if best is None or not best.ok:
+        need = pl.min_memory()
+        E = pl.E / GB
+        if math.isfinite(need):
+            raise SpecError(f"model {model.name} cannot fit on {cluster.name} with global batch "
+                            f"{global_batch}: needs at least {need / GB:.1f} GB per device, budget is "
+                            f"{E:.1f} GB (short by {need / GB - E:.1f} GB)")
+        raise SpecError(f"model {model.name} cannot fit on {cluster.name} at any setting "
+                        f"(budget {E:.1f} GB per device)")
+    # the winner's simulation (2P micro-batches) is kept for the Gantt and memory plots
+    e = (best.alts or [None])[0]
+    if keep_sim and best.P > 1 and best.sim is None and e is not None and e.figs is not None:
+        from .pipeline import simulate_plan
+        best.sim = simulate_plan(e.ctx, e.schedule, e.parts, e.recompute, e.figs, True)[3]
+    parts_cmp = {}
+    if best.P > 1:          # partitioners compared on the winner's configuration (1F1B, Eq. 9)
+        for pn in part.PARTITIONERS:
+            parts_cmp[pn] = pl.evaluate(best.P, best.tp, best.dp, best.zero, best.m, best.B_m,
+                                        partitioner=pn, schedules=[], name=pn)
+    tp0 = time.perf_counter()
+    wd = pl.search_wide() if wide else {}
+    phases["wide"] = time.perf_counter() - tp0
+    dt = time.perf_counter() - t0
+    phases["total"] = dt
+    plan = to_plan(best, model, cluster, global_batch, precision, pl, bl, wd, tried, dt)
+    plan.predicted["search_phases_s"] = {k: round(v, 3) for k, v in phases.items()}
+    return SearchResult(plan, best, bl, wd, tried, parts_cmp, model, cluster, dt, pl.evaluated)
+
+
+def to_plan(c: Candidate, model, cluster, B, precision, pl: Planner, bl: dict, wd: dict, tried,
+            dt: float) -> Plan:
+    seq = model.seq_len
+    nblk = list(c.parts)
+    rec = [r / n if n else 0.0 for r, n in zip(c.recompute, nblk)] if c.recompute else [0.0] * len(nblk)
+    tok = B * seq / c.time
+    flops = 3 * model.flops_per_sample * B / c.time      # F + 2F for backward (no recompute)
+    mfu = flops / (cluster.world_size * cluster.peak_tflops * 1e12)
+    pred = {"iteration_time_s": c.time, "throughput_tokens_per_s": tok,
+            "samples_per_s": B / c.time, "mfu": mfu,
+            "peak_memory_gb_per_stage": [round(x / GB, 3) for x in c.peak],
+            "memory_budget_gb": round(pl.E / GB, 3), "search_time_s": dt,
+            "baselines": {k: (v.summary(B, seq) if v is not None else None) for k, v in bl.items()},
+            "wide": wd,
+            "candidates_evaluated": pl.evaluated}
+    best_bl = max((v.time and B * seq / v.time for v in bl.values() if v is not None and v.ok), default=0)
+    pred["ratio_vs_best_baseline"] = tok / best_bl if best_bl else None
+    alts = c.alts
+    if wd.get("bmw"):
+        pred["wide_gain"] = wd["bmw"]["throughput_tokens_per_s"] / tok
+        # the wide mode is costed like the paper (1F1B): also compare with our best 1F1B
+        t1 = min((e.time for e in alts if e.schedule == "1f1b" and e.ok), default=None)
+        if c.P == 1:
+            t1 = c.time
+        if t1:
+            pred["wide_gain_vs_1f1b"] = wd["bmw"]["throughput_tokens_per_s"] / (B * seq / t1)
+    pred["schedules_tried"] = [{"schedule": e.schedule, "iteration_time_s": e.time if e.ok else None,
+                                "fits": e.fits, "layers_per_stage": list(e.parts),
+                                "recompute_layers": list(e.recompute),
+                                "peak_memory_gb": [round(x / GB, 3) for x in e.peak]} for e in alts]
+    # per-unit strategy labels (embedding, blocks, head); recomputed blocks are the first ones
+    # of their stage (Megatron's 'block' method)
+    base = Strategy(c.tp, c.dp, c.zero).label()
+    strategies = [base]
+    for n, r in zip(nblk, c.recompute or [0] * len(nblk)):
+        strategies += [base + "+CKPT"] * int(r) + [base] * (n - int(r))
+    strategies.append(base)
+    return Plan(pp=c.P, tp=c.tp, dp=c.dp, zero_stage=c.zero, micro_batch_size=c.B_m // c.dp,
+                num_microbatches=c.m, global_batch_size=B, precision=precision, schedule=c.schedule,
+                schedule_options=schedule_options(c.schedule), layers_per_stage=nblk,
+                recompute_per_stage=[round(x, 6) for x in rec], model=model.name, cluster=cluster.name,
+                seq_len=seq, num_layers=model.num_layers, world_size=cluster.world_size,
+                partitioner=c.partitioner, layer_strategies=strategies, predicted=pred,
+                notes=[c.note] if c.note else [])
+
+
+def plan_model(model, cluster, global_batch: int, seq: int | None = None, **opts) -> Plan:
+    """Plan ``model`` on ``cluster`` for ``global_batch``; options as :func:`search`."""
+    opts.setdefault("wide", False)
+    opts.setdefault("keep_sim", False)
+    return search(model, cluster, global_batch, seq, **opts).plan

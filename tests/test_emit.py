@@ -1,0 +1,154 @@
+"""Emitters and the `plan` command: configs validated by DeepSpeed's and Megatron-core's own
+classes; one-message errors with no partial output."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ds_autoplan.cli import main
+from ds_autoplan.emit.deepspeed import ds_config, validate
+from ds_autoplan.emit.megatron import layers_per_rank, megatron_args, megatron_config
+from ds_autoplan.plan import Plan
+from ds_autoplan.search import plan_model
+
+KEYS = {"throughput_tokens_per_s", "iteration_time_s", "pp", "tp", "dp", "zero_stage", "schedule",
+        "micro_batch_size", "peak_memory_gb_per_stage", "search_time_s"}
+
+
+def _plan(**kw):
+    base = dict(pp=4, tp=2, dp=2, zero_stage=1, micro_batch_size=2, num_microbatches=8,
+                global_batch_size=32, precision="bf16", schedule="1f1b",
+                layers_per_stage=[5, 6, 7, 6], recompute_per_stage=[0.6, 0.5, 0.0, 0.0],
+                model="gpt3-1.3b", cluster="2x8xa100-ib200", world_size=16)
+    base.update(kw)
+    return Plan(**base)
+
+
+@pytest.mark.parametrize("plan", [
+    _plan(),
+    _plan(pp=1, tp=1, dp=16, zero_stage=3, micro_batch_size=1, num_microbatches=2,
+          layers_per_stage=[24], recompute_per_stage=[1.0], precision="fp16"),
+    _plan(schedule="interleaved", schedule_options={"v": 2}, layers_per_stage=[3] * 8,
+          recompute_per_stage=[0.0] * 8),
+])
+def test_ds_config_validates_with_deepspeed(plan):
+    cfg = ds_config(plan)
+    parsed = validate(cfg, plan)
+    assert parsed.train_batch_size == plan.global_batch_size
+    assert parsed.train_micro_batch_size_per_gpu == plan.micro_batch_size
+    assert parsed.gradient_accumulation_steps == plan.num_microbatches
+    assert parsed.zero_optimization_stage == plan.zero_stage
+    assert parsed.pipeline["activation_checkpoint_interval"] == (1 if any(plan.recompute_per_stage) else 0)
+    assert cfg["autoplan"]["layers_per_stage"] == plan.layers_per_stage
+
+
+def test_ds_config_rejects_what_deepspeed_rejects():
+    with pytest.raises(ValueError, match="ZeRO stage 3"):
+        ds_config(_plan(zero_stage=3))
+    plan = _plan()
+    cfg = ds_config(plan)
+    cfg["train_batch_size"] = 33                       # inconsistent triple
+    with pytest.raises(Exception):
+        validate(cfg, plan)
+
+
+def test_megatron_layout_accepted_by_transformer_config():
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    for plan in (_plan(), _plan(schedule="interleaved", schedule_options={"v": 2},
+                                layers_per_stage=[2, 3, 3, 3, 3, 3, 3, 4],
+                                recompute_per_stage=[0.5] + [0.0] * 7)):
+        c = megatron_config(plan)
+        tc = TransformerConfig(
+            num_layers=c["num_layers"], hidden_size=c["hidden_size"],
+            num_attention_heads=c["num_attention_heads"],
+            tensor_model_parallel_size=c["tensor_model_parallel_size"],
+            pipeline_model_parallel_size=c["pipeline_model_parallel_size"],
+            pipeline_dtype=torch.bfloat16, bf16=True,
+            pipeline_model_parallel_layout=c["pipeline_model_parallel_layout"],
+            recompute_granularity=c["recompute_granularity"], recompute_method=c["recompute_method"],
+            recompute_num_layers=c["recompute_num_layers"])
+        lay = tc.pipeline_model_parallel_layout
+        vpp = len(plan.layers_per_stage) // plan.pp
+        assert lay.virtual_pipeline_model_parallel_size == vpp
+        for r in range(plan.pp):
+            for v in range(vpp):
+                n = sum(1 for x in lay.layout[r][v] if x.name == "decoder")
+                assert n == plan.layers_per_stage[v * plan.pp + r]
+        args = megatron_args(plan)
+        assert f"--pipeline-model-parallel-size {plan.pp}" in args
+        assert "--use-distributed-optimizer" in args
+
+
+def test_megatron_v_shape_keeps_layout_for_runtime():
+    plan = _plan(schedule="v-half", layers_per_stage=[3] * 8, recompute_per_stage=[0.0] * 8)
+    c = megatron_config(plan)
+    assert "pipeline_model_parallel_layout" not in c and "note" in c["autoplan"]
+    assert layers_per_rank(plan) == [[3, 3]] * 4
+
+
+def test_plan_command_end_to_end(tmp_path, capsys):
+    out = tmp_path / "plan"
+    rc = main(["plan", "--model", "gpt-tiny", "--cluster", "cpu-4", "--global-batch", "16",
+               "--out", str(out), "--json", "--quiet"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert KEYS <= set(summary)
+    for f in ("ds_config.json", "megatron.json", "megatron_args.txt", "plan.json", "report.md",
+              "memory_per_stage.png"):
+        assert (out / f).exists(), f
+    plan = Plan.load(out / "plan.json")
+    assert plan.pp == summary["pp"] and plan.model == "gpt-tiny"
+    validate(json.loads((out / "ds_config.json").read_text()), plan)
+    report = (out / "report.md").read_text()
+    assert "Baselines" in report and "pure DP" in report
+    # plan_model (launchers) gives the same decision
+    p2 = plan_model("gpt-tiny", "cpu-4", 16)
+    assert (p2.pp, p2.tp, p2.dp, p2.schedule) == (plan.pp, plan.tp, plan.dp, plan.schedule)
+
+
+def test_pipeline_plan_writes_plots(tmp_path, capsys):
+    out = tmp_path / "p"
+    rc = main(["plan", "--model", "bert-huge", "--cluster", "8xtitan-24gb", "--global-batch", "64",
+               "--memory-budget-gb", "8", "--precision", "fp16", "--out", str(out), "--quiet",
+               "--no-wide"])
+    assert rc == 0
+    plan = Plan.load(out / "plan.json")
+    assert plan.pp > 1 and (out / "gantt.png").exists()
+    assert len(plan.build_schedule().placement) == len(plan.layers_per_stage)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--model", "nope", "--cluster", "cpu-4", "--global-batch", "8"], "unknown model preset"),
+    (["--model", "gpt-tiny", "--cluster", "nope", "--global-batch", "8"], "unknown cluster preset"),
+    (["--model", "llama2-70b", "--cluster", "cpu-4", "--global-batch", "8"], "short by"),
+    (["--model", "gpt-tiny", "--cluster", "cpu-4", "--global-batch", "8", "--world-size", "8"],
+     "world size 8 does not match"),
+    (["--model", "gpt-tiny", "--cluster", "cpu-4", "--global-batch", "0"], "must be positive"),
+    (["--model", "BAD", "--cluster", "cpu-4", "--global-batch", "8"], "malformed YAML"),
+])
+def test_bad_input_one_message_no_output(tmp_path, capsys, argv, msg):
+    if "BAD" in argv:
+        bad = tmp_path / "m.yaml"
+        bad.write_text("arch: gpt\nnum_layers: [4\n")
+        argv = [str(bad) if a == "BAD" else a for a in argv]
+    out = tmp_path / "out"
+    rc = main(["plan", *argv, "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert msg in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert not out.exists()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".ds-autoplan-")]
+
+
+def test_console_entry_json():
+    r = subprocess.run([sys.executable, "-m", "ds_autoplan", "plan", "--model", "gpt-tiny",
+                        "--cluster", "cpu-2", "--global-batch", "8", "--json", "--no-wide"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert KEYS <= set(json.loads(r.stdout.strip().splitlines()[-1]))

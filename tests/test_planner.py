@@ -1,0 +1,291 @@
+"""Planner tests: decision-tree counts, cost-model identities, DP vs brute force, BMW,
+paper observations, plan_model contract and never-worse-than-baselines."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from ds_autoplan.cost import CostModel, Strategy
+from ds_autoplan.plan import Plan
+from ds_autoplan.search import plan_model, search
+from ds_autoplan.search.dp import Context
+from ds_autoplan.search.partition import bmw, dawnpiper, merak
+from ds_autoplan.search.space import count_candidates, decision_trees, strategies
+from ds_autoplan.spec import SpecError, load_cluster, load_model
+
+GB = 1024 ** 3
+
+
+# -- §1.5 candidate counts ---------------------------------------------------------------
+def test_paper_candidate_counts_8_gpus():
+    assert count_candidates(8, prune_dp_sdp=False) == 68     # decision trees, all PP degrees
+    assert count_candidates(8) == 44                         # takeaway 3 (Galvatron-BMW)
+    assert count_candidates(8, with_ckpt=False) == 22        # "Galvatron" without CKPT
+
+
+@pytest.mark.parametrize("N,before,after", [(4, 26, 22), (16, 146, 74), (64, 458, 158)])
+def test_candidate_count_table(N, before, after):
+    assert count_candidates(N, prune_dp_sdp=False) == before
+    assert count_candidates(N) == after
+
+
+def test_closed_form_and_pruning():
+    for k in range(1, 7):
+        assert len(decision_trees(2 ** k)) == 4 * k - 1
+    # takeaway 3: the DP x SDP mix costs more communication than pure SDP (units of W)
+    for n1, n2 in [(2, 2), (2, 4), (4, 2), (4, 4)]:
+        N = n1 * n2
+        mix = 2 * (n1 - 1) / n1 + 3 * (n2 - 1) / n2
+        assert mix - 3 * (N - 1) / N == pytest.approx((n1 - 1) * (2 * n2 - 3) / (n1 * n2))
+        assert mix > 3 * (N - 1) / N
+
+
+# -- cost model ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bert8():
+    m = load_model("bert-huge")
+    c = load_cluster("8xtitan-24gb").with_budget(8)
+    return m, c, CostModel(m, c, "fp16")
+
+
+def test_two_gpu_single_layer_picture(bert8):
+    """Paper's 2-GPU picture: DP full states, half activations; SDP half of both and 1.5x
+    DP's volume; TP half states, more than half activations; CKPT keeps the layer input."""
+    _, _, cm = bert8
+    S = [Strategy(1, 1), Strategy(1, 2), Strategy(1, 2, 3), Strategy(2, 1), Strategy(1, 2, 0, False, True)]
+    t = cm.tables(S, 2)
+    blk = 2
+    one, dp, sdp, tp, ck = range(5)
+    assert t.ms[blk, dp] == pytest.approx(t.ms[blk, one])
+    assert t.f1[blk, dp] == pytest.approx(t.f1[blk, one] / 2)
+    assert t.ms[blk, sdp] == pytest.approx(t.ms[blk, one] / 2)
+    assert t.ms[blk, tp] == pytest.approx(t.ms[blk, one] / 2)
+    assert t.f1[blk, one] / 2 < t.f1[blk, tp] < t.f1[blk, one]
+    assert t.f1[blk, ck] == pytest.approx(cm.units[blk].boundary)   # b = 1 sample, input only
+    W = cm.units[blk].params * 2
+    ar = cm.net.all_reduce(W, 2)
+    sdp_comm = 2 * cm.net.all_gather(W, 2) + cm.net.reduce_scatter(W, 2)
+    assert (sdp_comm - 3 * cm.net.link(2)[1]) == pytest.approx(1.5 * (ar - cm.net.link(2)[1]))
+
+
+def test_overlap_reduces_to_max_at_gamma_1(bert8):
+    _, _, cm = bert8
+    cm.gamma = 1.0
+    assert cm.ov(3.0, 2.0) == 3.0
+    cm.gamma = 1.3
+    assert cm.ov(3.0, 2.0) == pytest.approx(3.6)
+
+
+def test_eq9_single_stage(bert8):
+    _, c, cm = bert8
+    S = strategies(8)
+    ctx = Context(cm, S, 1, 4, 16, c.budget_bytes)
+    T, plan = ctx.search((32,))
+    C, Cns, _ = ctx.stage_costs((32,), plan)
+    assert T == pytest.approx(3 * Cns[0] + C[0])
+
+
+def test_stage_dp_vs_brute_force():
+    m = load_model({"name": "toy", "arch": "gpt", "num_layers": 4, "hidden": 256, "heads": 4,
+                    "vocab": 512, "seq_len": 256})
+    c = load_cluster("8xa100-80gb")
+    cm = CostModel(m, c)
+    S = [Strategy(1, 2), Strategy(1, 2, 3), Strategy(2, 1), Strategy(1, 2, 0, False, True)]
+    t = cm.tables(S, 4)
+    types = tuple([0] + [2] * 4 + [1])
+    for budget in (1e12, None):
+        # budget between the frugal and the fastest plan's peak
+        probe = Context(cm, S, 1, 2, 4, 1e12, units=4096)
+        if budget is None:
+            lo = probe.e_all(types, [0, 3, 3, 3, 3, 0], 1)
+            hi = probe.solve(types, 1).E_all
+            budget = (lo + hi) / 2
+        ctx = Context(cm, S, 1, 2, 4, budget, units=4096)
+        sp = ctx.solve(types, 1)
+        assert sp is not None and sp.E_all <= budget
+
+        def tcost(plan):
+            R = sum(t.R[types[i], plan[i - 1], plan[i]] for i in range(1, len(plan)))
+            return float(sum(ctx.cost[u, s] for u, s in zip(types, plan)) + ctx.m * R)
+
+        best = min(tcost(p) for p in itertools.product(range(4), repeat=len(types))
+                   if all(t.allowed[u, s] for u, s in zip(types, p))
+                   and ctx.e_all(types, list(p), 1) <= budget)
+        assert tcost(sp.strategies) >= best - 1e-12
+        assert tcost(sp.strategies) <= best * 1.15       # decoupled budget: near-optimal
+
+
+def test_bmw_never_worse_than_base_and_fits(bert8):
+    _, c, cm = bert8
+    for P, m in [(2, 8), (4, 8), (8, 16)]:
+        ctx = Context(cm, strategies(8 // P), P, m, 64 // m, c.budget_bytes)
+        T, parts, plan, base = bmw(ctx)
+        assert T <= base[0]
+        assert sum(parts) == 32 and len(parts) == P
+        _, _, mem = ctx.stage_costs(parts, plan)
+        assert mem.max() <= c.budget_bytes
+        for fn in (dawnpiper, merak):
+            T2, p2, plan2 = fn(ctx)
+            if plan2 is not None:
+                assert sum(p2) == 32 and ctx.stage_costs(p2, plan2)[2].max() <= c.budget_bytes
+
+
+def test_memory_balanced_split_gives_early_stages_fewer_layers(bert8):
+    """§4.1/§5.6: under 1F1B the first stages hold more micro-batches."""
+    from ds_autoplan.search.partition import minmax_partition, stage_matrices
+    _, c, cm = bert8
+    ctx = Context(cm, [Strategy(1, 2)], 4, 8, 16, c.budget_bytes)
+    parts = minmax_partition(stage_matrices(ctx, [0] * len(ctx.seq), "mem"))
+    assert parts[0] < parts[2] and sum(parts) == 32
+
+
+# -- paper observations ------------------------------------------------------------------
+def _labels(cm, P, m, B_m, budget_gb):
+    ctx = Context(cm, strategies(8 // P), P, m, B_m, budget_gb * GB)
+    T, parts, plan, _ = bmw(ctx)
+    return {ctx.strategies[i].label() for i in plan}
+
+
+@pytest.mark.parametrize("P,m,B_m", [(1, 1, 16), (1, 1, 32), (2, 4, 16)])
+def test_8gb_forces_ckpt_or_sdp_where_16gb_does_not(bert8, P, m, B_m):
+    """Paper Fig. 6 / §5.9 at a fixed batch: BERT-Huge-32 on 8 TITAN needs CKPT or SDP
+    blocks at E = 8 GB; at 16 GB plain DP/TP layers fit."""
+    _, _, cm = bert8
+    tight, loose = _labels(cm, P, m, B_m, 8), _labels(cm, P, m, B_m, 16)
+    assert any("CKPT" in s or "SDP" in s for s in tight)
+    assert not any("CKPT" in s or "SDP" in s for s in loose)
+
+
+def test_bert_prefers_pp_and_dp_under_tight_budget():
+    p = plan_model("bert-huge", "8xtitan-24gb", 64, precision="fp16", budget_gb=8)
+    assert p.pp > 1 and p.tp == 1
+
+
+# -- the plan contract and baselines -----------------------------------------------------
+def test_plan_model_contract_and_roundtrip(tmp_path):
+    p = plan_model("gpt3-1.3b", "2x8xa100-ib200", 256)
+    assert p.pp * p.tp * p.dp == 16
+    assert p.micro_batch_size * p.num_microbatches * p.dp == 256
+    assert len(p.layers_per_stage) == len(p.recompute_per_stage)
+    assert sum(p.layers_per_stage) == 24
+    assert all(0 <= r <= 1 for r in p.recompute_per_stage)
+    assert not (p.pp > 1 and p.zero_stage > 1)              # DeepSpeed pipeline rule
+    p.save(tmp_path / "plan.json")
+    q = Plan.load(tmp_path / "plan.json")
+    assert q == p
+    if q.pp > 1:
+        s = q.build_schedule()
+        assert s.num_stages == len(q.layers_per_stage)
+
+
+@pytest.mark.parametrize("args", [("bert-huge", "8xtitan-24gb", 64, dict(budget_gb=8, precision="fp16")),
+                                  ("gpt3-6.7b", "8xa100-80gb", 128, {}),
+                                  ("gpt-tiny", "cpu-4", 16, {})])
+def test_never_worse_than_baselines(args):
+    model, cluster, B, kw = args
+    r = search(model, cluster, B, wide=False, **kw)
+    tok = r.plan.predicted["throughput_tokens_per_s"]
+    for name, b in r.baselines.items():
+        if b is not None and b.ok:
+            assert tok >= B * r.model.seq_len / b.time * (1 - 1e-9), name
+    assert r.plan.predicted["peak_memory_gb_per_stage"]
+    assert max(r.plan.predicted["peak_memory_gb_per_stage"]) <= r.plan.predicted["memory_budget_gb"] + 1e-6
+
+
+def test_schedule_choice_uses_simulator_and_fits():
+    r = search("bert-huge", "8xtitan-24gb", 64, precision="fp16", budget_gb=8, wide=False)
+    tried = r.plan.predicted["schedules_tried"]
+    assert {e["schedule"] for e in tried} >= {"1f1b", "interleaved"}
+    ok = [e for e in tried if e["fits"]]
+    assert r.plan.predicted["iteration_time_s"] == pytest.approx(min(e["iteration_time_s"] for e in ok))
+
+
+# -- bad input ----------------------------------------------------------------------------
+def test_spec_errors(tmp_path):
+    with pytest.raises(SpecError, match="unknown model preset"):
+        load_model("gpt-nonexistent")
+    with pytest.raises(SpecError, match="unknown cluster preset"):
+        load_cluster("nowhere")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(SpecError, match="malformed YAML"):
+        load_model(str(bad))
+    with pytest.raises(SpecError, match="world size 16 does not match"):
+        search("gpt-tiny", "cpu-4", 16, world_size=16)
+    with pytest.raises(SpecError, match="cannot fit.*short by"):
+        search("llama2-70b", "cpu-4", 4, wide=False)
+    tiny = {"name": "t", "arch": "gpt", "num_layers": 2, "hidden": 8, "heads": 1, "vocab": 16, "seq_len": 8}
+    with pytest.raises(SpecError, match="global batch 2"):
+        search(tiny, "cpu-4", 2, wide=False)
+
+
+def test_hf_config_parsing(tmp_path):
+    import json
+    cfg = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008,
+           "vocab_size": 32000, "max_position_embeddings": 4096}
+    p = tmp_path / "llama" / "config.json"
+    p.parent.mkdir()
+    p.write_text(json.dumps(cfg))
+    m = load_model(str(p))
+    ref = load_model("llama2-7b")
+    assert m.total_params == pytest.approx(ref.total_params)
+    assert abs(m.total_params / 1e9 - 6.74) < 0.05
+
+
+@pytest.mark.parametrize("budget,m,B_m", [(6, 4, 16), (8, 2, 32), (12, 8, 8)])
+def test_dawnpiper_two_stages_matches_brute_force(budget, m, B_m):
+    """Theorem 4.1 (partition-dawnpiper.md §4.2): for two stages the cut searched between the
+    compute- and memory-balanced cuts is optimal for the bottleneck stage time."""
+    mdl = load_model("bert-huge")
+    c = load_cluster("8xtitan-24gb").with_budget(budget)
+    cm = CostModel(mdl, c, "fp16")
+    ctx = Context(cm, [Strategy(1, 4), Strategy(1, 4, 0, False, True)], 2, m, B_m, c.budget_bytes)
+    brute = min(ctx.stage_costs((a, 32 - a), plan)[1].max()
+                for a in range(1, 32) for T, plan in [ctx.search((a, 32 - a))] if plan is not None)
+    T, parts, plan = dawnpiper(ctx)
+    assert ctx.stage_costs(parts, plan)[1].max() == pytest.approx(brute)
+
+
+def test_merak_balances_parameters(bert8):
+    _, c, cm = bert8
+    ctx = Context(cm, [Strategy(1, 2)], 4, 8, 16, c.budget_bytes)
+    T, parts, plan = merak(ctx)
+    params = np.array([cm.units[u].params for u in ctx.seq])
+    per_stage = [params[lo:hi].sum() for lo, hi in ctx.bounds(parts)]
+    assert sum(parts) == 32
+    assert all(p >= params.sum() / 4 for p in per_stage[:-1])    # a shard closes past total/P
+
+
+@pytest.mark.parametrize("name", ["1f1b", "v-half", "interleaved"])
+def test_extrapolated_simulation_matches_exact(bert8, name):
+    """Many micro-batches are costed from runs at 2P and 4P (affine steady state)."""
+    from ds_autoplan.schedule import Costs, build, simulate
+    from ds_autoplan.search.pipeline import num_stages, schedule_options, simulate_plan, stage_figures, \
+        time_partition
+    _, c, cm = bert8
+    P, m = 4, 48
+    ctx = Context(cm, [Strategy(1, 2), Strategy(1, 2, 0, False, True)], P, m, 4, c.budget_bytes)
+    S = num_stages(name, P)
+    parts = time_partition(ctx, S, lambda x: [0] * len(x.seq))
+    sub = Context(cm, ctx.strategies, S, m, 4, c.budget_bytes)
+    figs = stage_figures(sub, parts, [0] * len(sub.seq), [1] * len(sub.seq))
+    rec = [1] * S
+    T, peak, _, _ = simulate_plan(ctx, name, parts, rec, figs)
+    sched = build(name, P, m, **schedule_options(name))
+    f = np.array([g["f"] for g in figs])
+    bw = np.array([g["bw"] + g["d_time"] for g in figs])
+    w = np.array([g["w"] for g in figs])
+    act = np.array([g["act"] - g["d_mem"] for g in figs])
+    split = any(a.kind.name == "W" for r in sched.ranks for a in r)
+    costs = Costs.per_stage(S, m, f=f, b=bw - w if split else bw, w=w if split else np.zeros(S),
+                            mem_f=act, mem_b=np.zeros(S), mem_w=-act,
+                            p2p=float(max(g["p2p"] for g in figs)))
+    res = simulate(sched, costs)
+    tail = max(sum(figs[s]["sync"] for s in range(S) if sched.placement[s] == r) for r in range(P))
+    assert T == pytest.approx(res.makespan + tail, rel=0.01)
+    static = [sum(figs[s]["ms"] + figs[s]["ob"] for s in range(S) if sched.placement[s] == r)
+              for r in range(P)]
+    assert np.allclose(peak, np.array(static) + np.array(res.peak_memory), rtol=0.02)
