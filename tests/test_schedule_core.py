@@ -180,7 +180,12 @@ def test_cli_simulate_json_and_errors(tmp_path, capsys):
     assert main(["simulate", "--compare", "1f1b,gpipe", "-d", "4", "-n", "8", "--json"]) == 0
     cmp_ = json.loads(capsys.readouterr().out)["compare"]
     assert cmp_[1]["peak_ratio"] == 2.0
-    for bad in (["-d", "1"], ["--times", "1,-2,1"], ["--schedule", "nope"], ["-d", "4", "-n", "0"],
+    # builder options by signature: stages 2 and 3 keep their activations, 0 and 1 recompute
+    assert main(["simulate", "--schedule", "merak-scp", "-d", "4", "-n", "8",
+                 "-o", "recompute=[1,1,0,0]", "--json"]) == 0
+    peaks = json.loads(capsys.readouterr().out)["peak_activation"]
+    assert peaks[2] > peaks[0] and peaks[2] > peaks[1]
+    for bad in (["-o", "foo=1"], ["-d", "1"], ["--times", "1,-2,1"], ["--schedule", "nope"], ["-d", "4", "-n", "0"],
                 ["--file", str(tmp_path / "missing.json")]):
         assert main(["simulate", *bad]) == 2
         assert "error:" in capsys.readouterr().err

@@ -1,10 +1,11 @@
 """`ds-autoplan simulate`: build a schedule, simulate it, print a table or JSON, plot it."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
-from ..schedule import Costs, Schedule, ScheduleError, build, lower, names, simulate
+from ..schedule import BUILDERS, Costs, Schedule, ScheduleError, build, lower, names, simulate
 
 
 def add_parser(sub) -> None:
@@ -25,6 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--p2p", type=float, default=0.0, help="latency of a cross-rank transfer")
     p.add_argument("--mem-cap", type=float, default=None,
                    help="activation cap per rank (units of 1/d model micro-batch; adaptive)")
+    p.add_argument("--option", "-o", action="append", metavar="KEY=VALUE",
+                   help="builder option (JSON value), e.g. -o recompute='[1,1,0]' for merak-scp")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", help="write a Gantt chart (PNG/SVG); memory plot goes next to it")
     p.add_argument("--save", help="write the (lowered) schedule to this file (.json or .txt)")
@@ -44,11 +47,28 @@ def _times(text: str) -> tuple[float, float, float]:
 
 
 def _options(name: str, args) -> dict:
+    """Builder keyword arguments: --chunks, --mem-cap and the --times ratios go to builders
+    whose signature takes them (v, mem_cap, f/b/w); --option KEY=VALUE to any builder."""
+    params = inspect.signature(BUILDERS[name]).parameters
     opts = {}
-    if args.chunks is not None and name == "interleaved":
+    if args.chunks is not None and "v" in params:
         opts["v"] = args.chunks
-    if args.mem_cap is not None and name == "adaptive":
+    if args.mem_cap is not None and "mem_cap" in params:
         opts["mem_cap"] = args.mem_cap
+    if {"f", "b", "w"} <= set(params):
+        opts.update(zip("fbw", _times(args.times)))
+    for item in args.option or []:
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise ScheduleError(f"--option expects KEY=VALUE, got {item!r}")
+        try:
+            opts[key] = json.loads(val)
+        except json.JSONDecodeError:
+            opts[key] = val
+    unknown = set(opts) - set(params)
+    if unknown and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        raise ScheduleError(f"{name}: unknown option(s) {', '.join(sorted(unknown))}; it takes "
+                            f"{', '.join(k for k in params if k not in ('d', 'n')) or 'none'}")
     return opts
 
 
