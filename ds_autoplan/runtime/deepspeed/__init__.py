@@ -1,0 +1,20 @@
+"""DeepSpeed adapter: run any ds_autoplan schedule in ``PipelineEngine``.
+
+``initialize`` is the entry point; ``AutoplanEngine`` / ``AutoplanPipelineModule`` are the
+engine and module it installs.  Imports are lazy so that importing the package needs no
+DeepSpeed."""
+
+__all__ = ["initialize", "build_module", "AutoplanEngine", "AutoplanPipelineModule"]
+
+
+def __getattr__(name):
+    if name in ("initialize", "build_module", "as_plan", "config_from_plan"):
+        from . import api
+        return getattr(api, name)
+    if name in ("AutoplanEngine", "PipelineRankError"):
+        from . import engine
+        return getattr(engine, name)
+    if name == "AutoplanPipelineModule":
+        from .module import AutoplanPipelineModule
+        return AutoplanPipelineModule
+    raise AttributeError(name)

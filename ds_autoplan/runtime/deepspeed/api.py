@@ -1,0 +1,164 @@
+"""``ds_autoplan.initialize``: ``deepspeed.initialize`` with the plan's partition, schedule and
+per-stage recomputation (integration.md §1.4 option A, §8.1)."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+
+import torch
+
+from ...schedule import Schedule, build
+
+
+def as_plan(plan):
+    """A :class:`ds_autoplan.plan.Plan` from a Plan, dict, JSON path or ``None`` (env
+    ``DS_AUTOPLAN_PLAN``, set by ``ds-autoplan launch`` / ``deepspeed --autoplan``)."""
+    from ...plan import Plan
+    if plan is None:
+        plan = os.environ.get("DS_AUTOPLAN_PLAN")
+        if plan is None:
+            raise ValueError("no plan given (pass plan=... or launch with ds-autoplan / --autoplan)")
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, dict):
+        return Plan.from_dict(plan)
+    return Plan.load(os.fspath(plan))
+
+
+def config_from_plan(plan) -> dict:
+    """The DeepSpeed config keys a plan fixes (the emitter's ``ds_config`` when available)."""
+    try:
+        from ...emit.deepspeed import ds_config
+        return ds_config(plan)
+    except ImportError:
+        pass
+    cfg = {"train_micro_batch_size_per_gpu": plan.micro_batch_size,
+           "gradient_accumulation_steps": plan.num_microbatches,
+           "train_batch_size": plan.micro_batch_size * plan.num_microbatches * plan.dp}
+    if plan.zero_stage:
+        cfg["zero_optimization"] = {"stage": plan.zero_stage}
+        cfg["zero_allow_untested_optimizer"] = True
+    if plan.precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif plan.precision == "fp16":
+        cfg["fp16"] = {"enabled": True}
+    return cfg
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _layers_of(model_or_layers):
+    from deepspeed.runtime.pipe.module import PipelineModule
+    if isinstance(model_or_layers, PipelineModule):
+        return list(model_or_layers._layer_specs), model_or_layers.loss_fn
+    if isinstance(model_or_layers, torch.nn.Sequential):
+        return list(model_or_layers), None
+    return list(model_or_layers), None
+
+
+@contextlib.contextmanager
+def _engine_installed():
+    """``deepspeed.initialize`` picks ``deepspeed.PipelineEngine`` for any PipelineModule
+    (deepspeed/__init__.py, 0.19.8): rebind it to ours for the call."""
+    import deepspeed
+    from .engine import AutoplanEngine
+    saved = deepspeed.PipelineEngine
+    deepspeed.PipelineEngine = AutoplanEngine
+    try:
+        yield
+    finally:
+        deepspeed.PipelineEngine = saved
+
+
+def add_recompute(sched: Schedule, stages) -> Schedule:
+    """Insert ``R(s, mb)`` right before the backward of every micro-batch of ``stages`` that
+    has none.  A RECV only posts the receive and the backward waits for the gradient, so R
+    runs while the gradient is in flight (Merak's early recompute, partition-merak.md §5.2
+    step 1) and at most one recomputed micro-batch is materialised per rank at a time."""
+    from ...schedule import Action, Kind
+    stages = set(stages)
+    has = {(a.stage, a.mb) for a in sched.actions() if a.kind == Kind.R}
+    out = []
+    for r, lst in enumerate(sched.ranks):
+        new = []
+        for a in lst:
+            if a.kind.is_comm:
+                continue
+            if a.kind in (Kind.B, Kind.BW) and a.stage in stages and (a.stage, a.mb) not in has:
+                new.append(Action(r, Kind.R, a.stage, a.mb))
+            new.append(a)
+        out.append(new)
+    return sched.replace_lists(out, lowered=False)
+
+
+def plan_schedule(plan) -> Schedule:
+    """``plan.build_schedule()``; a plan without pipelining (pp = 1) runs F, BW per
+    micro-batch on its single stage."""
+    if plan.pp == 1:
+        from ...schedule import Kind
+        keys = [k for m in range(plan.num_microbatches) for k in ((Kind.F, 0, m), (Kind.BW, 0, m))]
+        return Schedule.from_keys("no-pipeline", plan.num_microbatches, [0], [keys])
+    return plan.build_schedule()
+
+
+def build_module(model_or_layers, plan, *, schedule: Schedule | None = None, loss_fn=None,
+                 track_memory=False, **module_kwargs):
+    """The :class:`AutoplanPipelineModule` for ``plan`` (must run after init_distributed)."""
+    from .module import AutoplanPipelineModule
+    layers, lf = _layers_of(model_or_layers)
+    sched = schedule if schedule is not None else plan_schedule(plan)
+    S = sched.num_stages
+    lps = plan.layers_per_stage if len(plan.layers_per_stage) == S else None
+    rec = plan.recompute_per_stage if len(plan.recompute_per_stage) == S else None
+    if rec is not None and any(rec):
+        sched = add_recompute(sched, [s for s, x in enumerate(rec)
+                                      if x > 0 and (lps is None or round(x * lps[s]) > 0)])
+    if lps is None and plan.layers_per_stage and len(plan.layers_per_stage) != 1:
+        raise ValueError(f"plan.layers_per_stage has {len(plan.layers_per_stage)} entries but the "
+                         f"schedule has {S} stages")
+    module_kwargs.setdefault("partition_method", "uniform")
+    return AutoplanPipelineModule(layers, placement=sched.placement, layers_per_stage=lps,
+                                  recompute_per_stage=rec, schedule=sched,
+                                  loss_fn=loss_fn if loss_fn is not None else lf,
+                                  track_memory=track_memory, **module_kwargs)
+
+
+def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = None,
+               config=None, loss_fn=None, track_memory: bool = False, module_kwargs=None,
+               **ds_kwargs):
+    """Like ``deepspeed.initialize``, for a layer list / ``nn.Sequential`` / ``PipelineModule``
+    trained with ``plan`` (a Plan, dict or path).  Returns ``(engine, optimizer,
+    training_dataloader, lr_scheduler)`` from ``deepspeed.initialize``.
+
+    ``schedule`` overrides the plan's (a Schedule object or a builder name, built for
+    ``plan.pp`` ranks and ``plan.num_microbatches``).  ``config`` (dict or JSON path) is
+    merged over the keys the plan fixes; the plan itself is stored at
+    ``config["pipeline"]["autoplan"]`` (DeepSpeed never validates ``pipeline``).
+    """
+    import deepspeed
+    plan = as_plan(plan)
+    if isinstance(schedule, str):
+        opts = plan.schedule_options if schedule == plan.schedule else {}
+        schedule = build(schedule, plan.pp, plan.num_microbatches, **opts)
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as fh:
+            config = json.load(fh)
+    cfg = _merge(config_from_plan(plan), config or {})
+    cfg.setdefault("pipeline", {})["autoplan"] = plan.to_dict()
+    if any(x > 0 for x in plan.recompute_per_stage):
+        # stage-aware recomputation is ours, per stage; DeepSpeed's switch is global
+        cfg["pipeline"]["activation_checkpoint_interval"] = 0
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend=ds_kwargs.pop("dist_backend", None))
+    module = build_module(model_or_layers, plan, schedule=schedule, loss_fn=loss_fn,
+                          track_memory=track_memory, **(module_kwargs or {}))
+    ds_kwargs.setdefault("model_parameters", [p for p in module.parameters() if p.requires_grad])
+    with _engine_installed():
+        return deepspeed.initialize(model=module, config=cfg, **ds_kwargs)

@@ -1,0 +1,480 @@
+"""Run any ds_autoplan schedule inside DeepSpeed's ``PipelineEngine`` (integration.md §1.4,
+option A; schedules.md §6.1).
+
+The rank's lowered action list becomes a ``PipeSchedule`` that yields one DeepSpeed
+instruction per action; the engine keeps per-(stage, micro-batch) state instead of
+DeepSpeed's "latest value" attributes, so F and B of a micro-batch may be arbitrarily far
+apart and a rank may hold any number of stages.  Nothing here looks at a schedule's name.
+
+Instruction vocabulary (schedules.md §6.1): ``ForwardPass``/``BackwardPass`` (DeepSpeed's,
+with a ``stage`` kwarg), new ``BackwardInputPass`` (B: input gradients only), ``WeightPass``
+(W), ``RecomputePass`` (R), DeepSpeed's ``Send/RecvActivation``, ``Send/RecvGrad`` (with
+``peer``), ``CommitP2P`` (wait for outstanding sends), then ``ReduceTiedGrads``,
+``ReduceGrads``, ``OptimizerStep``.  Transfers are ``isend``/``irecv`` between global ranks:
+a SEND is issued and not waited for, a RECV posts the receive and the consuming F/B waits
+for it, exactly the semantics ``ds_autoplan.schedule.lower`` orders for.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.pipe import schedule as ds_sched
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from ...schedule import Kind, Schedule, lower, validate
+from .. import splitgrad
+from ..memtrack import MemTracker, hold
+from .module import AutoplanPipelineModule
+
+
+class BackwardInputPass(ds_sched.BufferOpInstruction):
+    """B: gradients w.r.t. the stage input; weight-gradient work is stashed for W."""
+
+
+class WeightPass(ds_sched.BufferOpInstruction):
+    """W: the deferred weight gradients of one (stage, micro-batch)."""
+
+
+class RecomputePass(ds_sched.BufferOpInstruction):
+    """R: re-run the recomputed layers of one (stage, micro-batch) with autograd on."""
+
+
+class PipelineRankError(RuntimeError):
+    """A peer rank failed or stopped answering; raised instead of hanging."""
+
+
+_INSTR = {Kind.F: ds_sched.ForwardPass, Kind.B: BackwardInputPass, Kind.BW: ds_sched.BackwardPass,
+          Kind.W: WeightPass, Kind.R: RecomputePass, Kind.SEND_F: ds_sched.SendActivation,
+          Kind.RECV_F: ds_sched.RecvActivation, Kind.SEND_B: ds_sched.SendGrad,
+          Kind.RECV_B: ds_sched.RecvGrad}
+
+
+class ActionSchedule(ds_sched.PipeSchedule):
+    """A ``PipeSchedule`` that replays one rank's action list, one instruction per step."""
+
+    def __init__(self, actions, micro_batches, stages, stage_id, train=True):
+        super().__init__(micro_batches, stages, stage_id)
+        self.actions, self.train = list(actions), train
+
+    def num_pipe_buffers(self):
+        return 1
+
+    def steps(self):
+        for a in self.actions:
+            kw = {"buffer_id": a.mb, "stage": a.stage}
+            if a.peer is not None:
+                kw["peer"] = a.peer
+            yield [_INSTR[a.kind](**kw)]
+        yield [ds_sched.CommitP2P()]
+        if self.train:
+            yield [ds_sched.ReduceTiedGrads(), ds_sched.ReduceGrads(), ds_sched.OptimizerStep()]
+
+
+def _as_list(x):
+    return [x] if torch.is_tensor(x) else list(x)
+
+
+def _detached_leaf(x):
+    def one(t):
+        return t.detach().requires_grad_(t.is_floating_point())
+    return one(x) if torch.is_tensor(x) else tuple(one(t) for t in x)
+
+
+class _Slot:
+    """State of one (stage, micro-batch) between its F and its W."""
+    __slots__ = ("inp", "out", "loss", "grad", "recv", "h", "h2", "rng", "ckpt", "store")
+
+    def __init__(self):
+        for k in self.__slots__:
+            setattr(self, k, None)
+
+
+class AutoplanEngine(PipelineEngine):
+    """``PipelineEngine`` that executes the action lists of a ds_autoplan schedule."""
+
+    def __init__(self, *args, **kwargs):
+        self._ap_ready = False
+        super().__init__(*args, **kwargs)
+        mod = self.module
+        if not isinstance(mod, AutoplanPipelineModule):
+            raise TypeError("AutoplanEngine needs an AutoplanPipelineModule (use ds_autoplan.initialize)")
+        sched: Schedule = mod.autoplan_schedule
+        if sched is None:
+            raise ValueError("the AutoplanPipelineModule carries no schedule")
+        if sched.num_ranks != self.num_stages or sched.num_microbatches != self.micro_batches:
+            raise ValueError(f"schedule is for {sched.num_ranks} ranks x {sched.num_microbatches} "
+                             f"micro-batches; the engine has {self.num_stages} pipeline ranks and "
+                             f"gradient_accumulation_steps={self.micro_batches}")
+        if tuple(sched.placement) != mod._ap_placement:
+            raise ValueError("schedule placement differs from the module's placement")
+        validate(sched)
+        self.ap_schedule = lower(sched) if not sched.has_comm() else sched
+        self.ap_actions = self.ap_schedule.ranks[self.stage_id]
+        self.S = sched.num_stages
+        self.placement = tuple(sched.placement)
+        self._loss_rank = self.placement[-1]
+        self._split = any(a.kind == Kind.W for a in self.ap_actions)
+        if self._split:
+            splitgrad.install(mod)
+        self.memtracker = MemTracker(exclude=list(mod.parameters()) + list(mod.buffers())) \
+            if mod.track_memory else None
+        self.ap_mem_trace: list = []      # (action, bytes after it) of the last batch, if tracked
+        self._p2p_timeout = datetime.timedelta(seconds=float(os.environ.get("DS_AUTOPLAN_P2P_TIMEOUT", 600)))
+        self._slots: dict = {}
+        self._sends: list = []
+        self._meta_sent: set = set()
+        self._recv_meta: dict = {}
+        self._batches: dict = {}
+        self._batch_used: dict = {}
+        self._next_mb = 0
+        self._ap_ready = True
+        if self.training_data and (self.is_first_stage() or self.is_last_stage()):
+            self._build_data_iter(self.training_data)
+
+    def reset_activation_shape(self):
+        """Exchange tensor shapes again (call when activation shapes change between batches)."""
+        super().reset_activation_shape()
+        self._meta_sent.clear()
+        self._recv_meta.clear()
+
+    # -- where the loss lives --------------------------------------------------------------
+    def is_last_stage(self):
+        """True on the rank that holds the loss stage (the topological last during __init__)."""
+        if not getattr(self, "_ap_ready", False):
+            return super().is_last_stage()
+        return self.stage_id == self._loss_rank
+
+    def _loss_stage_global_rank(self):
+        return self.grid.stage_to_global(self._loss_rank)
+
+    def _backward_prologue_per_tensor(self, grad):
+        # the loss is divided by gradient_accumulation_steps in DeepSpeedEngine.backward;
+        # gradients entering any other stage are already scaled
+        return grad
+
+    # -- schedules ----------------------------------------------------------------------------
+    def _train_schedule(self):
+        return ActionSchedule(self.ap_actions, self.micro_batches, self.num_stages, self.stage_id)
+
+    def _inference_schedule(self, micro_batches):
+        # forward only, in (micro-batch, stage) order: a topological order every rank follows
+        from ...schedule import Action
+        acts = []
+        for mb in range(micro_batches):
+            for s in range(self.S):
+                if self.placement[s] != self.stage_id:
+                    continue
+                if s > 0 and self.placement[s - 1] != self.stage_id:
+                    acts.append(Action(self.stage_id, Kind.RECV_F, s, mb, self.placement[s - 1]))
+                acts.append(Action(self.stage_id, Kind.F, s, mb))
+                if s + 1 < self.S and self.placement[s + 1] != self.stage_id:
+                    acts.append(Action(self.stage_id, Kind.SEND_F, s, mb, self.placement[s + 1]))
+        return ActionSchedule(acts, micro_batches, self.num_stages, self.stage_id, train=False)
+
+    def _exec_schedule(self, pipe_schedule):
+        self._slots.clear()
+        self._batches.clear()
+        self._batch_used = {}
+        self._next_mb = 0
+        self.ap_mem_trace = []
+        tr = self.memtracker
+        if tr is not None:
+            tr.reset_peak()
+            with tr.track():
+                super()._exec_schedule(pipe_schedule)
+        else:
+            super()._exec_schedule(pipe_schedule)
+        if pipe_schedule.train and self._slots:
+            left = sorted(self._slots)
+            raise RuntimeError(f"rank {self.stage_id}: schedule ended with state left for "
+                               f"(stage, micro-batch) {left[:4]}: missing B/W actions?")
+        self._slots.clear()
+
+    def _slot(self, stage, mb) -> _Slot:
+        return self._slots.setdefault((stage, mb), _Slot())
+
+    def _trace(self, name, stage, mb):
+        if self.memtracker is not None:
+            self.ap_mem_trace.append((name, stage, mb, self.memtracker.current))
+
+    # -- data ---------------------------------------------------------------------------------
+    def _batch(self, mb):
+        while mb not in self._batches:
+            self._batches[self._next_mb] = self._next_batch()
+            self._next_mb += 1
+        return self._batches[mb]
+
+    def _use_batch(self, mb, part):
+        """Part 0 (inputs, stage 0) or 1 (labels, loss stage) of micro-batch ``mb``'s batch."""
+        b = self._batch(mb)
+        need = {0} if self.placement[0] == self.stage_id else set()
+        if self.placement[-1] == self.stage_id:
+            need.add(1)
+        used = self._batch_used.setdefault(mb, set())
+        used.add(part)
+        if used >= need:
+            self._batches.pop(mb, None)
+        return b[part]
+
+    def _load_inputs(self, mb):
+        x = self._use_batch(mb, 0)
+        reentrant = self._reentrant_activation_checkpointing()
+
+        def one(t):
+            t = t.clone().detach().to(self.device)
+            if reentrant:
+                t.requires_grad = t.is_floating_point()
+            return t
+        return one(x) if torch.is_tensor(x) else tuple(one(t) for t in x)
+
+    def _load_labels(self, mb):
+        y = self._use_batch(mb, 1)
+        return y.to(self.device) if torch.is_tensor(y) else tuple(t.to(self.device).detach() for t in y)
+
+    # -- p2p -------------------------------------------------------------------------------------
+    def _peer(self, pipe_rank):
+        return self.grid.stage_to_global(pipe_rank)
+
+    def _wait(self, work, what, peer):
+        try:
+            ok = work.wait(self._p2p_timeout)
+        except Exception as e:  # gloo raises on closed connections and timeouts
+            raise PipelineRankError(f"pipeline rank {self.stage_id} (global {self.global_rank}): "
+                                    f"{what}: exchange with pipeline rank {peer} failed; that rank "
+                                    f"has probably failed or stopped ({type(e).__name__}: {e})") from None
+        if ok is False:
+            raise PipelineRankError(f"pipeline rank {self.stage_id}: {what} with pipeline rank "
+                                    f"{peer} timed out after {self._p2p_timeout}")
+
+    def _send_meta(self, tensors, is_tensor, peer):
+        meta = [int(is_tensor), len(tensors)]
+        for t in tensors:
+            meta += [self.DTYPE_TO_ID[t.dtype], t.dim(), *t.shape]
+        buf = torch.zeros(256, dtype=torch.long)
+        buf[:len(meta)] = torch.tensor(meta, dtype=torch.long)
+        self._sends.append((dist.isend(buf, self._peer(peer)), "activation metadata", peer))
+
+    def _recv_meta_blocking(self, peer):
+        buf = torch.zeros(256, dtype=torch.long)
+        self._wait(dist.irecv(buf, self._peer(peer)), "activation metadata", peer)
+        m = buf.tolist()
+        is_tensor, n, i, specs = bool(m[0]), m[1], 2, []
+        for _ in range(n):
+            dt, nd = self.ID_TO_DTYPE[m[i]], m[i + 1]
+            specs.append((dt, m[i + 2:i + 2 + nd]))
+            i += 2 + nd
+        return is_tensor, specs
+
+    def _exec_send_activations(self, buffer_id, stage, peer):
+        out = self._slot(stage, buffer_id).out
+        tensors = [t.detach() for t in _as_list(out)]
+        if stage not in self._meta_sent:
+            self._meta_sent.add(stage)
+            self._send_meta(tensors, torch.is_tensor(out), peer)
+        for t in tensors:
+            self._sends.append((dist.isend(t, self._peer(peer)), f"activation of stage {stage}", peer))
+        self._prune_sends()
+
+    def _exec_recv_activations(self, buffer_id, stage, peer):
+        if stage not in self._recv_meta:
+            self._recv_meta[stage] = self._recv_meta_blocking(peer)
+        is_tensor, specs = self._recv_meta[stage]
+        bufs = [torch.empty(shape, dtype=dt, device=self.device) for dt, shape in specs]
+        works = [dist.irecv(b, self._peer(peer)) for b in bufs]
+        self._slot(stage, buffer_id).recv = (works, bufs, is_tensor, peer)
+
+    def _exec_send_grads(self, buffer_id, stage, peer):
+        slot = self._slot(stage, buffer_id)
+        grads = [t.grad for t in _as_list(slot.inp) if t.is_floating_point()]
+        if any(g is None for g in grads):
+            raise RuntimeError(f"stage {stage} micro-batch {buffer_id}: no input gradient to send")
+        for g in grads:
+            self._sends.append((dist.isend(g, self._peer(peer)), f"gradient of stage {stage}", peer))
+        slot.inp = None
+        self._drop_if_done(stage, buffer_id)
+        self._prune_sends()
+
+    def _exec_recv_grads(self, buffer_id, stage, peer):
+        slot = self._slot(stage, buffer_id)
+        if slot.out is None:
+            raise RuntimeError(f"RecvGrad for stage {stage} micro-batch {buffer_id} before its forward")
+        bufs = [torch.empty_like(t) for t in _as_list(slot.out) if t.is_floating_point()]
+        slot.recv = ([dist.irecv(b, self._peer(peer)) for b in bufs], bufs, None, peer)
+
+    def _take_recv(self, slot, what):
+        works, bufs, is_tensor, peer = slot.recv
+        slot.recv = None
+        for w in works:
+            self._wait(w, what, peer)
+        return bufs, is_tensor
+
+    def _prune_sends(self):
+        self._sends = [s for s in self._sends if not s[0].is_completed()]
+
+    def _exec_commit_p2p(self):
+        for work, what, peer in self._sends:
+            self._wait(work, f"sending {what}", peer)
+        self._sends = []
+
+    # -- compute ---------------------------------------------------------------------------------
+    def _stage_input(self, stage, mb, slot):
+        if stage == 0:
+            return self._load_inputs(mb)
+        if self.placement[stage - 1] == self.stage_id:     # local hand-off (V turn-around, d=1)
+            prev = self._slot(stage - 1, mb)
+            x = _detached_leaf(prev.out)
+            return x
+        bufs, is_tensor = self._take_recv(slot, f"activation for stage {stage}")
+        x = [b.requires_grad_(b.is_floating_point()) for b in bufs]
+        return x[0] if is_tensor else tuple(x)
+
+    def _exec_forward_pass(self, buffer_id, stage=None):
+        mb, slot = buffer_id, self._slot(stage, buffer_id)
+        slot.inp = x = self._stage_input(stage, mb, slot)
+        k = self.module.recompute_layers.get(stage, 0)
+        if k and torch.is_grad_enabled():
+            # stage-aware recomputation: the first k layers keep only their input (checkpoint)
+            slot.rng = torch.get_rng_state()
+            slot.ckpt = [hold(self.memtracker, t) for t in _as_list(x)]
+            with torch.no_grad(), self.module.activated(stage, 0, k):
+                h = self.module(x)
+            slot.h = x = _detached_leaf(h)
+        with self.module.activated(stage, k if torch.is_grad_enabled() else 0):
+            out = DeepSpeedEngine.forward(self, x)
+        slot.out = out
+        if stage == self.S - 1:
+            if self._compute_loss and self.module.loss_fn is not None:
+                loss = self.module.loss_fn(out, self._load_labels(mb))
+            else:
+                loss = out
+            self.loss = slot.loss = loss
+            if self.eval_return_logits:
+                self.outputs = out
+            det = loss.detach() if torch.is_tensor(loss) else [t.detach() for t in loss]
+            self.fwd_outputs.append(det)
+            if self.total_loss is None:
+                self.total_loss = det.clone() if torch.is_tensor(det) else [t.clone() for t in det]
+            elif torch.is_tensor(det):
+                self.total_loss += det
+            else:
+                for t, d_ in zip(self.total_loss, det):
+                    t += d_
+        if not torch.is_grad_enabled():
+            slot.inp = None
+        self._trace("F", stage, mb)
+
+    def _exec_recompute(self, buffer_id, stage):
+        slot = self._slot(stage, buffer_id)
+        if slot.h is None or slot.h2 is not None:
+            return
+        k = self.module.recompute_layers[stage]
+        state = torch.get_rng_state()
+        torch.set_rng_state(slot.rng)
+        with torch.enable_grad(), self.module.activated(stage, 0, k):
+            slot.h2 = self.module(slot.inp)
+        torch.set_rng_state(state)
+        slot.ckpt = None
+        self._trace("R", stage, buffer_id)
+
+    def _output_grad(self, stage, mb, slot):
+        if self.placement[stage + 1] == self.stage_id:      # local hand-off
+            nxt = self._slot(stage + 1, mb)
+            g = [t.grad for t in _as_list(nxt.inp) if t.is_floating_point()]
+            nxt.inp = None
+            self._drop_if_done(stage + 1, mb)
+            return g
+        bufs, _ = self._take_recv(slot, f"gradient for stage {stage}")
+        return bufs
+
+    def _backward(self, mb, stage, split):
+        slot = self._slot(stage, mb)
+        if slot.h is not None:
+            self._exec_recompute(mb, stage)
+        store = splitgrad.WeightGradStore() if split else None
+        grads = None if stage == self.S - 1 else self._output_grad(stage, mb, slot)
+        ctx = (lambda: store.deferring(self.memtracker)) if split else _nullctx
+        k = self.module.recompute_layers.get(stage, 0) if slot.h is not None else 0
+        # the stage's layers stay active: DeepSpeed's checkpoint function re-runs
+        # module.forward_funcs[start:end] during backward
+        with ctx(), self.module.activated(stage, k):
+            if stage == self.S - 1:
+                DeepSpeedEngine.backward(self, slot.loss)
+            else:
+                outs = [t for t in _as_list(slot.out) if t.is_floating_point()]
+                self._running_engine_backward = True
+                try:
+                    with self._lp_grads():
+                        torch.autograd.backward(outs, grads)
+                finally:
+                    self._running_engine_backward = False
+        if slot.h is not None:      # through the recomputed layers
+            hs = [t for t in _as_list(slot.h) if t.is_floating_point()]
+            h2 = [t for t in _as_list(slot.h2) if t.is_floating_point()]
+            with ctx(), self.module.activated(stage, 0, k), self._lp_grads():
+                torch.autograd.backward(h2, [t.grad for t in hs])
+            slot.h = slot.h2 = None
+        slot.out = slot.loss = None
+        slot.store = store
+        if stage == 0:
+            slot.inp = None
+        self._drop_if_done(stage, mb)
+        self._trace("B" if split else "BW", stage, mb)
+
+    @contextlib.contextmanager
+    def _lp_grads(self):
+        """BF16_Optimizer keeps fp32 gradients; move the low-precision ones after every
+        backward piece that is not DeepSpeedEngine.backward (as PipelineEngine does)."""
+        bf16 = self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update
+        if bf16:
+            self.optimizer.clear_lp_grads()
+        yield
+        if bf16:
+            self.optimizer.update_hp_grads(clear_lp_grads=False)
+
+    def _drop_if_done(self, stage, mb):
+        slot = self._slots.get((stage, mb))
+        if slot is not None and slot.out is None and slot.inp is None and slot.store is None \
+                and slot.loss is None:
+            del self._slots[(stage, mb)]
+
+    def _exec_backward_pass(self, buffer_id, stage=None):
+        self._backward(buffer_id, stage, split=False)
+
+    def _exec_backward_input(self, buffer_id, stage):
+        self._backward(buffer_id, stage, split=True)
+
+    def _exec_weight_pass(self, buffer_id, stage):
+        slot = self._slot(stage, buffer_id)
+        if slot.store is None:
+            raise RuntimeError(f"W for stage {stage} micro-batch {buffer_id} before its B")
+        with self._lp_grads():
+            slot.store.run_all()
+        slot.store = None
+        self._drop_if_done(stage, buffer_id)
+        self._trace("W", stage, buffer_id)
+
+    def _exec_load_micro_batch(self, buffer_id):   # loads happen lazily at F
+        pass
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        ds_sched.LoadMicroBatch: _exec_load_micro_batch,
+        ds_sched.ForwardPass: _exec_forward_pass,
+        ds_sched.BackwardPass: _exec_backward_pass,
+        BackwardInputPass: _exec_backward_input,
+        WeightPass: _exec_weight_pass,
+        RecomputePass: _exec_recompute,
+        ds_sched.SendActivation: _exec_send_activations,
+        ds_sched.RecvActivation: _exec_recv_activations,
+        ds_sched.SendGrad: _exec_send_grads,
+        ds_sched.RecvGrad: _exec_recv_grads,
+        ds_sched.CommitP2P: _exec_commit_p2p,
+    }
+
+
+_nullctx = contextlib.nullcontext

@@ -1,0 +1,144 @@
+"""A :class:`PipelineModule` whose layers are cut into the plan's stages and placed on ranks
+by the schedule's placement (integration.md §1.1, §1.5).
+
+Generalises DeepSpeed 0.19.8's ``DualPipeVModule`` (which builds stages ``r`` and
+``2P-1-r`` on rank ``r`` and swaps them with ``activate_phase``) to any placement:
+sequential (1F1B), interleaved (``s mod d``), V, or custom.  Each local stage is a *chunk*;
+:meth:`activated` exposes one chunk (or a sub-range of its layers, for stage-aware
+recomputation) through the parent's ``forward``.
+"""
+from __future__ import annotations
+
+import contextlib
+from itertools import accumulate
+
+from deepspeed.runtime.pipe.module import PipelineModule
+
+
+class PartitionError(ValueError):
+    """The plan's partition does not fit the model's layer list."""
+
+
+def parts_from(layers_per_stage, num_layers: int) -> list[int]:
+    """Layer counts per stage -> boundaries ``[0, c0, c0+c1, ..., num_layers]``.
+
+    Plans count transformer layers only; when the counts sum to ``num_layers - 2`` the layer
+    list is taken to be ``[embedding, blocks..., head]`` and the embedding joins the first
+    stage, the head the last."""
+    counts = [int(c) for c in layers_per_stage]
+    if any(c < 0 for c in counts):
+        raise PartitionError(f"negative layer count in layers_per_stage {counts}")
+    if sum(counts) == num_layers - 2:
+        counts[0] += 1
+        counts[-1] += 1
+    parts = [0, *accumulate(counts)]
+    if parts[-1] != num_layers:
+        raise PartitionError(f"layers_per_stage {counts} sums to {parts[-1]}, but the model has "
+                             f"{num_layers} layers")
+    return parts
+
+
+class AutoplanPipelineModule(PipelineModule):
+    """``PipelineModule`` with an explicit stage partition and stage→rank placement.
+
+    ``placement[s]`` is the pipeline rank of stage ``s`` (``len(placement)`` = number of stages
+    S); ``layers_per_stage`` (S counts) fixes the partition, otherwise ``partition_method``
+    splits the layers into S parts as DeepSpeed does.  ``recompute_per_stage[s]`` is the
+    fraction of stage ``s``'s layers whose activations are recomputed (Merak's 1-α_i, seed 001
+    §5.2; the *first* layers of the stage, partition-merak.md §6.3 [decision]).
+    """
+
+    def __init__(self, layers, placement, layers_per_stage=None, recompute_per_stage=None,
+                 schedule=None, track_memory=False, **kwargs):
+        placement = tuple(int(r) for r in placement)
+        d = max(placement) + 1
+        if sorted(set(placement)) != list(range(d)):
+            raise PartitionError(f"placement {placement} leaves a rank without a stage")
+        S = len(placement)
+        rec = [0.0] * S if recompute_per_stage is None else [float(x) for x in recompute_per_stage]
+        if len(rec) != S or not all(0.0 <= x <= 1.0 for x in rec):
+            raise PartitionError(f"recompute_per_stage needs {S} fractions in [0, 1], got {rec}")
+        for k, v in (("_ap_placement", placement), ("_ap_lps", layers_per_stage),
+                     ("_ap_recompute", rec), ("autoplan_schedule", schedule),
+                     ("track_memory", bool(track_memory))):
+            object.__setattr__(self, k, v)
+        if kwargs.get("topology") is None:
+            kwargs["num_stages"] = d
+        super().__init__(layers, **kwargs)
+
+    # -- partition / build ---------------------------------------------------------------
+    def _partition_layers(self, method="uniform"):
+        S = len(self._ap_placement)
+        if self.num_stages != max(self._ap_placement) + 1:
+            raise PartitionError(f"placement is for {max(self._ap_placement) + 1} pipeline ranks, "
+                                 f"topology has {self.num_stages}")
+        self.num_stages = S            # stage_owner() and checkpoint paths walk the S parts
+        if self._ap_lps is not None:
+            if len(self._ap_lps) != S:
+                raise PartitionError(f"layers_per_stage has {len(self._ap_lps)} entries, the "
+                                     f"schedule has {S} stages")
+            self.parts = parts_from(self._ap_lps, len(self._layer_specs))
+            self._set_bounds(self.parts[0], self.parts[1])
+        else:
+            saved, self.stage_id = self.stage_id, 0
+            super()._partition_layers(method)
+            self.stage_id = saved
+        rank = self.stage_id
+        self.local_stages = [s for s, r in enumerate(self._ap_placement) if r == rank]
+        self.chunk_bounds = [(self.parts[s], self.parts[s + 1]) for s in self.local_stages]
+        self.recompute_layers = {s: round(self._ap_recompute[s] * (self.parts[s + 1] - self.parts[s]))
+                                 for s in self.local_stages}
+        self._set_bounds(*self.chunk_bounds[0])
+
+    def stage_owner(self, layer_idx):
+        """The pipeline rank that owns ``layer_idx``."""
+        return self._ap_placement[super().stage_owner(layer_idx)]
+
+    def _build(self):
+        self.chunk_funcs = []
+        for start, stop in self.chunk_bounds:
+            self._set_bounds(start, stop)
+            super()._build()
+            self.chunk_funcs.append(self.forward_funcs)
+            self.forward_funcs = []
+        self._activate(0, 0, None)
+
+    def _activate(self, chunk, lo, hi):
+        funcs = self.chunk_funcs[chunk]
+        hi = len(funcs) if hi is None else hi
+        self.forward_funcs = funcs[lo:hi]
+        start = self.chunk_bounds[chunk][0]
+        self._local_start, self._local_stop = start + lo, start + hi
+        if self.activation_checkpoint_interval > 0:
+            k = self.activation_checkpoint_interval
+            self.is_checkpointable_results = [self._is_checkpointable(self.forward_funcs[i:i + k])
+                                              for i in range(0, len(self.forward_funcs), k)]
+            self.is_checkpointable_results_interval = k
+
+    @contextlib.contextmanager
+    def activated(self, stage: int, lo: int = 0, hi: int | None = None):
+        """Expose layers ``[lo, hi)`` of local ``stage`` through ``forward``."""
+        self._activate(self.local_stages.index(stage), lo, hi)
+        try:
+            yield self
+        finally:
+            self._activate(0, 0, None)
+
+    def _precompute_checkpointable_values(self):
+        self._activate(0, 0, None)
+
+    def set_checkpoint_interval(self, interval):
+        self.activation_checkpoint_interval = interval
+        self._activate(0, 0, None)
+
+    def _each_chunk(self, fn, *args, **kwargs):
+        for c in range(len(self.chunk_funcs)):
+            self._activate(c, 0, None)
+            fn(*args, **kwargs)
+        self._activate(0, 0, None)
+
+    def save_state_dict(self, *args, **kwargs):
+        self._each_chunk(super().save_state_dict, *args, **kwargs)
+
+    def load_state_dir(self, *args, **kwargs):
+        self._each_chunk(super().load_state_dir, *args, **kwargs)

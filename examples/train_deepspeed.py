@@ -1,0 +1,94 @@
+"""Train a small GPT with DeepSpeed's PipelineEngine and any ds_autoplan schedule, on CPU.
+
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/train_deepspeed.py --schedule v-zb --n 4
+    ds-autoplan launch --num_gpus 2 examples/train_deepspeed.py          # plans first
+    deepspeed --autoplan --num_gpus 2 examples/train_deepspeed.py        # after `ds-autoplan patch deepspeed`
+
+With a plan (``--plan plan.json``, or from ``--autoplan`` / ``ds-autoplan launch``, which also
+pass ``--deepspeed_config``) the plan decides parallelism, partition, schedule and
+recomputation; otherwise the flags build a pure-pipeline plan for the world size.
+Prints the loss of every optimizer step on rank 0.
+"""
+import argparse
+import os
+
+import torch
+import deepspeed
+
+from ds_autoplan.models.tiny_gpt import GPTConfig, TinyGPT, gpt_loss
+from ds_autoplan.plan import Plan
+from ds_autoplan.runtime.deepspeed import as_plan, initialize
+from ds_autoplan.schedule import build
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--schedule", default="1f1b", help="any registered ds_autoplan schedule")
+    p.add_argument("--n", type=int, default=4, help="micro-batches per step")
+    p.add_argument("--mbs", type=int, default=2, help="micro-batch size")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=128)
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1])
+    p.add_argument("--recompute", type=float, default=0.0,
+                   help="fraction of each stage's layers to recompute")
+    p.add_argument("--plan", default=None, help="plan.json (default: $DS_AUTOPLAN_PLAN)")
+    p.add_argument("--deepspeed_config", default=None)
+    p.add_argument("--local_rank", type=int, default=None)
+    return p.parse_args()
+
+
+def flag_plan(args, world):
+    opts = {"v": 2} if args.schedule == "interleaved" else {}
+    S = build(args.schedule, world, args.n, **opts).num_stages
+    base, extra = divmod(args.layers, S)
+    return Plan(pp=world, dp=1, micro_batch_size=args.mbs, num_microbatches=args.n,
+                global_batch_size=args.mbs * args.n, precision="fp32", schedule=args.schedule,
+                schedule_options=opts, zero_stage=args.zero, num_layers=args.layers,
+                seq_len=args.seq,
+                layers_per_stage=[base + (s < extra) for s in range(S)],
+                recompute_per_stage=[args.recompute] * S)
+
+
+def batches(plan, cfg, dp_rank):
+    """The same synthetic micro-batches every step (so the loss visibly falls)."""
+    g = torch.Generator().manual_seed(dp_rank)
+    for _ in range(plan.num_microbatches):
+        ids = torch.randint(0, cfg.vocab_size, (plan.micro_batch_size, cfg.seq_len + 1), generator=g)
+        yield ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def main():
+    args = parse()
+    deepspeed.init_distributed(dist_backend="gloo")
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    planned = args.plan or os.environ.get("DS_AUTOPLAN_PLAN")
+    plan = as_plan(planned) if planned else flag_plan(args, world)
+    cfg = GPTConfig(vocab_size=args.vocab, hidden=args.hidden, num_layers=plan.num_layers or args.layers,
+                    num_heads=4, seq_len=plan.seq_len or args.seq)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    ds_cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
+              "steps_per_print": 10 ** 9, "zero_allow_untested_optimizer": True}
+    if args.deepspeed_config:
+        import json
+        with open(args.deepspeed_config) as fh:
+            ds_cfg.update(json.load(fh))
+    engine, *_ = initialize(model.layers(), plan, loss_fn=gpt_loss, config=ds_cfg)
+    dp_rank = engine.grid.data_parallel_id
+    if rank == 0:
+        print(f"plan: pp={plan.pp} dp={plan.dp} schedule={plan.schedule} "
+              f"layers_per_stage={plan.layers_per_stage} recompute={plan.recompute_per_stage}",
+              flush=True)
+    for step in range(args.steps):
+        loss = engine.train_batch(batches(plan, cfg, dp_rank))
+        if rank == 0:
+            print(f"step {step} loss {float(loss):.4f}", flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

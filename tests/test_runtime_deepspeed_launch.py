@@ -1,0 +1,79 @@
+"""`ds-autoplan patch deepspeed` / `deepspeed --autoplan` / `ds-autoplan launch`, end to end on
+2 CPU ranks; the patch is always reverted."""
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+from ds_autoplan.cli import patch_cmd  # noqa: E402
+from ds_autoplan.runtime.deepspeed.spawn import free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _cli(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "ds_autoplan", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=env and env.get("PWD"))
+
+
+def _runner():
+    return Path(patch_cmd.runner_file()[0])
+
+
+def test_patch_text_is_reversible_and_matches_shipped_patch():
+    text = _runner().read_text()
+    text = patch_cmd.unpatched(text)           # whatever the current state
+    new = patch_cmd.patched(text)
+    assert new != text and patch_cmd.MARK in new
+    assert patch_cmd.unpatched(new) == text
+    assert patch_cmd.diff(text) == (ROOT / "patches" / "deepspeed-autoplan.patch").read_text()
+    r = _cli("patch", "deepspeed", "--diff")
+    assert r.returncode == 0 and r.stdout == patch_cmd.diff(text)
+    with pytest.raises(patch_cmd.UserError):
+        patch_cmd.patched("def main():\n    pass\n")
+
+
+def test_deepspeed_autoplan_end_to_end(tmp_path):
+    path = _runner()
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PWD=str(tmp_path), OMP_NUM_THREADS="1")
+    try:
+        r = _cli("patch", "deepspeed", env=env)
+        assert r.returncode == 0, r.stderr
+        r = _cli("patch", "deepspeed", env=env)           # idempotent
+        assert r.returncode == 0 and "already patched" in r.stdout
+        run = subprocess.run([str(BIN / "deepspeed"), "--autoplan", "--num_gpus", "2",
+                              "--master_port", str(free_port()),
+                              str(ROOT / "examples" / "train_deepspeed.py"), "--steps", "2"],
+                             capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+        out = run.stdout + run.stderr
+        assert run.returncode == 0, out[-3000:]
+        assert "step 1 loss" in out
+        assert (tmp_path / "ds_autoplan_out" / "ds_config.json").exists()
+        assert (tmp_path / "ds_autoplan_out" / "plan.json").exists()
+    finally:
+        r = _cli("patch", "deepspeed", "--revert", env=env)
+    assert r.returncode == 0, r.stderr
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+
+
+def test_launch_bad_input_is_one_clear_error(tmp_path):
+    r = _cli("launch", "--num_gpus", "2", str(tmp_path / "missing.py"))
+    assert r.returncode == 2
+    assert "training script not found" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("world,schedule", [(4, "v-half")])
+def test_example_trains_with_a_pipeline_schedule(world, schedule):
+    from ds_autoplan.runtime.deepspeed.spawn import spawn
+    outs = spawn([str(ROOT / "examples" / "train_deepspeed.py"), "--schedule", schedule,
+                  "--steps", "3", "--recompute", "1"], world, timeout=240)
+    assert all(rc == 0 for rc, _ in outs), outs[0][1][-3000:]
+    losses = [float(ln.split()[-1]) for ln in outs[0][1].splitlines() if ln.startswith("step ")]
+    assert len(losses) == 3 and losses[-1] < losses[0]
