@@ -73,9 +73,9 @@ def worker(args):
     from ds_autoplan.runtime.deepspeed.api import initialize
     from ds_autoplan.runtime.memtrack import MemTracker
     from ds_autoplan.schedule import build
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    from ds_autoplan.runtime.deepspeed.dist import init_distributed
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed()
     d, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     SleepLayer = _sleep_layer_cls()
     L, n, unit = 2 * d, args.n, args.unit_ms / 1000.0

@@ -1,6 +1,6 @@
 """Train a small GPT with DeepSpeed's PipelineEngine and any ds_autoplan schedule, on CPU.
 
-    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/train_deepspeed.py --schedule v-zb --n 4
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/train_deepspeed.py --schedule v-zb --microbatches 4
     ds-autoplan launch --num_gpus 2 examples/train_deepspeed.py          # plans first
     deepspeed --autoplan --num_gpus 2 examples/train_deepspeed.py        # after `ds-autoplan patch deepspeed`
 
@@ -13,18 +13,19 @@ import argparse
 import os
 
 import torch
-import deepspeed
 
 from ds_autoplan.models.tiny_gpt import GPTConfig, TinyGPT, gpt_loss
 from ds_autoplan.plan import Plan
 from ds_autoplan.runtime.deepspeed import as_plan, initialize
+from ds_autoplan.runtime.deepspeed.dist import init_distributed
 from ds_autoplan.schedule import build
 
 
 def parse():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--schedule", default="1f1b", help="any registered ds_autoplan schedule")
-    p.add_argument("--n", type=int, default=4, help="micro-batches per step")
+    # not "--n": DeepSpeed's launcher parser would take it for an abbreviation of its options
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
     p.add_argument("--mbs", type=int, default=2, help="micro-batch size")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
@@ -42,10 +43,10 @@ def parse():
 
 def flag_plan(args, world):
     opts = {"v": 2} if args.schedule == "interleaved" else {}
-    S = build(args.schedule, world, args.n, **opts).num_stages
+    S = build(args.schedule, world, args.microbatches, **opts).num_stages
     base, extra = divmod(args.layers, S)
-    return Plan(pp=world, dp=1, micro_batch_size=args.mbs, num_microbatches=args.n,
-                global_batch_size=args.mbs * args.n, precision="fp32", schedule=args.schedule,
+    return Plan(pp=world, dp=1, micro_batch_size=args.mbs, num_microbatches=args.microbatches,
+                global_batch_size=args.mbs * args.microbatches, precision="fp32", schedule=args.schedule,
                 schedule_options=opts, zero_stage=args.zero, num_layers=args.layers,
                 seq_len=args.seq,
                 layers_per_stage=[base + (s < extra) for s in range(S)],
@@ -62,7 +63,7 @@ def batches(plan, cfg, dp_rank):
 
 def main():
     args = parse()
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed()
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     planned = args.plan or os.environ.get("DS_AUTOPLAN_PLAN")
     plan = as_plan(planned) if planned else flag_plan(args, world)

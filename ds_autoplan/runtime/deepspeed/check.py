@@ -299,13 +299,9 @@ def main(argv=None):
     ap.add_argument("--fail", default="", help="rank:raise|kill|hang:call (failure injection)")
     ap.add_argument("--local_rank", type=int, default=None)   # set by the deepspeed launcher
     args = ap.parse_args(argv)
-    import deepspeed
-    if os.environ.get("DS_AUTOPLAN_SHM") != "1":
-        # skip the JIT build of DeepSpeed's CPU shared-memory allreduce (minutes on a fresh
-        # machine; only an inference-allreduce speed-up): a runtime switch, nothing is edited
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    from .dist import init_distributed
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed()
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     layers0, loss_fn, batches = model_and_data(args)
     losses, layers = reference_training(copy.deepcopy(layers0), batches, args.lr, loss_fn)
