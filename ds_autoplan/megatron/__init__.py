@@ -1,0 +1,58 @@
+"""megatron-core 0.16.1 hooks: ds_autoplan schedules as Megatron's ``forward_backward_func``,
+plan → parallel setup, a CPU shim and split-backward linear layers.
+
+    setup = ds_autoplan.megatron.initialize(plan)          # initialize_model_parallel + overrides
+    fb = ds_autoplan.megatron.get_forward_backward_func(plan)
+    losses = fb(forward_step_func=..., data_iterator=..., model=chunks, num_microbatches=...,
+                seq_length=..., micro_batch_size=...)     # same keywords as Megatron's
+    ds_autoplan.megatron.install(plan)                     # or: patch Megatron's dispatcher
+"""
+from __future__ import annotations
+
+from .executor import SIGNATURE, ScheduleRunner
+from .setup import (MegatronSetup, StageLayerLayout, initialize, layout_string, megatron_args,
+                    plan_overrides,
+                    stage_layer_lists)
+from .shim import cpu_shim
+from .splitgrad import SplitColumnParallelLinear, SplitRowParallelLinear, split_backward_spec
+
+
+def get_forward_backward_func(plan=None, *, schedule=None, costs=None, tracker=None) -> ScheduleRunner:
+    """A callable with the keyword signature of megatron-core's schedule functions that runs
+    ``plan``'s schedule (or ``schedule``, any valid action list; it is lowered with ``costs``)."""
+    if schedule is None:
+        if plan is None:
+            raise ValueError("give a plan or a schedule")
+        schedule = plan.build_schedule()
+    return ScheduleRunner(schedule, costs, tracker)
+
+
+def install(plan=None, *, schedule=None, costs=None):
+    """Make megatron-core's ``get_forward_backward_func`` return our function (patches the
+    attribute in ``megatron.core.pipeline_parallel``, ``...schedules`` and, if imported,
+    ``megatron.training.training``).  Returns a function that undoes it."""
+    import sys
+
+    import megatron.core.pipeline_parallel as pp_pkg
+    from megatron.core.pipeline_parallel import schedules
+
+    fb = get_forward_backward_func(plan, schedule=schedule, costs=costs)
+
+    def get_fb(*_a, **_k):
+        return fb
+    mods = [pp_pkg, schedules] + [m for m in (sys.modules.get("megatron.training.training"),) if m]
+    saved = [(m, m.get_forward_backward_func) for m in mods if hasattr(m, "get_forward_backward_func")]
+    for m, _ in saved:
+        m.get_forward_backward_func = get_fb
+
+    def undo():
+        for m, f in saved:
+            m.get_forward_backward_func = f
+    return undo
+
+
+__all__ = ["MegatronSetup", "SIGNATURE", "ScheduleRunner",
+           "SplitColumnParallelLinear", "SplitRowParallelLinear", "StageLayerLayout", "cpu_shim",
+           "get_forward_backward_func", "initialize", "install", "layout_string", "megatron_args",
+           "plan_overrides",
+           "split_backward_spec", "stage_layer_lists"]

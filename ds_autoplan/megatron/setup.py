@@ -1,0 +1,200 @@
+"""Plan → megatron-core parallel setup and TransformerConfig overrides (integration.md §4.1, §4.3).
+
+* ``initialize_model_parallel`` gets the plan's tp / pp sizes; its virtual size is the number
+  of stages per rank (2 for V-shapes, ``v`` for interleaved, none for 1F1B-family).
+* The layer layout goes into ``pipeline_model_parallel_layout``.  For sequential and
+  interleaved placements Megatron's own list-of-lists layout is used (its order vpp0pp0,
+  vpp0pp1, ... *is* stage order).  A V placement (stage i and 2d-1-i on rank i) is not
+  expressible that way (Megatron requires the loss in its last vpp/pp slot and computes layer
+  offsets in interleaved order), so :class:`StageLayerLayout` -- a subclass of Megatron's
+  ``PipelineParallelLayerLayout``, which ``TransformerConfig`` accepts as is -- keeps the
+  (pp rank, vp stage) → stage map and computes layer counts and offsets in stage order.
+* Recompute: per stage, Megatron's ``recompute_method='block'`` with ``recompute_num_layers``
+  = round(fraction · layers of that stage) ("recompute the first n layers of each stage";
+  block avoids the non-divisor bug of 'uniform', NVIDIA/Megatron-LM#1807).  A rank's chunks
+  may differ, so :meth:`MegatronSetup.chunk_config` returns one config copy per chunk.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from megatron.core.transformer.enums import LayerType
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+from ..schedule import Schedule, ScheduleError
+
+
+def stage_layer_lists(layers_per_stage) -> list[list[str]]:
+    """Megatron layout entries per stage (LayerType names): the embedding on stage 0, one
+    'decoder' per transformer layer, the loss on the last stage."""
+    S = len(layers_per_stage)
+    return [(["embedding"] if s == 0 else []) + ["decoder"] * int(n) + (["loss"] if s == S - 1 else [])
+            for s, n in enumerate(layers_per_stage)]
+
+
+def layout_string(layers_per_stage) -> str:
+    """The same in Megatron's string form (``--pipeline-model-parallel-layout``), e.g. 'Ett|ttL'."""
+    S = len(layers_per_stage)
+    return "|".join(("E" if s == 0 else "") + "t" * int(n) + ("L" if s == S - 1 else "")
+                    for s, n in enumerate(layers_per_stage))
+
+
+class StageLayerLayout(PipelineParallelLayerLayout):
+    """``PipelineParallelLayerLayout`` for any placement (stage → pp rank), chunks of a rank in
+    stage order; layer offsets are counted in stage (= layer) order."""
+
+    def __init__(self, stage_lists, placement):
+        placement = list(placement)
+        d = max(placement) + 1
+        per_rank = [[s for s, r in enumerate(placement) if r == rank] for rank in range(d)]
+        v = len(per_rank[0])
+        if any(len(x) != v for x in per_rank):
+            raise ScheduleError("every pipeline rank must hold the same number of stages")
+        self.stage_of = {(r, c): per_rank[r][c] for r in range(d) for c in range(v)}
+        vpp_major = [stage_lists[self.stage_of[(r, c)]] for c in range(v) for r in range(d)]
+        super().__init__(vpp_major, d)
+        self.input_data = [list(x) for x in stage_lists]
+        # stage (layer) order, so validate_layer_layout sees E first and L last
+        self.flatten_layout = [LayerType[t] if isinstance(t, str) else t
+                               for st in stage_lists for t in st]
+        self._stage_lists = [self.layout[r][c] for (r, c) in sorted(self.stage_of, key=self.stage_of.get)]
+
+    def get_layer_offset(self, layer_type=LayerType.decoder, vp_stage=None, pp_rank=None):
+        from megatron.core import parallel_state
+        if pp_rank is None:
+            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        stage = self.stage_of[(pp_rank, vp_stage or 0)]
+        return sum(st.count(layer_type) for st in self._stage_lists[:stage])
+
+
+@dataclasses.dataclass
+class MegatronSetup:
+    """What :func:`initialize` decided for this process."""
+
+    schedule: Schedule
+    pp_rank: int
+    config_overrides: dict          # for every chunk's TransformerConfig
+    stages: list                    # stage id of each local model chunk (chunk order)
+    recompute_num_layers: list      # per stage
+    layout: object                  # what config_overrides['pipeline_model_parallel_layout'] holds
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.stages)
+
+    def pre_process(self, chunk: int = 0) -> bool:
+        """GPTModel(pre_process=...) for local chunk ``chunk`` (holds the embedding)."""
+        return self.stages[chunk] == 0
+
+    def post_process(self, chunk: int = 0) -> bool:
+        """GPTModel(post_process=...) for local chunk ``chunk`` (holds output layer + loss)."""
+        return self.stages[chunk] == self.schedule.num_stages - 1
+
+    def vp_stage(self, chunk: int = 0):
+        return chunk if self.num_chunks > 1 else None
+
+    def chunk_overrides(self, chunk: int = 0) -> dict:
+        n = self.recompute_num_layers[self.stages[chunk]]
+        rec = (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=n)
+               if n > 0 else dict(recompute_granularity=None, recompute_method=None,
+                                  recompute_num_layers=None))
+        return {**self.config_overrides, **rec}
+
+    def chunk_config(self, config, chunk: int = 0):
+        """A copy of ``config`` with this chunk's recompute settings (per-stage recompute)."""
+        cfg = copy.copy(config)
+        for k, v in self.chunk_overrides(chunk).items():
+            if k.startswith("recompute"):
+                setattr(cfg, k, v)
+        return cfg
+
+
+def layout_for(schedule: Schedule, layers_per_stage):
+    if schedule.placement_kind in ("sequential", "interleaved"):
+        return layout_string(layers_per_stage)   # Megatron's own layout; stage order == vpp-major
+    return StageLayerLayout(stage_layer_lists(layers_per_stage), schedule.placement)
+
+
+def plan_overrides(plan, schedule: Schedule | None = None) -> tuple[dict, list, object]:
+    sched = schedule or plan.build_schedule()
+    S, d = sched.num_stages, sched.num_ranks
+    lps = list(plan.layers_per_stage)
+    if len(lps) != S:
+        raise ScheduleError(f"plan.layers_per_stage has {len(lps)} entries but schedule "
+                            f"{plan.schedule!r} has {S} stages")
+    rec = list(plan.recompute_per_stage or [0.0] * S)
+    if len(rec) != S:
+        raise ScheduleError(f"plan.recompute_per_stage has {len(rec)} entries, expected {S}")
+    layout = layout_for(sched, lps)
+    vpp = S // d if S > d else None
+    over = dict(num_layers=sum(lps), tensor_model_parallel_size=plan.tp,
+                pipeline_model_parallel_size=d, virtual_pipeline_model_parallel_size=vpp,
+                pipeline_model_parallel_layout=layout,
+                microbatch_group_size_per_vp_stage=sched.meta.get(
+                    "microbatch_group_size_per_vp_stage", d) if vpp else None)
+    if vpp is None:
+        over.pop("microbatch_group_size_per_vp_stage")
+    rec_layers = [int(round(f * n)) for f, n in zip(rec, lps)]
+    return over, rec_layers, layout
+
+
+def initialize(plan, schedule: Schedule | None = None, **model_parallel_kwargs) -> MegatronSetup:
+    """``parallel_state.initialize_model_parallel`` with the plan's sizes (torch.distributed
+    must be initialised; world = tp·pp·dp), and the TransformerConfig overrides for this rank.
+
+    Build each local chunk ``c`` as ``GPTModel(config=setup.chunk_config(cfg, c),
+    pre_process=setup.pre_process(c), post_process=setup.post_process(c),
+    vp_stage=setup.vp_stage(c), ...)`` where ``cfg = TransformerConfig(**base,
+    **setup.config_overrides)``.
+    """
+    from megatron.core import parallel_state
+
+    import torch.distributed as dist
+
+    sched = schedule or plan.build_schedule()
+    over, rec_layers, layout = plan_overrides(plan, sched)
+    world = dist.get_world_size()
+    if world != plan.tp * sched.num_ranks * plan.dp:
+        raise ScheduleError(f"plan needs tp*pp*dp = {plan.tp}*{sched.num_ranks}*{plan.dp} = "
+                            f"{plan.tp * sched.num_ranks * plan.dp} processes, world size is {world}")
+    if sched.placement_kind == "v":
+        # embedding and output layer both live on pp rank 0 in a V placement
+        model_parallel_kwargs.setdefault("get_embedding_ranks", lambda pp_ranks, *a: [pp_ranks[0]])
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=sched.num_ranks,
+        virtual_pipeline_model_parallel_size=over["virtual_pipeline_model_parallel_size"],
+        **model_parallel_kwargs)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    return MegatronSetup(sched, rank, over, sched.stages_of(rank), rec_layers, layout)
+
+
+def megatron_args(plan, schedule: Schedule | None = None) -> list[str]:
+    """Megatron-LM command-line flags for ``plan`` (what ``pretrain_gpt.py`` accepts).
+
+    The per-stage layout goes into ``--pipeline-model-parallel-layout`` for sequential and
+    interleaved placements; a V placement cannot be written as flags (see docs/megatron.md),
+    so only its sizes are emitted and the patched script applies the rest from the plan.
+    Megatron-LM's recompute flags are global: the largest per-stage block count is emitted and
+    ``MegatronSetup.chunk_config`` refines it per stage.
+    """
+    sched = schedule or plan.build_schedule()
+    over, rec_layers, layout = plan_overrides(plan, sched)
+    args = ["--tensor-model-parallel-size", str(plan.tp),
+            "--pipeline-model-parallel-size", str(sched.num_ranks),
+            "--micro-batch-size", str(plan.micro_batch_size),
+            "--global-batch-size", str(plan.global_batch_size),
+            "--num-layers", str(over["num_layers"])]
+    if isinstance(layout, str):
+        args += ["--pipeline-model-parallel-layout", layout]
+        if over.get("microbatch_group_size_per_vp_stage"):
+            args += ["--microbatch-group-size-per-virtual-pipeline-stage",
+                     str(over["microbatch_group_size_per_vp_stage"])]
+    if max(rec_layers, default=0) > 0:
+        args += ["--recompute-granularity", "full", "--recompute-method", "block",
+                 "--recompute-num-layers", str(max(rec_layers))]
+    if plan.precision in ("bf16", "fp16"):
+        args.append(f"--{plan.precision}")
+    if getattr(plan, "sequence_parallel", False):
+        args.append("--sequence-parallel")
+    return args

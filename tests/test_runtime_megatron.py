@@ -1,0 +1,208 @@
+"""megatron-core hooks: our forward_backward_func vs Megatron's own schedules and the
+no-pipeline run, on CPU with gloo (2 and 4 ranks, several schedules per process group)."""
+from __future__ import annotations
+
+import inspect
+import time
+
+import pytest
+
+pytest.importorskip("megatron.core")
+torch = pytest.importorskip("torch")
+
+from ds_autoplan.schedule import Schedule, names, simulate, Costs, build, v_placement  # noqa: E402
+
+TOL = 1e-5
+
+
+def hand_v(d: int, n: int) -> Schedule:
+    """A hand-made V schedule mixing BW, split B/W and recomputation (R) of one stage."""
+    S = 2 * d
+    lists = []
+    for r in range(d):
+        c0, c1 = r, S - 1 - r
+        keys = [("F", c0, m) for m in range(n)] + [("F", c1, m) for m in range(n)]
+        if r == d - 1:
+            keys += [("R", c1, m) for m in range(n)]
+        keys += [("BW", c1, m) for m in range(n)]
+        for m in range(n):
+            keys += [("B", c0, m), ("W", c0, m)]
+        lists.append(keys)
+    return Schedule.from_keys("hand-v", n, v_placement(d), lists)
+
+
+def _cases(d: int, n: int):
+    seq, v = [2] * d, [1] * (2 * d)
+    cases = [dict(pp=d, n=n, schedule="1f1b", layers=seq),
+             dict(pp=d, n=n, schedule="1f1b", layers=seq, runner="megatron"),
+             dict(pp=d, n=n, schedule="interleaved", layers=v),
+             # gloo + pp=2: Megatron's batched p2p mixes up the two directions (same peer),
+             # so its own interleaved reference runs with batch_p2p_comm off there
+             dict(pp=d, n=n, schedule="interleaved", layers=v, runner="megatron",
+                  config={"batch_p2p_comm": d != 2})]
+    for name in ("v-half", "v-min", "v-zb", "zb-h1"):
+        if name in names():
+            cases.append(dict(pp=d, n=n, schedule=name, layers=seq if name == "zb-h1" else v))
+    cases.append(dict(pp=d, n=n, layers=v, sched=hand_v(d, n).to_dict(), schedule="hand-v"))
+    if d == 2 and "v-zb" in names():  # per-stage Megatron block recompute on V chunks + B/W split
+        cases.append(dict(pp=d, n=n, schedule="v-zb", layers=[2, 2, 2, 2],
+                          recompute=[0.5, 0.0, 1.0, 0.5], runner="ours"))
+    return cases
+
+
+def _check(cases, out):
+    d = len(out)
+    for i, case in enumerate(cases):
+        label = f"{case['schedule']}/{case.get('runner', 'ours')} d={d}"
+        rs = [out[r][i] for r in range(d)]
+        for r in rs:
+            assert r["max_grad_err"] <= TOL * max(1.0, r["max_grad"]), (label, r["rank"], r["max_grad_err"])
+        last = [r for r in rs if r["losses"][0]]
+        assert len(last) == 1, f"{label}: losses must come from exactly one rank"
+        lr = last[0]
+        assert len(lr["losses"][0]) == case["n"]
+        for got, ref in zip(lr["losses"] + [lr["eval_losses"]], lr["ref_losses"] + [lr["ref_eval_losses"]]):
+            assert got == pytest.approx(ref, abs=TOL), label
+        if case.get("runner", "ours") == "ours":
+            for r in rs:  # measured peak saved-activation bytes vs the simulator
+                assert r["peak_bytes"][0] == r["peak_bytes"][1]
+                assert abs(r["peak_bytes"][0] - r["sim_peak_bytes"]) <= 0.10 * r["sim_peak_bytes"], \
+                    (label, r["rank"], r["peak_bytes"], r["sim_peak_bytes"])
+    # ours == Megatron's own schedule (1F1B and interleaved), loss by loss
+    by = {(c["schedule"], c.get("runner", "ours")): i for i, c in enumerate(cases)}
+    for sname in ("1f1b", "interleaved"):
+        a, b = by[(sname, "ours")], by[(sname, "megatron")]
+        la = [x for r in range(d) for step in out[r][a]["losses"] for x in step]
+        lb = [x for r in range(d) for step in out[r][b]["losses"] for x in step]
+        assert len(la) == 2 * cases[a]["n"] and la == pytest.approx(lb, abs=TOL)
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_all_schedules():
+    from ds_autoplan.megatron.testing import launch
+    cases = _cases(2, 4)
+    _check(cases, launch(2, cases, timeout=200))
+
+
+@pytest.mark.timeout(300)
+def test_four_ranks_all_schedules():
+    from ds_autoplan.megatron.testing import launch
+    cases = [c for c in _cases(4, 8) if c["schedule"] not in ("zb-h1",)]
+    _check(cases, launch(4, cases, timeout=260))
+
+
+@pytest.mark.timeout(120)
+def test_failing_rank_does_not_hang_the_others():
+    from ds_autoplan.megatron.testing import launch
+    t0 = time.time()
+    with pytest.raises(RuntimeError, match="deliberate failure"):
+        launch(2, [dict(fn="fail_case", bad_rank=1, pp=2, n=4, schedule="v-zb" if "v-zb" in names()
+                        else "1f1b", layers=[1, 1, 1, 1] if "v-zb" in names() else [2, 2])],
+               timeout=100)
+    assert time.time() - t0 < 90
+
+
+# ------------------------------------------------------------------ in-process unit tests
+def test_signature_is_megatrons():
+    from megatron.core.pipeline_parallel import schedules as ms
+    from ds_autoplan.megatron import get_forward_backward_func
+    fb = get_forward_backward_func(schedule=build("1f1b", 2, 4))
+    for f in (ms.forward_backward_pipelining_without_interleaving,
+              ms.forward_backward_pipelining_with_interleaving, ms.forward_backward_no_pipelining):
+        assert inspect.signature(fb) == inspect.signature(f)
+    with pytest.raises(TypeError):
+        fb(forward_step_func=None, not_a_megatron_kwarg=1)
+
+
+def test_layouts_and_overrides():
+    from ds_autoplan.megatron import StageLayerLayout, plan_overrides, stage_layer_lists
+    from ds_autoplan.plan import Plan
+    from megatron.core.transformer.enums import LayerType
+    plan = Plan(pp=2, num_microbatches=4, schedule="1f1b", layers_per_stage=[3, 1],
+                recompute_per_stage=[1.0, 0.0])
+    over, rec, layout = plan_overrides(plan)
+    assert layout == "Ettt|tL" and over["num_layers"] == 4 and rec == [3, 0]
+    assert over["virtual_pipeline_model_parallel_size"] is None
+    if "v-half" in names():
+        vplan = Plan(pp=2, num_microbatches=4, schedule="v-half", layers_per_stage=[1, 2, 3, 4],
+                     recompute_per_stage=[0, 0, 0, 0])
+        over, _, lay = plan_overrides(vplan)
+        assert over["virtual_pipeline_model_parallel_size"] == 2
+        assert isinstance(lay, StageLayerLayout)
+    lay = StageLayerLayout(stage_layer_lists([1, 2, 3, 4]), v_placement(2))
+    lay.validate_layer_layout(num_layers=10, mtp_num_layers=None)
+    # (pp rank, vp stage) -> stage: (0,0)=0 (1,0)=1 (1,1)=2 (0,1)=3; offsets in stage order
+    assert lay.layout[0][1].count(LayerType.decoder) == 4 and lay.layout[1][1].count(LayerType.decoder) == 3
+    assert [lay.get_layer_offset(vp_stage=c, pp_rank=r) for r, c in ((0, 0), (1, 0), (1, 1), (0, 1))] == [0, 1, 3, 6]
+    with pytest.raises(Exception):
+        plan_overrides(Plan(pp=2, num_microbatches=4, schedule="1f1b", layers_per_stage=[1, 1, 1]))
+
+
+def test_split_spec_and_shim_restore():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from ds_autoplan.megatron import (SplitColumnParallelLinear, SplitRowParallelLinear, cpu_shim,
+                                      split_backward_spec)
+    spec = split_backward_spec(get_gpt_layer_local_spec())
+    sa = spec.submodules.self_attention.submodules
+    assert sa.linear_qkv is SplitColumnParallelLinear and sa.linear_proj is SplitRowParallelLinear
+    mlp = spec.submodules.mlp.submodules
+    assert mlp.linear_fc1 is SplitColumnParallelLinear and mlp.linear_fc2 is SplitRowParallelLinear
+    before = (torch.cuda.current_device, torch.cuda.synchronize)
+    if not torch.cuda.is_available():
+        with cpu_shim(remap_cuda_factories=True):
+            assert torch.zeros(2, device="cuda").device.type == "cpu"
+            assert torch.cuda.current_device() == torch.device("cpu")
+    assert (torch.cuda.current_device, torch.cuda.synchronize) == before
+
+
+def test_memory_ratio_of_v_schedules_in_simulator():
+    """The bench's memory goals hold in the simulator for uniform costs (sanity)."""
+    if not {"v-half", "v-min"} <= set(names()):
+        pytest.skip("V builders not registered")
+    d, n = 4, 8
+    peak = {nm: max(simulate(s, Costs.uniform(s)).peak_memory)
+            for nm in ("1f1b", "v-half", "v-min") for s in [build(nm, d, n)]}
+    assert peak["v-min"] / peak["1f1b"] <= 0.55 and peak["v-half"] / peak["1f1b"] <= 0.8
+
+
+def test_install_swaps_megatron_dispatcher_and_undoes():
+    import megatron.core.pipeline_parallel as pp_pkg
+    from megatron.core.pipeline_parallel import schedules as ms
+    from ds_autoplan.megatron import ScheduleRunner, install
+    orig = (pp_pkg.get_forward_backward_func, ms.get_forward_backward_func)
+    undo = install(schedule=build("1f1b", 2, 4))
+    try:
+        assert isinstance(pp_pkg.get_forward_backward_func(), ScheduleRunner)
+        assert isinstance(ms.get_forward_backward_func(), ScheduleRunner)
+    finally:
+        undo()
+    assert (pp_pkg.get_forward_backward_func, ms.get_forward_backward_func) == orig
+
+
+def test_megatron_args():
+    from ds_autoplan.megatron import megatron_args
+    from ds_autoplan.plan import Plan
+    a = megatron_args(Plan(pp=2, num_microbatches=4, schedule="interleaved", schedule_options={"v": 2},
+                           layers_per_stage=[1, 2, 2, 1], recompute_per_stage=[0, 0.5, 0, 0],
+                           micro_batch_size=2, global_batch_size=8, precision="bf16"))
+    s = " ".join(a)
+    assert "--pipeline-model-parallel-size 2" in s and "--pipeline-model-parallel-layout Et|tt|tt|tL" in s
+    assert "--recompute-method block --recompute-num-layers 1" in s and "--bf16" in s
+
+
+@pytest.mark.timeout(150)
+def test_example_trains_on_two_ranks():
+    import os
+    import subprocess
+    import sys
+    from ds_autoplan.megatron.testing import free_port
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), os.path.join(root, "examples", "train_megatron.py"),
+           "--schedule", "v-min" if "v-min" in names() else "1f1b", "--steps", "3"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=140,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    steps = [ln for ln in p.stdout.splitlines() if ln.startswith("step ")]
+    assert p.returncode == 0 and len(steps) == 3, p.stdout[-2000:] + p.stderr[-2000:]
+    losses = [float(ln.rsplit(" ", 1)[1]) for ln in steps]
+    assert losses[-1] < losses[0]
