@@ -152,3 +152,14 @@ def test_console_entry_json():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert KEYS <= set(json.loads(r.stdout.strip().splitlines()[-1]))
+
+
+def test_plan_emit_megatron_args_is_one_line_of_flags(capsys):
+    from ds_autoplan.cli import main
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "cpu-4", "--global-batch", "16",
+                 "--pp", "2", "--schedules", "1f1b", "--emit", "megatron-args", "--quiet"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1
+    line = out[0]
+    assert "--pipeline-model-parallel-size 2" in line
+    assert "--pipeline-model-parallel-layout E" in line and line.count("|") == 1

@@ -20,6 +20,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     p.add_argument("--out", default=None, help="output directory (written atomically)")
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    p.add_argument("--emit", choices=["megatron-args", "ds-config"], default=None,
+                   help="print only Megatron-LM's pretrain_gpt.py flags (one line, to append to "
+                        "its command) or the ds_config.json on stdout")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--memory-budget-gb", type=float, default=None,
                    help="per-device budget (default: device memory minus the preset's reserve)")
@@ -48,11 +51,17 @@ def summary(plan) -> dict:
             "wide_gain": pr.get("wide_gain")}
 
 
+def quoted_flags(plan, model=None) -> list[str]:
+    """Megatron-LM flags, one shell-quoted ``--flag value`` per item."""
+    from ..emit.megatron import megatron_args
+    return [" ".join(shlex.quote(x) for x in a.split(" ", 1)) for a in megatron_args(plan, model)]
+
+
 def write_outputs(res, out: str) -> list[str]:
     """Everything into a temporary sibling directory, then renamed into place: a failure
     never leaves a partial output directory."""
     from ..emit.deepspeed import ds_config
-    from ..emit.megatron import megatron_args, megatron_config
+    from ..emit.megatron import megatron_config
     from ..report import write_report
     from . import UserError
     out = os.path.abspath(out)
@@ -72,8 +81,7 @@ def write_outputs(res, out: str) -> list[str]:
         with open(os.path.join(tmp, "megatron.json"), "w") as f:
             json.dump(megatron_config(plan, res.model), f, indent=2)
         with open(os.path.join(tmp, "megatron_args.txt"), "w") as f:
-            f.write("\n".join(" ".join(shlex.quote(x) for x in a.split(" ", 1))
-                              for a in megatron_args(plan, res.model)) + "\n")
+            f.write("\n".join(quoted_flags(plan, res.model)) + "\n")
         files = ["plan.json", "ds_config.json", "megatron.json", "megatron_args.txt"]
         files += write_report(res, tmp)
         old = None
@@ -107,7 +115,12 @@ def run(args) -> int:
                  pp=args.pp, tp=args.tp)
     files = write_outputs(res, args.out) if args.out else []
     plan = res.plan
-    if args.json:
+    if args.emit == "megatron-args":
+        print(" ".join(quoted_flags(plan, res.model)))
+    elif args.emit == "ds-config":
+        from ..emit.deepspeed import ds_config
+        print(json.dumps(ds_config(plan), indent=2))
+    elif args.json:
         print(json.dumps(summary(plan)))
     else:
         pr = plan.predicted

@@ -6,25 +6,26 @@ from __future__ import annotations
 
 from ..plan import Plan
 
-V_SHAPES = ("v-min", "v-half", "v-zb", "adaptive")
+def _schedule(plan: Plan):
+    """The plan's schedule (None for pp = 1); its placement decides what Megatron can express."""
+    return plan.build_schedule() if plan.pp > 1 else None
 
 
 def megatron_stage_counts(plan: Plan) -> list[int] | None:
     """Layer counts in Megatron's (vpp, pp) order, or None when Megatron's placement cannot
     express the schedule's (V-shapes put stage 2P-1-r on rank r)."""
-    if plan.schedule in V_SHAPES:
+    sched = _schedule(plan)
+    if sched is not None and sched.placement_kind not in ("sequential", "interleaved"):
         return None
     return list(plan.layers_per_stage)      # 1F1B: pp order; interleaved: chunk*pp + rank
 
 
 def layout_string(counts: list[int]) -> str:
-    parts = []
-    for i, n in enumerate(counts):
-        s = ("E" if i == 0 else "") + (f"t*{n}" if n > 1 else "t" * n)
-        if i == len(counts) - 1:
-            s += ",L" if n else "L"
-        parts.append(s)
-    return "|".join(parts)
+    """``--pipeline-model-parallel-layout`` form, e.g. 'Ett|ttL' ('E' embedding, 't' decoder
+    layer, 'L' loss, '|' between stages in (vpp, pp) order)."""
+    S = len(counts)
+    return "|".join(("E" if s == 0 else "") + "t" * int(n) + ("L" if s == S - 1 else "")
+                    for s, n in enumerate(counts))
 
 
 def megatron_config(plan: Plan, model=None) -> dict:
@@ -60,6 +61,9 @@ def megatron_config(plan: Plan, model=None) -> dict:
     counts = megatron_stage_counts(plan)
     if plan.pp > 1 and counts is not None:
         cfg["pipeline_model_parallel_layout"] = layout_string(counts)
+        group = _schedule(plan).meta.get("microbatch_group_size_per_vp_stage")
+        if vpp and vpp > 1 and group:
+            cfg["microbatch_group_size_per_vp_stage"] = group
     # recompute: Megatron's 'block' method recomputes the first N layers of every stage; the
     # value is global in the args, so emit the largest per-stage count (memory-safe) and the
     # per-stage counts for the ds_autoplan runtime (integration.md §4.3).
@@ -85,12 +89,10 @@ def megatron_config(plan: Plan, model=None) -> dict:
 
 def layers_per_rank(plan: Plan) -> list[list[int]]:
     """Stage layer counts grouped by pipeline rank (schedule placement)."""
-    S, P = len(plan.layers_per_stage), plan.pp
-    if plan.schedule in V_SHAPES:
-        place = [s if s < P else 2 * P - 1 - s for s in range(S)]
-    else:
-        place = [s % P for s in range(S)]
-    return [[plan.layers_per_stage[s] for s in range(S) if place[s] == r] for r in range(P)]
+    sched = _schedule(plan)
+    place = sched.placement if sched is not None else [0] * len(plan.layers_per_stage)
+    return [[plan.layers_per_stage[s] for s in range(len(place)) if place[s] == r]
+            for r in range(plan.pp)]
 
 
 def megatron_args(plan: Plan, model=None) -> list[str]:
@@ -112,6 +114,9 @@ def megatron_args(plan: Plan, model=None) -> list[str]:
                   "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
     if c.get("pipeline_model_parallel_layout"):
         a.append(f"--pipeline-model-parallel-layout {c['pipeline_model_parallel_layout']}")
+    if c.get("microbatch_group_size_per_vp_stage"):
+        a.append("--microbatch-group-size-per-virtual-pipeline-stage "
+                 f"{c['microbatch_group_size_per_vp_stage']}")
     if c["sequence_parallel"]:
         a.append("--sequence-parallel")
     if c["use_distributed_optimizer"]:

@@ -22,6 +22,8 @@ import dataclasses
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
+from ..emit.megatron import layout_string
+from ..emit.megatron import megatron_args as emit_megatron_args
 from ..schedule import Schedule, ScheduleError
 
 
@@ -31,13 +33,6 @@ def stage_layer_lists(layers_per_stage) -> list[list[str]]:
     S = len(layers_per_stage)
     return [(["embedding"] if s == 0 else []) + ["decoder"] * int(n) + (["loss"] if s == S - 1 else [])
             for s, n in enumerate(layers_per_stage)]
-
-
-def layout_string(layers_per_stage) -> str:
-    """The same in Megatron's string form (``--pipeline-model-parallel-layout``), e.g. 'Ett|ttL'."""
-    S = len(layers_per_stage)
-    return "|".join(("E" if s == 0 else "") + "t" * int(n) + ("L" if s == S - 1 else "")
-                    for s, n in enumerate(layers_per_stage))
 
 
 class StageLayerLayout(PipelineParallelLayerLayout):
@@ -169,32 +164,10 @@ def initialize(plan, schedule: Schedule | None = None, **model_parallel_kwargs) 
     return MegatronSetup(sched, rank, over, sched.stages_of(rank), rec_layers, layout)
 
 
-def megatron_args(plan, schedule: Schedule | None = None) -> list[str]:
-    """Megatron-LM command-line flags for ``plan`` (what ``pretrain_gpt.py`` accepts).
+def megatron_args(plan) -> list[str]:
+    """Megatron-LM command-line flags for ``plan`` (what ``pretrain_gpt.py`` accepts), as an
+    argv list; the planner's emitter (ds_autoplan.emit.megatron) is the one source.  A V
+    placement cannot be written as flags (see docs/megatron.md): only its sizes are emitted
+    and the patched script applies the rest from the plan."""
+    return [tok for flag in emit_megatron_args(plan) for tok in flag.split(" ", 1)]
 
-    The per-stage layout goes into ``--pipeline-model-parallel-layout`` for sequential and
-    interleaved placements; a V placement cannot be written as flags (see docs/megatron.md),
-    so only its sizes are emitted and the patched script applies the rest from the plan.
-    Megatron-LM's recompute flags are global: the largest per-stage block count is emitted and
-    ``MegatronSetup.chunk_config`` refines it per stage.
-    """
-    sched = schedule or plan.build_schedule()
-    over, rec_layers, layout = plan_overrides(plan, sched)
-    args = ["--tensor-model-parallel-size", str(plan.tp),
-            "--pipeline-model-parallel-size", str(sched.num_ranks),
-            "--micro-batch-size", str(plan.micro_batch_size),
-            "--global-batch-size", str(plan.global_batch_size),
-            "--num-layers", str(over["num_layers"])]
-    if isinstance(layout, str):
-        args += ["--pipeline-model-parallel-layout", layout]
-        if over.get("microbatch_group_size_per_vp_stage"):
-            args += ["--microbatch-group-size-per-virtual-pipeline-stage",
-                     str(over["microbatch_group_size_per_vp_stage"])]
-    if max(rec_layers, default=0) > 0:
-        args += ["--recompute-granularity", "full", "--recompute-method", "block",
-                 "--recompute-num-layers", str(max(rec_layers))]
-    if plan.precision in ("bf16", "fp16"):
-        args.append(f"--{plan.precision}")
-    if getattr(plan, "sequence_parallel", False):
-        args.append("--sequence-parallel")
-    return args
