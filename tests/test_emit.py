@@ -162,4 +162,5 @@ def test_plan_emit_megatron_args_is_one_line_of_flags(capsys):
     assert len(out) == 1
     line = out[0]
     assert "--pipeline-model-parallel-size 2" in line
-    assert "--pipeline-model-parallel-layout E" in line and line.count("|") == 1
+    # shell-quoted ('|' is a pipe to the shell), so it can be pasted onto pretrain_gpt.py's command
+    assert "--pipeline-model-parallel-layout 'Etttt|ttttL'" in line
