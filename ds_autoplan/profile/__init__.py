@@ -1,0 +1,21 @@
+"""Profiling real models: torch.fx tracing with leaf proxy modules (Merak), per-unit costs
+measured on the device, hardware micro-benchmarks, DawnPiper's memory optimisation.
+
+    prof = profile_model("gpt-tiny", batch_size=2, out="profile.json")
+    spec = to_model_spec(prof)                      # the planner's ModelSpec
+    prof = load_profile("profile.json", "gpt-tiny")  # refused with the reason on mismatch
+    pols = memory_policy(prof, [(0, 5), (5, 10)], cap_bytes, inflight_copies(schedule))
+"""
+from .profile import (Profile, ProfileMismatch, Unit, device_info, is_profile, load_profile,
+                      model_fingerprint, profile_model)
+from .hardware import collective_bandwidth, hardware_cluster_spec, matmul_flops
+from .memopt import StagePolicy, inflight_copies, mem_opt, memory_policy
+from .partition import Partition, dawnpiper_partition
+from .spec import to_model_spec
+from .trace import TraceFailure, auto_leaf_classes, build_chain, trace
+
+__all__ = ["Partition", "Profile", "ProfileMismatch", "StagePolicy", "TraceFailure", "Unit",
+           "auto_leaf_classes", "build_chain", "collective_bandwidth", "dawnpiper_partition",
+           "device_info", "hardware_cluster_spec", "is_profile", "inflight_copies", "load_profile",
+           "matmul_flops", "mem_opt", "memory_policy", "model_fingerprint", "profile_model",
+           "to_model_spec", "trace"]

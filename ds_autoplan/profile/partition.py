@@ -1,0 +1,102 @@
+"""DawnPiper's binary pipeline partitioning over the fine-grained chain of a profile
+(partition-dawnpiper.md §4-6; seed 002 §4, Algorithm 1), with :func:`memopt.mem_opt` as the
+per-stage memory optimisation.  The planner's block-level version is
+``ds_autoplan.search.partition.dawnpiper``; this one cuts at profile units (fx nodes).
+
+Theorem 4.1: for two adjacent stages the best cut lies between the compute-balanced cut
+``rho_cb`` and the memory-balanced cut ``rho_mb``; candidates are visited from ``rho_cb``
+toward ``rho_mb`` and the walk stops at the first cut that needs no memory optimisation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .memopt import KEEP, StagePolicy, _Stage, mem_opt
+from .profile import Profile
+
+INF = float("inf")
+
+
+@dataclass
+class Partition:
+    bounds: list[tuple[int, int]]      # [lo, hi) units per stage
+    policies: list[StagePolicy]
+    bottleneck_s: float                # max_x (T_x + T_x^moo), inf if infeasible
+
+    @property
+    def units_per_stage(self) -> list[int]:
+        return [hi - lo for lo, hi in self.bounds]
+
+    @property
+    def recompute_per_stage(self) -> list[float]:
+        return [p.recompute_fraction for p in self.policies]
+
+
+def dawnpiper_partition(prof: Profile, copies: list[int], cap: float, **memopt_kw) -> Partition:
+    """Cut ``prof.units`` into ``len(copies)`` stages (stage x keeps ``copies[x]`` activation
+    copies, e.g. :func:`memopt.inflight_copies`) minimising the slowest stage's time including
+    its memory optimisation, with every stage's ``mem_x <= cap``."""
+    N, S = prof.num_units, len(copies)
+    if S < 1 or N < S:
+        from ..cli import UserError
+        raise UserError(f"cannot cut {N} units into {S} stages")
+
+    def stage(lo, hi, x) -> _Stage:
+        return _Stage(prof, lo, hi, copies[x], 1.0, memopt_kw.get("state_factor", 4.0))
+
+    @lru_cache(maxsize=None)
+    def opt(lo, hi, x):
+        pol = mem_opt(prof, lo, hi, cap, copies[x], stage=x, **memopt_kw)
+        t = pol.time_s + pol.extra_s if pol.feasible else INF
+        return t, pol
+
+    def time_of(lo, hi):
+        st = stage(lo, hi, 0)
+        return st.TF + st.TB
+
+    def mem_of(lo, hi, L, R):
+        """Mean per-stage footprint if stages L..R shared [lo, hi) evenly (§3.3 terms)."""
+        st = stage(lo, hi, L)
+        A = st.mem([KEEP] * (hi - lo)) - st.W
+        k = sum(copies[L:R + 1]) / (R - L + 1)
+        return (st.W + k * A / st.k) / (R - L + 1)
+
+    def balanced(lo, hi, L, mid, R, f):
+        """Cut c minimising the larger per-stage share of f on either side (§5.2)."""
+        nl, nr = mid - L + 1, R - mid
+        cs = range(lo + nl, hi - nr + 1)
+        return min(cs, key=lambda c: max(f(lo, c, L, mid), f(c, hi, mid + 1, R)))
+
+    def candidates(lo, hi, L, mid, R):
+        cb = balanced(lo, hi, L, mid, R,
+                      lambda a, b, l, r: time_of(a, b) / (r - l + 1))
+        mb = balanced(lo, hi, L, mid, R, mem_of)
+        step = 1 if mb >= cb else -1
+        return list(range(cb, mb + step, step))          # from rho_cb toward rho_mb
+
+    @lru_cache(maxsize=None)
+    def bipar(lo, hi, L, R):
+        if L == R:
+            t, pol = opt(lo, hi, L)
+            return t, ((lo, hi),), (pol,)
+        mid = L + (R - L + 1) // 2 - 1                   # 3 stages: left group = 1 (§6.2)
+        best = (INF, None, None)
+        cands = candidates(lo, hi, L, mid, R)
+        # the theorem assumes feasibility; if no cut in [rho_cb, rho_mb] fits, widen to all
+        # cuts (partition-dawnpiper.md §4.4 "widen the interval")
+        rest = [c for c in range(lo + mid - L + 1, hi - (R - mid) + 1) if c not in cands]
+        for c in cands + rest:
+            if rest and c == rest[0] and best[0] < INF:
+                break
+            tl, bl, pl = bipar(lo, c, L, mid)
+            tr, br, pr = bipar(c, hi, mid + 1, R)
+            t = max(tl, tr)
+            if t < best[0] or best[1] is None:
+                best = (t, bl + br, pl + pr)
+            if t < INF and all(not (p.recompute or p.swap) for p in pl + pr):
+                break                                    # first cut needing no MO (§6.1)
+        return best
+
+    t, bounds, pols = bipar(0, N, 0, S - 1)
+    return Partition(list(bounds), list(pols), t)
