@@ -253,3 +253,17 @@ def test_megatron_core_gpt_model_traces_into_its_layers(tmp_path):
     assert [u.name for u in p.units][1:3] == ["decoder.layers.0", "decoder.layers.1"]
     assert p.total_params == p.model_info["params"]
     assert p.units[1].act_bytes == p.units[2].act_bytes > 0
+
+
+def test_plan_uses_a_model_profile_and_refuses_another_models(tmp_path, capsys):
+    import json
+    out = str(tmp_path / "prof.json")
+    assert main(["profile", "gpt-tiny-4", "--out", out, "--repeats", "1", "--warmup", "0"]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--model", "gpt-tiny-4", "--cluster", "cpu-2", "--global-batch", "8",
+                 "--profile", out, "--json", "--quiet"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert sum(summary["layers_per_stage"]) == 4          # the profiled model's 4 blocks
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "cpu-2", "--global-batch", "8",
+                 "--profile", out, "--quiet"]) == 2
+    assert "gpt-tiny" in capsys.readouterr().err

@@ -379,6 +379,12 @@ def _validate(model: ModelSpec, cluster: ClusterSpec, B: int, world_size: int | 
         raise SpecError(f"cluster {cluster.name!r} has {N} devices; the planner needs a power of two")
 
 
+def _is_model_profile(path: str) -> bool:
+    """A ``ds-autoplan profile`` output (rather than a YAML of measured cluster overrides)."""
+    from ..profile.profile import is_profile
+    return is_profile(path)
+
+
 def search(model, cluster, global_batch: int, seq: int | None = None, *, precision: str = "bf16",
            budget_gb: float | None = None, partitioner: str = "bmw", schedules=None,
            wide: bool = True, baselines: bool = True, progress: bool = False,
@@ -389,8 +395,16 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
     the baselines on the same cost model), the baselines, the wide Galvatron-BMW result and
     the partitioner comparison.  ``pp``/``tp`` restrict the search to one degree."""
     t0 = time.perf_counter()
-    model = load_model(model, seq)
-    cluster = load_cluster(cluster, profile)
+    if profile and _is_model_profile(profile):
+        # a model profile (ds-autoplan profile MODEL --out profile.json): measured per-layer
+        # costs replace the preset's; the cluster's FLOP/s turn them back into the same times
+        from ..profile import load_profile, to_model_spec
+        cluster = load_cluster(cluster)
+        prof = load_profile(profile, model if isinstance(model, str) else None)
+        model = to_model_spec(prof, flops_ref=cluster.flops)
+    else:
+        model = load_model(model, seq)
+        cluster = load_cluster(cluster, profile)
     _validate(model, cluster, global_batch, world_size)
     pl = Planner(model, cluster, global_batch, precision=precision, budget_gb=budget_gb,
                  partitioner=partitioner, schedules=schedules, progress=progress, units=units,
