@@ -14,7 +14,11 @@ A100-class device; ms); (2) real on CPU: every iteration's lowered per-rank list
 executed by one thread per pipeline rank (in one process), each compute action sleeping
 its cost-model time scaled by --ms-per-unit (sleep overhead calibrated), transfers through
 queues in the planned order, while a background worker (process by default) plans the
-next iteration.
+next iteration; (3) with --real-multiproc, real on CPU processes: one gloo rank per pipeline
+stage runs every plan in DeepSpeed's PipelineEngine (ds_autoplan.runtime.deepspeed.dynamic:
+the plan's micro-batch count, padded shapes and lowered schedule), each stage one layer
+whose forward and backward sleep the cost-model time of the micro-batch's shape; plans are
+made before the timed steps.
 Planning time per iteration is the DynaPipe planner's (DP, schedule search over
 micro-batch orders, lowering) CPU time on one core of this machine (thread CPU time, so
 other load on the machine does not inflate it; wall time is reported too);
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -66,6 +71,68 @@ def _plan_job(job):
     return planner(lengths, step=step)
 
 
+class _CostSleep:
+    """torch.autograd.Function factory: y = x·p; forward and backward sleep the cost model's
+    time of a [mbs, padded len, 1] input (one pipeline stage), ``scale`` ms per ms."""
+
+    def __new__(cls, cost: CostModel, scale: float):
+        import torch
+
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, p):
+                time.sleep(float(cost.fwd(x.shape[0], x.shape[1])) * scale / 1e3)
+                ctx.save_for_backward(x, p)
+                return x * p
+
+            @staticmethod
+            def backward(ctx, g):
+                x, p = ctx.saved_tensors
+                time.sleep(float(cost.bwd(x.shape[0], x.shape[1])) * scale / 1e3)
+                return g * p, (g * x).sum().reshape(1)
+
+        class Layer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.p = torch.nn.Parameter(torch.ones(1))
+
+            def forward(self, x):
+                return Fn.apply(x, self.p)
+        return Layer()
+
+
+def _multiproc_worker(args, cost, batches, methods, scale) -> None:
+    """One rank of --real-multiproc: every method's plans through DeepSpeed's engine."""
+    import torch
+    import torch.nn.functional as F
+
+    from ds_autoplan.runtime.deepspeed import initialize
+    from ds_autoplan.runtime.deepspeed.dist import init_distributed
+    from ds_autoplan.runtime.deepspeed.dynamic import static_plan, train_batch
+    torch.set_num_threads(1)
+    init_distributed()
+    d = torch.distributed.get_world_size()
+    cfg = {"steps_per_print": 10 ** 9, "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True}
+
+    def shapes(stage, shape):
+        return True, [(torch.float32, (int(shape[0]), int(shape[1]), 1))]
+    for name, pl in methods.items():
+        plans = [pl(b, step=i) for i, b in enumerate(batches)]
+        engine, *_ = initialize([_CostSleep(cost, scale) for _ in range(d)], static_plan(d),
+                                loss_fn=F.mse_loss, config=cfg,
+                                optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
+        times = []
+        for plan in plans:
+            data = [(torch.ones(m, L, 1), torch.zeros(m, L, 1)) for m, L in plan.shapes]
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            train_batch(engine, plan, iter(data), shapes=shapes, weight="samples")
+            times.append(time.perf_counter() - t0)
+        print("BENCH " + json.dumps({"method": name, "real_mp_s": float(np.mean(times))}), flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small run (< 60 s on 2 cores)")
@@ -86,6 +153,9 @@ def main(argv=None) -> int:
     ap.add_argument("--planner-worker", choices=["thread", "process"], default="process",
                     help="background planner for the real run (a process keeps the GIL free)")
     ap.add_argument("--no-real", action="store_true", help="skip the threaded CPU run")
+    ap.add_argument("--real-multiproc", action="store_true",
+                    help="also run every plan in DeepSpeed's PipelineEngine on --stages CPU ranks")
+    ap.add_argument("--mp-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     gbs = args.global_batch or (256 if args.quick else 512)
@@ -102,6 +172,10 @@ def main(argv=None) -> int:
     device_mem = args.device_mem_gb * 2**30
     mem_cap = device_mem / args.stages
     methods = planners(cost, args.stages, args.max_len, mem_cap, device_mem, batches)
+    scale = args.ms_per_unit or (0.5 if args.quick else 1.0)
+    if args.mp_worker:
+        _multiproc_worker(args, cost, batches, methods, scale)
+        return 0
 
     rows = {}
     for name, pl in methods.items():
@@ -128,7 +202,6 @@ def main(argv=None) -> int:
         real_mode = ("threads: one per pipeline rank in one process, calibrated sleep per "
                      f"action, queue transfers in the planned order, background planner "
                      f"{args.planner_worker}")
-        scale = args.ms_per_unit or (0.5 if args.quick else 1.0)
         ov = sleep_overhead()
         for name, pl in methods.items():
             pf = Prefetcher(_plan_job, [(pl, i, b) for i, b in enumerate(batches)], depth=1,
@@ -149,6 +222,25 @@ def main(argv=None) -> int:
         for r in rows.values():
             r["real_speedup_vs_packing"] = rb / r["real_s"]
 
+    if args.real_multiproc:
+        from ds_autoplan.runtime.deepspeed.spawn import spawn
+        real_mode += ("; multiproc: one gloo rank per stage, DeepSpeed PipelineEngine, sleep "
+                      "layers, plans made before the timed steps")
+        argv_w = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--real-multiproc"]
+        outs = spawn([os.path.abspath(__file__), *argv_w, "--mp-worker"], args.stages, timeout=600)
+        for rc, out in outs:
+            if rc != 0:
+                print(out[-3000:], file=sys.stderr)
+                print("error: a --real-multiproc rank failed", file=sys.stderr)
+                return 1
+            for line in out.splitlines():
+                if line.startswith("BENCH "):
+                    r = json.loads(line[6:])
+                    row = rows[r["method"]]
+                    row["real_mp_s"] = max(row.get("real_mp_s", 0.0), r["real_mp_s"])
+        for r in rows.values():
+            r["real_mp_speedup_vs_packing"] = rows["packing"]["real_mp_s"] / r["real_mp_s"]
+
     hdr = f"{'method':18s} {'sim ms':>9s} {'x pack':>7s} {'real s':>8s} {'x pack':>7s} " \
           f"{'pad eff':>7s} {'#mb':>6s} {'plan ms':>8s} {'cpu ms':>7s} {'peak GB':>8s}  setting"
     print(f"model={args.model} h={args.hidden} layers={args.layers} stages={args.stages} "
@@ -160,6 +252,10 @@ def main(argv=None) -> int:
               f"{r.get('real_s', float('nan')):8.3f} {r.get('real_speedup_vs_packing', float('nan')):7.2f} "
               f"{r['padding_efficiency']:7.3f} {r['microbatches']:6.1f} {r['plan_ms']:8.1f} {r['plan_cpu_ms']:7.1f} "
               f"{r['peak_mem_gb']:8.1f}{' ' if r['fits_device_mem'] else '!'} {r['setting']}")
+    if args.real_multiproc:
+        print(f"DeepSpeed PipelineEngine on {args.stages} CPU ranks (s per iteration, x packing): " +
+              ", ".join(f"{k} {r['real_mp_s']:.3f} {r['real_mp_speedup_vs_packing']:.2f}"
+                        for k, r in rows.items()))
     dyn = rows["dynapipe-adaptive"]
     out = {
         "speedup_vs_packing": round(dyn["sim_speedup_vs_packing"], 4),
@@ -169,6 +265,8 @@ def main(argv=None) -> int:
         "planning_fraction_wall": round(dyn["plan_ms"] / dyn["sim_ms"], 4),
         "adaptive_vs_1f1b": round(rows["dynapipe-1f1b"]["sim_ms"] / dyn["sim_ms"], 4),
         "real_mode": real_mode,
+        **({"real_multiproc_speedup_vs_packing": round(dyn["real_mp_speedup_vs_packing"], 4)}
+           if args.real_multiproc else {}),
         "methods": {k: {kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in r.items()}
                     for k, r in rows.items()},
         "config": {"model": args.model, "hidden": args.hidden, "layers": args.layers,

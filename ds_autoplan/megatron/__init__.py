@@ -6,10 +6,13 @@ plan → parallel setup, a CPU shim and split-backward linear layers.
     losses = fb(forward_step_func=..., data_iterator=..., model=chunks, num_microbatches=...,
                 seq_length=..., micro_batch_size=...)     # same keywords as Megatron's
     ds_autoplan.megatron.install(plan)                     # or: patch Megatron's dispatcher
+    fb = ds_autoplan.megatron.ScheduleRunner(None)         # DynaPipe: plan per step, see .dynamic
+    fb(..., microbatch_weights=loss_weights(counts), **step_kwargs(iteration_plan))
 """
 from __future__ import annotations
 
 from .executor import SIGNATURE, ScheduleRunner
+from .dynamic import check_same_plan, loss_weights, step_kwargs
 from .setup import (MegatronSetup, StageLayerLayout, initialize, layout_string, megatron_args,
                     plan_overrides,
                     stage_layer_lists)
@@ -53,6 +56,6 @@ def install(plan=None, *, schedule=None, costs=None):
 
 __all__ = ["MegatronSetup", "SIGNATURE", "ScheduleRunner",
            "SplitColumnParallelLinear", "SplitRowParallelLinear", "StageLayerLayout", "cpu_shim",
-           "get_forward_backward_func", "initialize", "install", "layout_string", "megatron_args",
-           "plan_overrides",
-           "split_backward_spec", "stage_layer_lists"]
+           "check_same_plan", "get_forward_backward_func", "initialize", "install", "layout_string",
+           "loss_weights", "megatron_args", "plan_overrides", "split_backward_spec",
+           "stage_layer_lists", "step_kwargs"]

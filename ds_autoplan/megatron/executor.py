@@ -22,6 +22,20 @@ during the last B, W or BW of each stage, then calls ``grad_sync_func`` and
 
 Model chunks are the rank's stages in stage order (V: chunk 0 = stage r, chunk 1 = stage
 2d-1-r).  The runtime never looks at the schedule's name.
+
+Variable shapes (DynaPipe, seed 004; schedules.md §5.6) -- three optional keywords beyond
+Megatron's signature, for one call (one optimizer step):
+
+* ``schedule=``: this step's schedule (e.g. ``IterationPlan.lowered``), replacing the one the
+  runner holds; ``num_microbatches`` must equal its micro-batch count;
+* ``microbatch_shapes=[(mbs, L), ...]``: micro-batch m's activations and gradients are
+  ``get_tensor_shapes(seq_length=L, micro_batch_size=mbs)`` (``L = (L_enc, L_dec)`` passes
+  ``decoder_seq_length``), so every receive is posted with the right buffer and no shape
+  handshake is needed (Megatron's ``variable_seq_lengths`` one is blocking);
+  ``seq_length`` / ``micro_batch_size`` are then unused;
+* ``microbatch_weights=[w_0, ...]``: micro-batch m's loss is multiplied by ``n·w_m``,
+  undoing Megatron's ``1/num_microbatches``, so the step loss is ``Σ w_m·loss_m`` (see
+  :func:`ds_autoplan.megatron.dynamic.loss_weights`: w_m = share of the step's tokens).
 """
 from __future__ import annotations
 
@@ -133,8 +147,11 @@ def _wait(entry):
 class ScheduleRunner:
     """Holds a lowered schedule; ``__call__`` is the forward_backward_func."""
 
-    def __init__(self, schedule: Schedule, costs: Costs | None = None, tracker=None):
-        self.schedule = lower(schedule, costs)
+    EXTRA = ("schedule", "microbatch_shapes", "microbatch_weights")   # see module docstring
+
+    def __init__(self, schedule: Schedule | None, costs: Costs | None = None, tracker=None):
+        self.costs = costs
+        self.schedule = None if schedule is None else lower(schedule, costs)
         self.tracker = tracker          # optional runtime.memtrack.MemTracker
         self.timeline: list = []        # (kind, stage, mb, t0, t1) of the last call, this rank
         self.record_timeline = False
@@ -145,17 +162,25 @@ class ScheduleRunner:
     def __call__(self, *args, **kwargs):
         if args:
             raise TypeError("forward_backward_func takes keyword arguments only")
+        extra = {k: kwargs.pop(k) for k in self.EXTRA if k in kwargs}
         b = SIGNATURE.bind(**kwargs)
         b.apply_defaults()
         with cpu_shim():
-            return self._run(**b.arguments)
+            return self._run(**b.arguments, **extra)
 
     # ------------------------------------------------------------------------------------
     def _run(self, *, forward_step_func, data_iterator, model, num_microbatches, seq_length,
              micro_batch_size, decoder_seq_length=None, forward_only=False,
              collect_non_loss_data=False, first_val_step=None, adjust_tensor_shapes_fn=None,
-             p2p_communicator=None, pg_collection=None, force_all_reduce=False):
-        sched = self.schedule
+             p2p_communicator=None, pg_collection=None, force_all_reduce=False,
+             schedule=None, microbatch_shapes=None, microbatch_weights=None):
+        sched = self.schedule if schedule is None else lower(schedule, self.costs)
+        if sched is None:
+            raise ScheduleError("this forward_backward_func holds no schedule: pass schedule=")
+        for nm, xs in (("microbatch_shapes", microbatch_shapes),
+                       ("microbatch_weights", microbatch_weights)):
+            if xs is not None and len(xs) != num_microbatches:
+                raise ScheduleError(f"{len(xs)} {nm} for num_microbatches={num_microbatches}")
         model = model if isinstance(model, list) else [model]
         if pg_collection is None:
             pg_collection = _default_pgs()
@@ -178,12 +203,24 @@ class ScheduleRunner:
         feeds = [None if it is None else _Feed(it) for it in its]
         config = get_model_config(model[0])
         model_type = get_model_type(model[0])
-        shape = _ms.get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size,
-                                      decoder_seq_length=decoder_seq_length, config=config,
-                                      tp_group=pg_collection.tp, cp_group=pg_collection.cp)
-        if adjust_tensor_shapes_fn is not None:
-            shape, _ = adjust_tensor_shapes_fn(shape, shape)
-        shape = shape[0]
+
+        def tensor_shape(mbs, seq, dec):
+            sh = _ms.get_tensor_shapes(seq_length=seq, micro_batch_size=mbs, decoder_seq_length=dec,
+                                       config=config, tp_group=pg_collection.tp,
+                                       cp_group=pg_collection.cp)
+            if adjust_tensor_shapes_fn is not None:
+                sh, _ = adjust_tensor_shapes_fn(sh, sh)
+            return sh[0]
+        if microbatch_shapes is None:
+            shape = tensor_shape(micro_batch_size, seq_length, decoder_seq_length)
+            shapes = [shape] * num_microbatches
+        else:
+            shapes = [tensor_shape(int(b), *((int(L), None) if not isinstance(L, (tuple, list))
+                                             else (int(L[0]), int(L[1]))))
+                      for b, L in microbatch_shapes]
+        if microbatch_weights is not None and config.calculate_per_token_loss:
+            raise ScheduleError("microbatch_weights and config.calculate_per_token_loss both "
+                                "rescale the loss; use one of them")
         p2p = _P2P(pp_group, config) if d > 1 else None
         cp_size = pg_collection.cp.size()
         rec = {(a.stage, a.mb) for a in sched.ranks[rank] if a.kind == Kind.R}
@@ -226,9 +263,11 @@ class ScheduleRunner:
             seen_first.add(c)
             store = [] if store_into is None else store_into
             grad_ctx = torch.enable_grad() if with_grad and not forward_only else torch.no_grad()
+            fsf = forward_step_func if microbatch_weights is None or s != S - 1 else \
+                _weighted(forward_step_func, num_microbatches * float(microbatch_weights[m]))
             with grad_ctx, (track() if with_grad and not forward_only else contextlib.nullcontext()):
                 out, ntok = _ms.forward_step(
-                    forward_step_func, feed, model[c], num_microbatches, inp, store, config,
+                    fsf, feed, model[c], num_microbatches, inp, store, config,
                     cp_size, collect_non_loss_data,
                     is_first_microbatch=_ms.check_first_val_step(first_val_step, forward_only, first),
                     current_microbatch=m, vp_stage=None, is_last_stage=(s == S - 1))
@@ -250,8 +289,10 @@ class ScheduleRunner:
             t0 = time.perf_counter() if self.record_timeline else 0.0
             m0 = tracker.current if tracker is not None else 0
             if k == Kind.RECV_F or k == Kind.RECV_B:
-                recvd[(k, s, m)] = p2p.recv(a.peer, shape)
+                recvd[(k, s, m)] = p2p.recv(a.peer, shapes[m])
             elif k == Kind.SEND_F:
+                if microbatch_shapes is not None:
+                    _check_shape(output_tensor(s, m), shapes[m], "output", s, m)
                 p2p.send(a.peer, output_tensor(s, m))
                 if forward_only:
                     outputs.pop((s, m))
@@ -259,7 +300,10 @@ class ScheduleRunner:
                     _ms.deallocate_output_tensor(output_tensor(s, m), config.deallocate_pipeline_outputs)
             elif k == Kind.SEND_B:
                 g = in_grads.pop((s, m))
-                p2p.send(a.peer, g[0] if isinstance(g, list) else g)
+                g = g[0] if isinstance(g, list) else g
+                if microbatch_shapes is not None:
+                    _check_shape(g, shapes[m], "input gradient", s, m)
+                p2p.send(a.peer, g)
             elif k == Kind.F:
                 if s == 0:
                     inp = None
@@ -334,6 +378,27 @@ class ScheduleRunner:
                     model, total_tokens if config.calculate_per_token_loss else None,
                     pg_collection=pg_collection, force_all_reduce=force_all_reduce)
         return [losses[m] for m in sorted(losses)]
+
+
+def _check_shape(t, shape, what, s, m):
+    if tuple(t.shape) != tuple(shape):
+        raise ScheduleError(f"stage {s} micro-batch {m}: {what} has shape {tuple(t.shape)}, the "
+                            f"shape plan says {tuple(shape)} (same padding in loader and plan?)")
+
+
+def _weighted(forward_step_func, factor: float):
+    """``forward_step_func`` whose loss function scales the loss (first output) by ``factor``;
+    the reported values and a non-loss-data call are left as they are."""
+    def step(data_iterator, model, *args):
+        out, loss_func = forward_step_func(data_iterator, model, *args)
+
+        def scaled(output_tensor, *a, **k):
+            res = loss_func(output_tensor, *a, **k)
+            if k.get("non_loss_data"):
+                return res
+            return (res[0] * factor, *res[1:])
+        return out, scaled
+    return step
 
 
 class _GradSync:

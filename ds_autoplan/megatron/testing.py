@@ -93,25 +93,26 @@ def layer_spec(split: bool = True):
     return split_backward_spec(spec) if split else spec
 
 
-def gpt(config, pre_process=True, post_process=True, vp_stage=None, split=True, seed=1234):
+def gpt(config, pre_process=True, post_process=True, vp_stage=None, split=True, seed=1234,
+        max_seq=SEQ):
     import torch
     from megatron.core.models.gpt import GPTModel
     torch.manual_seed(seed)
     return GPTModel(config=config, transformer_layer_spec=layer_spec(split), vocab_size=VOCAB,
-                    max_sequence_length=SEQ, pre_process=pre_process, post_process=post_process,
+                    max_sequence_length=max_seq, pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=False, vp_stage=vp_stage)
 
 
-def build_reference(num_layers: int, split=True):
+def build_reference(num_layers: int, split=True, max_seq=SEQ):
     """The whole model on this process (pp=1 config), deterministic weights."""
-    return gpt(base_config(num_layers=num_layers), split=split)
+    return gpt(base_config(num_layers=num_layers), split=split, max_seq=max_seq)
 
 
-def build_chunks(setup, split=True, **cfg_over):
+def build_chunks(setup, split=True, max_seq=SEQ, **cfg_over):
     """This rank's model chunks per :func:`ds_autoplan.megatron.initialize`'s setup."""
     base = base_config(**{**setup.config_overrides, **cfg_over})
     return [gpt(setup.chunk_config(base, c), setup.pre_process(c), setup.post_process(c),
-                setup.vp_stage(c), split=split) for c in range(setup.num_chunks)]
+                setup.vp_stage(c), split=split, max_seq=max_seq) for c in range(setup.num_chunks)]
 
 
 def global_name(name: str, offset: int) -> str:

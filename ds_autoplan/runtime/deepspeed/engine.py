@@ -132,9 +132,31 @@ class AutoplanEngine(PipelineEngine):
         self._batches: dict = {}
         self._batch_used: dict = {}
         self._next_mb = 0
+        # per-step state of dynamic micro-batching (dynamic.py): shape plan, loss factors
+        self.ap_shape_plan = None        # (stage, mb) -> (is_tensor, [(dtype, shape)]) or None
+        self.ap_loss_factors = None      # per micro-batch factor on the loss stage's loss
         self._ap_ready = True
         if self.training_data and (self.is_first_stage() or self.is_last_stage()):
             self._build_data_iter(self.training_data)
+
+    def set_step_schedule(self, sched: Schedule):
+        """Run the next ``train_batch`` with ``sched`` (any micro-batch count; lowered or
+        not), e.g. one DynaPipe iteration plan.  Sets ``gradient_accumulation_steps`` to its
+        micro-batch count through DeepSpeed's ``set_train_batch_size``."""
+        if sched.num_ranks != self.num_stages or tuple(sched.placement) != self.placement:
+            raise ValueError(f"step schedule for {sched.num_ranks} ranks with placement "
+                             f"{tuple(sched.placement)}; the engine has {self.num_stages} pipeline "
+                             f"ranks with placement {self.placement}")
+        validate(sched)
+        self.ap_schedule = sched if sched.has_comm() else lower(sched)
+        self.ap_actions = self.ap_schedule.ranks[self.stage_id]
+        if any(a.kind == Kind.W for a in self.ap_actions) and not self._split:
+            splitgrad.install(self.module)
+            self._split = True
+        n = sched.num_microbatches
+        if n != self.micro_batches:
+            self.set_train_batch_size(self.train_micro_batch_size_per_gpu() * n * self.dp_world_size)
+            self.micro_batches = n
 
     def reset_activation_shape(self):
         """Exchange tensor shapes again (call when activation shapes change between batches)."""
@@ -273,7 +295,13 @@ class AutoplanEngine(PipelineEngine):
     def _exec_send_activations(self, buffer_id, stage, peer):
         out = self._slot(stage, buffer_id).out
         tensors = [t.detach() for t in _as_list(out)]
-        if stage not in self._meta_sent:
+        if self.ap_shape_plan is not None:      # both ends know the shape: no handshake
+            want = [tuple(sh) for _, sh in self.ap_shape_plan(stage + 1, buffer_id)[1]]
+            got = [tuple(t.shape) for t in tensors]
+            if got != want:
+                raise RuntimeError(f"stage {stage} micro-batch {buffer_id}: activation shapes "
+                                   f"{got} differ from the shape plan {want}")
+        elif stage not in self._meta_sent:
             self._meta_sent.add(stage)
             self._send_meta(tensors, torch.is_tensor(out), peer)
         for t in tensors:
@@ -281,9 +309,12 @@ class AutoplanEngine(PipelineEngine):
         self._prune_sends()
 
     def _exec_recv_activations(self, buffer_id, stage, peer):
-        if stage not in self._recv_meta:
-            self._recv_meta[stage] = self._recv_meta_blocking(peer)
-        is_tensor, specs = self._recv_meta[stage]
+        if self.ap_shape_plan is not None:
+            is_tensor, specs = self.ap_shape_plan(stage, buffer_id)
+        else:
+            if stage not in self._recv_meta:
+                self._recv_meta[stage] = self._recv_meta_blocking(peer)
+            is_tensor, specs = self._recv_meta[stage]
         bufs = [torch.empty(shape, dtype=dt, device=self.device) for dt, shape in specs]
         works = [dist.irecv(b, self._peer(peer)) for b in bufs]
         self._slot(stage, buffer_id).recv = (works, bufs, is_tensor, peer)
@@ -352,6 +383,10 @@ class AutoplanEngine(PipelineEngine):
                 loss = self.module.loss_fn(out, self._load_labels(mb))
             else:
                 loss = out
+            if self.ap_loss_factors is not None and torch.is_grad_enabled():
+                # DeepSpeed divides by gradient_accumulation_steps; the factor makes the step's
+                # gradient the sample/token-weighted one (dynamic.py)
+                loss = loss * self.ap_loss_factors[mb]
             self.loss = slot.loss = loss
             if self.eval_return_logits:
                 self.outputs = out

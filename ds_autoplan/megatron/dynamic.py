@@ -1,0 +1,82 @@
+"""DynaPipe iteration plans (ds_autoplan.dynamic) in our Megatron forward_backward_func.
+
+One optimizer step = one :class:`~ds_autoplan.dynamic.IterationPlan`: its own micro-batch
+count, a shape (mbs, padded length) per micro-batch and a lowered schedule::
+
+    fb = ds_autoplan.megatron.ScheduleRunner(None)          # schedule comes with every step
+    for plan in sampler.iter_plans():                       # or sampler.pop_plan()
+        batches = [next(loader_it) for _ in range(plan.num_microbatches)]
+        w = loss_weights([(lab != -100).sum() for _, lab in batches])   # loss stage
+        fb(forward_step_func=..., data_iterator=iter(batches), model=chunks,
+           microbatch_weights=w, **step_kwargs(plan))
+        optimizer.step()
+
+Loss weights: Megatron divides each micro-batch's loss by ``num_microbatches``; with
+micro-batches of unequal token counts that is not the loss of the whole step.
+``microbatch_weights`` replaces it by the micro-batch's share of the step's tokens (or
+samples), so the gradient equals the one of the unpipelined model on all the step's samples
+at once.  Alternative with Megatron's own machinery: ``config.calculate_per_token_loss=True``
+and a loss function returning ``(loss_sum, num_tokens, report)``; Megatron's
+``finalize_model_grads`` (with its DDP) then divides by the step's token count, which the
+executor accumulates and passes as Megatron's schedules do.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from ..schedule import ScheduleError
+
+
+def plan_digest(plan) -> int:
+    """62-bit digest of what all pipeline ranks must agree on: shapes and lowered lists."""
+    text = repr([(int(b), L if isinstance(L, int) else tuple(L)) for b, L in plan.shapes])
+    return int.from_bytes(hashlib.sha256((text + plan.lowered.to_text()).encode()).digest()[:8],
+                          "little") >> 2
+
+
+def check_same_plan(plan, group) -> None:
+    """Raise ScheduleError on every rank of ``group`` (e.g. the pipeline group) unless all of
+    them hold the same plan (one all-reduce of two integers); a mismatch would otherwise
+    mean wrongly sized receives or a hang."""
+    import torch.distributed as dist
+    dev = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    h = plan_digest(plan)
+    x = torch.tensor([h, -h], dtype=torch.long, device=dev)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    if int(x[0]) != h or int(x[1]) != -h:
+        raise ScheduleError(f"step {plan.step}: pipeline ranks hold different iteration plans "
+                            f"(same lengths, seed and planner on every rank?)")
+
+
+def step_kwargs(plan, group=None) -> dict:
+    """Keywords of our forward_backward_func for one iteration plan: its lowered schedule,
+    micro-batch count and shape plan (``seq_length``/``micro_batch_size``: the largest, as
+    Megatron's signature needs them; unused when shapes are given).  With ``group`` (the
+    pipeline group) it first checks that all its ranks hold this plan."""
+    if group is not None:
+        check_same_plan(plan, group)
+    shapes = [(int(b), L if not isinstance(L, (tuple, list)) else tuple(L)) for b, L in plan.shapes]
+    seq = max(L if isinstance(L, int) else L[0] for _, L in shapes)
+    dec = max(L[1] for _, L in shapes) if shapes and not isinstance(shapes[0][1], int) else None
+    return dict(schedule=plan.lowered, num_microbatches=plan.num_microbatches,
+                microbatch_shapes=shapes, seq_length=seq,
+                micro_batch_size=max(b for b, _ in shapes), decoder_seq_length=dec)
+
+
+def loss_weights(counts, dp_group=None) -> list[float]:
+    """``w_m = dp · c_m / Σ c`` for per-micro-batch counts ``c_m`` (tokens that carry loss, or
+    samples), the sum taken over the data-parallel group (``dp_group``; Megatron's DDP
+    averages gradients over it, hence the factor dp).  With these weights the step's loss is
+    ``Σ_m w_m · mean_m`` = mean over all the step's tokens (samples)."""
+    c = torch.tensor([float(x) for x in counts], dtype=torch.float64)
+    total, dp = c.sum(), 1
+    if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
+        dp = torch.distributed.get_world_size(dp_group)
+        dev = "cuda" if torch.distributed.get_backend(dp_group) == "nccl" else "cpu"
+        total = total.to(dev)
+        torch.distributed.all_reduce(total, group=dp_group)
+    if float(total) <= 0:
+        raise ValueError("no tokens/samples carry loss in this step")
+    return [float(x) * dp / float(total) for x in c]
