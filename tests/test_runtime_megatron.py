@@ -92,6 +92,21 @@ def test_four_ranks_all_schedules():
 
 
 @pytest.mark.timeout(120)
+def test_recompute_replays_dropout():
+    # rank 1 recomputes its second V stage (R before B): with hidden dropout the gradients
+    # equal those of the same schedule without R only if R replays the forward's RNG state
+    from ds_autoplan.megatron.testing import launch
+    case = dict(fn="dropout_case", pp=2, n=4, layers=[1, 1, 1, 1], schedule="hand-v",
+                sched=hand_v(2, 4).to_dict(), dropout=0.3)
+    out = launch(2, [case], timeout=100)
+    rows = [o[0] for o in out]
+    assert sorted(r["recomputes"] > 0 for r in rows) == [False, True]
+    for r in rows:
+        assert r["max_err"] <= 1e-6, r
+        assert r["dropout_effect"] > 1e-3, r
+
+
+@pytest.mark.timeout(120)
 def test_failing_rank_does_not_hang_the_others():
     from ds_autoplan.megatron.testing import launch
     t0 = time.time()

@@ -54,6 +54,7 @@ from megatron.core.utils import get_model_config, get_model_type
 
 from ..schedule import Costs, Kind, Schedule, ScheduleError, lower
 from .shim import cpu_shim
+from ..runtime.rng import RngState
 from ..runtime.splitgrad import WeightGradStore
 
 SIGNATURE = inspect.signature(_ms.forward_backward_pipelining_without_interleaving)
@@ -245,6 +246,7 @@ class ScheduleRunner:
         local_grad: dict = {}   # (stage, mb) -> output grad handed over from the next local stage
         in_grads: dict = {}     # (stage, mb) -> input grad to send
         stores: dict = {}
+        rngs: dict = {}         # (stage, mb) -> RngState of a forward that R re-runs
         losses: dict = {}
         total_tokens = torch.zeros([], dtype=torch.int)
         tracker = self.tracker
@@ -312,6 +314,8 @@ class ScheduleRunner:
                 else:
                     inp = _wait(recvd.pop((Kind.RECV_F, s, m)))
                 inputs[(s, m)] = inp
+                if (s, m) in rec and not forward_only:   # R replays this forward's dropout
+                    rngs[(s, m)] = RngState()
                 out, ntok = fwd(s, m, with_grad=(s, m) not in rec)
                 total_tokens += ntok.to(total_tokens.dtype).cpu() if torch.is_tensor(ntok) else ntok
                 outputs[(s, m)] = out
@@ -325,7 +329,8 @@ class ScheduleRunner:
                     if s + 1 >= S or sched.placement[s + 1] == rank:
                         outputs.pop((s, m))
             elif k == Kind.R:
-                out, _ = fwd(s, m, with_grad=True, store_into=[])
+                with rngs.pop((s, m)).replay():
+                    out, _ = fwd(s, m, with_grad=True, store_into=[])
                 outputs[(s, m)] = out
                 if s + 1 < S:  # only its grad_fn is needed from here on (as after a send)
                     _ms.deallocate_output_tensor(output_tensor(s, m), config.deallocate_pipeline_outputs)

@@ -273,6 +273,38 @@ def run_case(case) -> dict:
     return res
 
 
+def dropout_case(case) -> dict:
+    """The same schedule with and without recomputation (R) of some stages, hidden dropout
+    on: R must replay each forward's random state, so gradients agree exactly; a third run
+    without dropout shows that dropout is really drawn."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from ..schedule import Kind, Schedule
+    from . import get_forward_backward_func, initialize
+    with_r = Schedule.from_dict(case["sched"])
+    no_r = Schedule.from_keys("no-r", with_r.num_microbatches, with_r.placement,
+                              [[(a.kind.value, a.stage, a.mb) for a in acts if a.kind != Kind.R]
+                               for acts in with_r.ranks])
+    grads = []
+    for sched, p in ((with_r, case["dropout"]), (no_r, case["dropout"]), (no_r, 0.0)):
+        ps.destroy_model_parallel()
+        plan = _plan(case)
+        setup = initialize(plan, schedule=sched)
+        chunks = build_chunks(setup, hidden_dropout=p)
+        torch.manual_seed(4321 + setup.pp_rank)
+        its = [data_iter(0) for _ in chunks]
+        get_forward_backward_func(plan, schedule=sched)(
+            forward_step_func=forward_step, data_iterator=its if len(chunks) > 1 else its[0],
+            model=chunks, num_microbatches=plan.num_microbatches, seq_length=SEQ,
+            micro_batch_size=MBS)
+        grads.append([q.grad.clone() for m in chunks for q in m.parameters()])
+    err = max(float((a - b).abs().max()) for a, b in zip(grads[0], grads[1]))
+    diff = max(float((a - b).abs().max()) for a, b in zip(grads[1], grads[2]))
+    return {"rank": setup.pp_rank, "recomputes": sum(a.kind == Kind.R for a in with_r.ranks[setup.pp_rank]),
+            "max_err": err, "dropout_effect": diff}
+
+
 def fail_case(case) -> dict:
     """Our schedule with a forward_step_func that raises on one rank in the middle of the
     pipeline while the other ranks wait on receives (launcher robustness test)."""

@@ -29,6 +29,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from ...schedule import Kind, Schedule, lower, validate
 from .. import splitgrad
 from ..memtrack import MemTracker, hold
+from ..rng import RngState
 from .module import AutoplanPipelineModule
 
 
@@ -370,7 +371,7 @@ class AutoplanEngine(PipelineEngine):
         k = self.module.recompute_layers.get(stage, 0)
         if k and torch.is_grad_enabled():
             # stage-aware recomputation: the first k layers keep only their input (checkpoint)
-            slot.rng = torch.get_rng_state()
+            slot.rng = RngState()      # R replays this forward's dropout
             slot.ckpt = [hold(self.memtracker, t) for t in _as_list(x)]
             with torch.no_grad(), self.module.activated(stage, 0, k):
                 h = self.module(x)
@@ -408,11 +409,8 @@ class AutoplanEngine(PipelineEngine):
         if slot.h is None or slot.h2 is not None:
             return
         k = self.module.recompute_layers[stage]
-        state = torch.get_rng_state()
-        torch.set_rng_state(slot.rng)
-        with torch.enable_grad(), self.module.activated(stage, 0, k):
+        with slot.rng.replay(), torch.enable_grad(), self.module.activated(stage, 0, k):
             slot.h2 = self.module(slot.inp)
-        torch.set_rng_state(state)
         slot.ckpt = None
         self._trace("R", stage, buffer_id)
 

@@ -1,0 +1,54 @@
+"""Random-number state of one forward, replayed by its recomputation (action R).
+
+A forward with dropout draws random numbers; its recomputation must draw the same ones or
+the gradient is wrong, and must leave the generators as it found them so that the forwards
+that follow draw what they would without recomputation (torch.utils.checkpoint's
+``preserve_rng_state``, Megatron's ``CheckpointFunction``).  The state is the CPU generator,
+the current CUDA device's generator (when CUDA is in use) and Megatron-core's CUDA RNG
+tracker (model-parallel / expert-parallel streams), when it is importable.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def _tracker():
+    try:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    except Exception:       # megatron-core is optional for the DeepSpeed runtime
+        return None
+    t = get_cuda_rng_tracker()
+    return t if hasattr(t, "get_states") and hasattr(t, "set_states") else None
+
+
+class RngState:
+    """The generators' state now; :meth:`replay` runs a block from it and then puts back
+    whatever state the generators had when the block began."""
+
+    __slots__ = ("cpu", "cuda", "tracker")
+
+    def __init__(self):
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and \
+            torch.cuda.is_initialized() else None
+        t = _tracker()
+        self.tracker = {k: v.clone() for k, v in t.get_states().items()} if t is not None else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda)
+        t = _tracker() if self.tracker is not None else None
+        if t is not None:
+            t.set_states({k: v.clone() for k, v in self.tracker.items()})
+
+    @contextlib.contextmanager
+    def replay(self):
+        now = RngState()
+        self.restore()
+        try:
+            yield
+        finally:
+            now.restore()
