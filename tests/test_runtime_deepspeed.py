@@ -1,13 +1,12 @@
 """The DeepSpeed adapter on real CPU ranks (gloo): every schedule trains exactly like the
 non-pipelined model, measured activation memory matches the simulator, failures surface."""
-import json
 import time
 
 import pytest
 
 pytest.importorskip("deepspeed")
 
-from ds_autoplan.runtime.deepspeed.spawn import spawn  # noqa: E402
+from ds_autoplan.runtime.deepspeed.spawn import results, spawn  # noqa: E402
 
 WORKER = ["-m", "ds_autoplan.runtime.deepspeed.check"]
 SCHEDULES = ["1f1b", "gpipe", "interleaved", "v-min", "v-half", "v-zb", "adaptive", "zb-h1", "merak-scp"]
@@ -15,15 +14,8 @@ TOL = 1e-5
 
 
 def run_group(world, *args, timeout=240):
-    outs = spawn(WORKER + list(args), world, timeout=timeout)
-    res = {}
-    for rc, out in outs:
-        assert rc == 0, out[-4000:]
-        for line in out.splitlines():
-            if line.startswith("AUTOPLAN_RESULT "):
-                d = json.loads(line.split(" ", 1)[1])
-                res[(d["schedule"], d.get("rank"))] = d
-    return res
+    return {(d["schedule"], d.get("rank")): d
+            for d in results(WORKER + list(args), world, timeout=timeout)}
 
 
 @pytest.fixture(scope="module")

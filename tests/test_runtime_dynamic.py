@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from ds_autoplan.runtime.deepspeed.spawn import spawn  # noqa: E402
+from ds_autoplan.runtime.deepspeed.spawn import results, spawn  # noqa: E402
 
 WORKER = ["-m", "ds_autoplan.runtime.deepspeed.check_dynamic"]
 TOL = 1e-5
@@ -19,21 +19,15 @@ RUNS = ["dynapipe:0:tokens", "dynapipe:1:tokens", "1f1b:0:tokens", "dynapipe:1:t
         "dynapipe:0:samples", "dynapipe:0:uniform"]
 
 
-def _spawn(argv, world, timeout=150):
-    return spawn(argv, world, timeout=timeout, grace=20, env={"DS_AUTOPLAN_P2P_TIMEOUT": "30"})
+KW = dict(grace=20, env={"DS_AUTOPLAN_P2P_TIMEOUT": "30"})
 
 
 def run_group(world, *args, timeout=150):
-    outs = _spawn(WORKER + list(args), world, timeout)
     res = {}
-    for rc, out in outs:
-        assert rc == 0, out[-4000:]
-        for line in out.splitlines():
-            if line.startswith("AUTOPLAN_RESULT "):
-                d = json.loads(line.split(" ", 1)[1])
-                key = f"{d['schedule']}:{d['zero']}:{d['weight']}"
-                key += f":{d['recompute']}" if d["recompute"] else ""
-                res.setdefault(key, []).append(d)
+    for d in results(WORKER + list(args), world, timeout=timeout, **KW):
+        key = f"{d['schedule']}:{d['zero']}:{d['weight']}"
+        key += f":{d['recompute']}" if d["recompute"] else ""
+        res.setdefault(key, []).append(d)
     return res
 
 
@@ -125,7 +119,7 @@ def test_four_stage_pipeline(four_stages):
 
 def test_example_trains_on_two_ranks():
     script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_dynamic.py"
-    outs = _spawn([str(script), "--steps", "2", "--global-batch", "12"], 2)
+    outs = spawn([str(script), "--steps", "2", "--global-batch", "12"], 2, timeout=150, **KW)
     assert all(rc == 0 for rc, _ in outs), outs[0][1][-3000:]
     lines = [ln for ln in outs[0][1].splitlines() if ln.startswith("step ")]
     assert len(lines) == 2 and all("micro-batches" in ln for ln in lines), outs[0][1][-3000:]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
+import functools
 import os
 import signal
 import time
@@ -24,6 +24,8 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .spawn import report_runs
 
 
 # ----------------------------------------------------------------------------- tiny GPT
@@ -309,13 +311,8 @@ def main(argv=None):
         model = nn.Sequential(*layers)
         ev = sum(float(loss_fn(model(x), y)) for x, y in batches[0]) / len(batches[0])
     ref = {"losses": losses, "layers": layers, "layers0": layers0, "eval": ev}
-    try:
-        for name in args.schedules.split(","):
-            res = run_one(name, args, world, rank, ref)
-            print("AUTOPLAN_RESULT " + json.dumps(res), flush=True)
-        torch.distributed.barrier()
-    finally:
-        torch.distributed.destroy_process_group()
+    report_runs(functools.partial(run_one, name, args, world, rank, ref)
+                for name in args.schedules.split(","))
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 
 import numpy as np
 import torch
 import torch.nn as nn
+
+from .spawn import report_runs
 
 
 class VarLenTokens(torch.utils.data.Dataset):
@@ -154,15 +155,11 @@ def main(argv=None):
     steps_idx = [np.asarray(i) for i in probe.step_indices()[:args.steps]]
     losses, layers = reference(copy.deepcopy(layers0), ds, steps_idx, args.lr, gpt_loss, pad_collate())
     ref = {"losses": losses, "layers": layers}
-    try:
-        for spec in args.runs.split(","):
-            schedule, zero, weight, *rec = spec.split(":")
-            res = run(args, schedule, int(zero), weight, float(rec[0]) if rec else 0.0, ref, layers0,
-                      ds, lengths)
-            print("AUTOPLAN_RESULT " + json.dumps(res), flush=True)
-        torch.distributed.barrier()
-    finally:
-        torch.distributed.destroy_process_group()
+    def job(spec):
+        schedule, zero, weight, *rec = spec.split(":")
+        return lambda: run(args, schedule, int(zero), weight, float(rec[0]) if rec else 0.0, ref,
+                           layers0, ds, lengths)
+    report_runs(job(spec) for spec in args.runs.split(","))
 
 
 if __name__ == "__main__":

@@ -49,3 +49,32 @@ def spawn(argv: list[str], world: int, timeout: float = 300.0, grace: float = 60
         out.append((rc, f.read()))
         f.close()
     return out
+
+
+RESULT = "AUTOPLAN_RESULT "
+
+
+def report_runs(jobs) -> None:
+    """Worker side: run each job (a callable returning a JSON-able dict) and print it as one
+    ``AUTOPLAN_RESULT {json}`` line; then barrier and tear the process group down."""
+    import json
+
+    import torch.distributed as dist
+    try:
+        for job in jobs:
+            print(RESULT + json.dumps(job()), flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def results(argv: list[str], world: int, **kw) -> list[dict]:
+    """Launcher side: :func:`spawn` ``argv`` and return every rank's result dicts; a failed
+    rank raises with the end of its output."""
+    import json
+    rows = []
+    for r, (rc, out) in enumerate(spawn(argv, world, **kw)):
+        if rc != 0:
+            raise RuntimeError(f"rank {r} exited with {rc}:\n{out[-4000:]}")
+        rows += [json.loads(ln[len(RESULT):]) for ln in out.splitlines() if ln.startswith(RESULT)]
+    return rows
