@@ -48,7 +48,7 @@ def run_case(model, cluster, B, opts):
           for k, v in pr["baselines"].items()}
     best_bl = max(bl.values()) if bl else 0.0
     return {"model": model, "cluster": cluster, "global_batch": B,
-            "plan": f"pp{p.pp} tp{p.tp} dp{p.dp} z{p.zero_stage} {p.schedule} mbs{p.micro_batch_size}x{p.num_microbatches}",
+            "plan": f"pp{p.pp} tp{p.tp}{'+sp' if p.sequence_parallel else ''} dp{p.dp} z{p.zero_stage} {p.schedule} mbs{p.micro_batch_size}x{p.num_microbatches}",
             "tokens_per_s": tok, "mfu": pr["mfu"], "baselines": bl,
             "ratio_vs_best_baseline": tok / best_bl if best_bl else None,
             "wide_gain": pr.get("wide_gain"), "wide_gain_vs_1f1b": pr.get("wide_gain_vs_1f1b"),

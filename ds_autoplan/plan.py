@@ -35,7 +35,7 @@ class Plan:
     seq_len: int = 0
     num_layers: int = 0
     world_size: int = 1
-    sequence_parallel: bool = False
+    sequence_parallel: bool = False      # Megatron SP (tp > 1 only); absent in old plan files
     partitioner: str = "bmw"
     # per-layer strategies of the wide (Galvatron) search: list of dicts
     # {"tp": int, "dp": int, "sdp": bool, "ckpt": bool} (one per model layer)

@@ -164,3 +164,50 @@ def test_plan_emit_megatron_args_is_one_line_of_flags(capsys):
     assert "--pipeline-model-parallel-size 2" in line
     # shell-quoted ('|' is a pipe to the shell), so it can be pasted onto pretrain_gpt.py's command
     assert "--pipeline-model-parallel-layout 'Etttt|ttttL'" in line
+
+
+# -- sequence parallelism ----------------------------------------------------------------
+@pytest.mark.parametrize("tp,sp", [(2, True), (2, False), (1, True), (1, False)])
+def test_megatron_sequence_parallel_flag(tp, sp):
+    """--sequence-parallel exactly when tp > 1 and the plan says so; the config, Megatron's
+    TransformerConfig (which rejects SP with tp = 1) and the runtime overrides agree."""
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from ds_autoplan.megatron import plan_overrides
+    plan = _plan(tp=tp, dp=4 // tp, sequence_parallel=sp)
+    on = sp and tp > 1
+    c = json.loads(json.dumps(megatron_config(plan)))          # megatron.json round trip
+    assert c["sequence_parallel"] is on
+    assert ("--sequence-parallel" in megatron_args(plan)) is on
+    assert Plan.from_json(plan.to_json()) == plan
+    over, _, _ = plan_overrides(plan)
+    assert over["sequence_parallel"] is on
+    tc = TransformerConfig(hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
+                           pipeline_dtype=torch.bfloat16, bf16=True, **over)
+    assert tc.sequence_parallel is on
+    assert ds_config(plan)["autoplan"]["sequence_parallel"] is sp
+
+
+def test_old_plan_json_without_sequence_parallel_loads(tmp_path):
+    d = _plan().to_dict()
+    del d["sequence_parallel"]
+    (tmp_path / "plan.json").write_text(json.dumps(d))
+    p = Plan.load(tmp_path / "plan.json")
+    assert p.sequence_parallel is False and p.tp == 2
+    assert "--sequence-parallel" not in megatron_args(p)
+
+
+def test_plan_command_sequence_parallel(tmp_path, capsys):
+    out = tmp_path / "sp"
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "cpu-4", "--global-batch", "16",
+                 "--sequence-parallel", "on", "--no-wide", "--out", str(out), "--json", "--quiet"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["sequence_parallel"] is True and summary["tp"] > 1
+    assert json.loads((out / "megatron.json").read_text())["sequence_parallel"] is True
+    assert "--sequence-parallel" in (out / "megatron_args.txt").read_text().split()
+    assert Plan.load(out / "plan.json").sequence_parallel is True
+    assert "| sequence parallel |" in (out / "report.md").read_text()
+    rc = main(["plan", "--model", "gpt-tiny", "--cluster", "cpu-4", "--global-batch", "16",
+               "--tp", "1", "--sequence-parallel", "on", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "needs tensor parallelism" in err and "Traceback" not in err

@@ -289,3 +289,72 @@ def test_extrapolated_simulation_matches_exact(bert8, name):
     static = [sum(figs[s]["ms"] + figs[s]["ob"] for s in range(S) if sched.placement[s] == r)
               for r in range(P)]
     assert np.allclose(peak, np.array(static) + np.array(res.peak_memory), rtol=0.02)
+
+
+# -- sequence parallelism (Korthikanti et al. 2022 §4.2.2) ----------------------------------
+@pytest.mark.parametrize("t,saved", [(2, 41943040.0), (4, 62914560.0)])
+def test_sequence_parallel_cost_model(t, saved):
+    """SP splits act_rep, the CKPT input and the p2p tensor by t; the TP volume stays."""
+    m = load_model("gpt3-1.3b")                      # s = h = 2048, GPT with dropout
+    cm = CostModel(m, load_cluster("8xa100-80gb"))
+    S = [Strategy(t, 1), Strategy(t, 1, sp=True), Strategy(t, 1, ckpt=True),
+         Strategy(t, 1, ckpt=True, sp=True)]
+    tab, blk, b, s, h = cm.tables(S, 2), 2, 2, 2048, 2048
+    u = cm.units[blk]
+    assert (u.act_rep, u.boundary) == (10 * s * h, 2 * s * h)
+    # hand-computed: b * act_rep * (1 - 1/t) = 2 * 10 * 2048^2 * (1 - 1/t)
+    assert b * u.act_rep * (1 - 1 / t) == saved
+    assert tab.f1[blk, 0] - tab.f1[blk, 1] == pytest.approx(saved)
+    assert tab.f1[blk, 1] == pytest.approx(b * (u.act_rep + u.act_tp) / t)
+    assert tab.f1[blk, 3] == pytest.approx(b * 2 * s * h / t)       # CKPT keeps [s/t, b, h]
+    assert tab.ob[blk, 3] == pytest.approx(tab.f1[blk, 1])
+    assert tab.p2p[blk, 1] == pytest.approx(cm.net.p2p(b * 2 * s * h / t, t))
+    assert tab.p2p[blk, 1] < tab.p2p[blk, 0]
+    for a in (tab.fwd, tab.bwd, tab.bwd_ns, tab.ms):                  # TP comm time unchanged
+        assert np.allclose(a[:, 1], a[:, 0]) and np.allclose(a[:, 3], a[:, 2])
+    F = b * u.flops / (t * cm.cluster.flops)
+    X = b * u.boundary
+    assert tab.fwd[blk, 1] - F == pytest.approx(2 * cm.net.all_reduce(X, t))
+    # reduce-scatter + all-gather move the all-reduce's 2(t-1)/t X (the ring's two phases)
+    lat = cm.net.link(t)[1]
+    assert cm.net.reduce_scatter(X, t) + cm.net.all_gather(X, t) - lat == pytest.approx(cm.net.all_reduce(X, t))
+    assert S[1].label() == f"TP{t}+SP" and S[3].label() == f"TP{t}+SP+CKPT"
+
+
+def test_sequence_parallel_lets_a_plan_fit():
+    """gpt3-1.3b at 8192 tokens, 8 GB: without SP the planner must recompute or pipeline;
+    with 'auto' it finds a TP plan with SP that fits without recompute and is faster."""
+    from ds_autoplan.search.planner import Planner
+    kw = dict(budget_gb=8, wide=False, baselines=False)
+    off = search("gpt3-1.3b", "8xa100-80gb", 32, 8192, sequence_parallel="off", **kw).plan
+    auto = search("gpt3-1.3b", "8xa100-80gb", 32, 8192, **kw).plan
+    assert not off.sequence_parallel and auto.sequence_parallel and auto.tp > 1
+    assert auto.predicted["iteration_time_s"] < off.predicted["iteration_time_s"]
+    rec = lambda p: sum(r * n for r, n in zip(p.recompute_per_stage, p.layers_per_stage))  # noqa: E731
+    assert rec(off) > rec(auto) == 0
+    # the auto plan's configuration fits without recompute only with SP
+    m, c = load_model("gpt3-1.3b", 8192), load_cluster("8xa100-80gb")
+    cfg = (auto.pp, auto.tp, auto.dp, auto.zero_stage, auto.num_microbatches,
+           auto.micro_batch_size * auto.dp)
+    t = {mode: Planner(m, c, 32, budget_gb=8, sequence_parallel=mode).evaluate(*cfg, ckpt="none",
+                                                                             schedules=[]).time
+         for mode in ("auto", "off")}
+    assert np.isfinite(t["auto"]) and not np.isfinite(t["off"])
+
+
+def test_sequence_parallel_modes():
+    on = search("gpt-tiny", "cpu-4", 16, wide=False, sequence_parallel="on")
+    assert on.plan.tp > 1 and on.plan.sequence_parallel
+    assert "+SP" in on.plan.layer_strategies[1]
+    # 'on' with tp = 1 forced is an error (Megatron needs TP for SP), not silently off
+    with pytest.raises(SpecError, match="needs tensor parallelism"):
+        search("gpt-tiny", "cpu-4", 16, wide=False, tp=1, sequence_parallel="on")
+    with pytest.raises(SpecError, match="sequence_parallel must be one of"):
+        search("gpt-tiny", "cpu-4", 16, wide=False, sequence_parallel="yes")
+    off = search("gpt-tiny", "cpu-4", 16, wide=False, tp=2, sequence_parallel="off").plan
+    auto = search("gpt-tiny", "cpu-4", 16, wide=False, tp=2).plan
+    assert auto.sequence_parallel and not off.sequence_parallel
+    assert auto.predicted["iteration_time_s"] <= off.predicted["iteration_time_s"] * (1 + 1e-12)
+    # baselines with TP > 1 (Megatron 3D, Galvatron without BMW) use SP under 'auto' too
+    ok = [b for b in on.baselines.values() if b is not None and b.ok]
+    assert all(b.sp == (b.tp > 1) for b in ok) and any(b.sp for b in ok)

@@ -33,6 +33,10 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", default=None, help="YAML/JSON of measured cluster overrides")
     p.add_argument("--pp", type=int, default=None, help="restrict the search to this pipeline degree")
     p.add_argument("--tp", type=int, default=None, help="restrict the search to this tensor degree")
+    p.add_argument("--sequence-parallel", choices=["auto", "on", "off"], default="auto",
+                   help="Megatron sequence parallelism: auto = on whenever the plan has tp > 1 "
+                        "(never slower, less activation memory); on = search tp > 1 only "
+                        "(an error with --tp 1); off = never")
     p.add_argument("--no-wide", action="store_true", help="skip the wide Galvatron-BMW mode")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -42,7 +46,8 @@ def summary(plan) -> dict:
     pr = plan.predicted
     return {"throughput_tokens_per_s": pr["throughput_tokens_per_s"],
             "iteration_time_s": pr["iteration_time_s"], "pp": plan.pp, "tp": plan.tp, "dp": plan.dp,
-            "zero_stage": plan.zero_stage, "schedule": plan.schedule,
+            "zero_stage": plan.zero_stage, "sequence_parallel": plan.sequence_parallel,
+            "schedule": plan.schedule,
             "micro_batch_size": plan.micro_batch_size,
             "peak_memory_gb_per_stage": pr["peak_memory_gb_per_stage"],
             "search_time_s": pr["search_time_s"], "num_microbatches": plan.num_microbatches,
@@ -112,7 +117,7 @@ def run(args) -> int:
                  budget_gb=args.memory_budget_gb, partitioner=args.partitioner, schedules=scheds,
                  wide=not args.no_wide, progress=not args.quiet and sys.stderr.isatty(),
                  world_size=args.world_size, profile=args.profile, keep_sim=bool(args.out),
-                 pp=args.pp, tp=args.tp)
+                 pp=args.pp, tp=args.tp, sequence_parallel=args.sequence_parallel)
     files = write_outputs(res, args.out) if args.out else []
     plan = res.plan
     if args.emit == "megatron-args":
@@ -124,7 +129,8 @@ def run(args) -> int:
         print(json.dumps(summary(plan)))
     else:
         pr = plan.predicted
-        print(f"{plan.model} on {plan.cluster}: pp={plan.pp} tp={plan.tp} dp={plan.dp} "
+        print(f"{plan.model} on {plan.cluster}: pp={plan.pp} tp={plan.tp}"
+              f"{' (sequence parallel)' if plan.sequence_parallel else ''} dp={plan.dp} "
               f"ZeRO-{plan.zero_stage} schedule={plan.schedule} micro-batch={plan.micro_batch_size} "
               f"x {plan.num_microbatches}")
         print(f"layers per stage {plan.layers_per_stage}, recompute {plan.recompute_per_stage}")

@@ -26,6 +26,7 @@ class Strategy(NamedTuple):
     zero: int = 0
     tp_outer: bool = False   # True: TP is the outer tree level (strided TP groups)
     ckpt: bool = False
+    sp: bool = False         # Megatron sequence parallelism (Korthikanti et al. 2022 §4.2.2); needs tp > 1
 
     @property
     def n(self) -> int:
@@ -42,7 +43,7 @@ class Strategy(NamedTuple):
         tp = f"TP{self.tp}" if self.tp > 1 else ""
         parts = [tp, data] if self.tp_outer else [data, tp]
         s = "+".join(p for p in parts if p) or "1 device"
-        return s + ("+CKPT" if self.ckpt else "")
+        return s + ("+SP" if self.sp and self.tp > 1 else "") + ("+CKPT" if self.ckpt else "")
 
     def tp_stride(self) -> int:
         return self.dp if self.tp_outer else 1
@@ -122,16 +123,23 @@ class CostModel:
                 allowed[:, j] = False
             state = {0: pb + gb + obytes, 1: pb + gb + obytes / d, 2: pb + (gb + obytes) / d,
                      3: (pb + gb + obytes) / d}[z]
+            # sequence parallelism (Korthikanti et al. 2022 §4.2.2): the activations TP keeps
+            # replicated (LayerNorm/dropout inputs, residuals), the layer input kept by CKPT and
+            # the pipeline send ([s/t, b, h]) are split along the sequence over the t ranks
+            q = t if s.sp and t > 1 else 1
             for i, u in enumerate(self.units):
                 W = u.params / t
-                act = (u.act_rep + u.act_tp / t) * ab
+                act = (u.act_rep / q + u.act_tp / t) * ab
+                x = u.boundary * ab / q
                 ck = s.ckpt and u.checkpointable
                 if s.ckpt and not u.checkpointable:
                     allowed[i, j] = False
                 ms[i, j] = W * state
-                f1[i, j] = b * (u.boundary * ab if ck else act)
+                f1[i, j] = b * (x if ck else act)
                 ob[i, j] = (b * act if ck else 0.0) + (W * (pb + gb) if z == 3 else 0.0)
                 F = b * u.flops / (t * flops)
+                # with SP each all-reduce is a reduce-scatter + all-gather of the same tensor
+                # (§4.2.2): 2 (t-1)/t X / BW, a ring all-reduce's own two phases, so t_AR stands
                 A_tp = u.tp_allreduces * net.all_reduce(b * u.boundary * ab, t, s.tp_stride()) if t > 1 else 0.0
                 ds = s.dp_stride()
                 g_f = net.all_gather(W * cb, d, ds) if z == 3 else 0.0
@@ -146,7 +154,7 @@ class CostModel:
                 bwd[i, j] = self.ov(k_comp, g_sync + g_b) + k_tp
                 bwd_ns[i, j] = self.ov(k_comp, g_b) + k_tp
                 wg[i, j] = F
-                p2p[i, j] = net.p2p(b * u.boundary * ab, s.n)
+                p2p[i, j] = net.p2p(b * x, s.n)
         # re-layout before each layer type (§2.5): activations only
         shape_key = tuple(strategies)
         if shape_key not in self._relayout:

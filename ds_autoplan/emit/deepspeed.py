@@ -13,6 +13,7 @@ def autoplan_section(plan: Plan) -> dict:
             "recompute_per_stage": list(plan.recompute_per_stage),
             "tensor_parallel_size": plan.tp, "pipeline_parallel_size": plan.pp,
             "data_parallel_size": plan.dp, "num_microbatches": plan.num_microbatches,
+            "sequence_parallel": plan.sequence_parallel,   # Megatron only (DeepSpeed runs tp = 1)
             "partitioner": plan.partitioner, "model": plan.model, "cluster": plan.cluster}
 
 

@@ -124,6 +124,7 @@ def plan_overrides(plan, schedule: Schedule | None = None) -> tuple[dict, list, 
     layout = layout_for(sched, lps)
     vpp = S // d if S > d else None
     over = dict(num_layers=sum(lps), tensor_model_parallel_size=plan.tp,
+                sequence_parallel=bool(plan.sequence_parallel and plan.tp > 1),   # needs tp > 1
                 pipeline_model_parallel_size=d, virtual_pipeline_model_parallel_size=vpp,
                 pipeline_model_parallel_layout=layout,
                 microbatch_group_size_per_vp_stage=sched.meta.get(

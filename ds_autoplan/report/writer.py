@@ -21,6 +21,11 @@ def _fmt(x, nd=3):
     return "-" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
 
+def _sp(on) -> str:
+    """Sequence parallelism (Megatron only; the DeepSpeed runtime has tp = 1)."""
+    return "on" if on else "off"
+
+
 def plot_stage_memory(peaks_gb: list[float], budget_gb: float, path: str, title: str) -> str:
     import matplotlib
     matplotlib.use("Agg")
@@ -64,9 +69,9 @@ def write_report(res, out_dir: str) -> list[str]:
       f"memory budget {budget:.1f} GB per device, {plan.world_size} devices. "
       f"Search took {pred['search_time_s']:.2f} s ({pred['candidates_evaluated']} configurations costed).\n")
     w("## Chosen plan\n")
-    w("| pp | tp | dp | ZeRO | schedule | micro-batch | micro-batches | partitioner |")
-    w("|---|---|---|---|---|---|---|---|")
-    w(f"| {plan.pp} | {plan.tp} | {plan.dp} | {plan.zero_stage} | {plan.schedule} "
+    w("| pp | tp | sequence parallel | dp | ZeRO | schedule | micro-batch | micro-batches | partitioner |")
+    w("|---|---|---|---|---|---|---|---|---|")
+    w(f"| {plan.pp} | {plan.tp} | {_sp(plan.sequence_parallel)} | {plan.dp} | {plan.zero_stage} | {plan.schedule} "
       f"{plan.schedule_options or ''} | {plan.micro_batch_size} | {plan.num_microbatches} | {plan.partitioner} |\n")
     w(f"Predicted iteration time **{pred['iteration_time_s']:.4g} s**, throughput "
       f"**{pred['throughput_tokens_per_s']:.6g} tokens/s** ({pred['samples_per_s']:.4g} samples/s), "
@@ -89,13 +94,14 @@ def write_report(res, out_dir: str) -> list[str]:
         for a, b, lab in _groups(plan.layer_strategies):
             w(f"| {a}-{b} | {lab} |")
     w("\n## Baselines (same cost model)\n")
-    w("| baseline | pp | tp | dp | ZeRO | schedule | micro-batches | tokens/s | plan / baseline |")
-    w("|---|---|---|---|---|---|---|---|---|")
+    w("| baseline | pp | tp | SP | dp | ZeRO | schedule | micro-batches | tokens/s | plan / baseline |")
+    w("|---|---|---|---|---|---|---|---|---|---|")
     for name, b in pred["baselines"].items():
         if b is None or not b["iteration_time_s"]:
-            w(f"| {name} | - | - | - | - | - | - | OOM | - |")
+            w(f"| {name} | - | - | - | - | - | - | - | OOM | - |")
             continue
-        w(f"| {name} | {b['pp']} | {b['tp']} | {b['dp']} | {b['zero_stage']} | {b['schedule']} | "
+        w(f"| {name} | {b['pp']} | {b['tp']} | {_sp(b.get('sequence_parallel'))} | {b['dp']} | "
+          f"{b['zero_stage']} | {b['schedule']} | "
           f"{b['num_microbatches']} | {b['throughput_tokens_per_s']:.6g} | "
           f"{pred['throughput_tokens_per_s'] / b['throughput_tokens_per_s']:.3f} |")
     wide = pred.get("wide") or {}
@@ -130,12 +136,12 @@ def write_report(res, out_dir: str) -> list[str]:
         for pn, c in res.partitioners.items():
             w(f"| {pn} | {_fmt(c.time if c.ok else None, 4)} | {list(c.parts)} |")
     w("\n## Alternatives costed\n")
-    w("| pp | tp | dp | ZeRO | micro-batches | best schedule | iteration (s) | why it lost |")
-    w("|---|---|---|---|---|---|---|---|")
+    w("| pp | tp | SP | dp | ZeRO | micro-batches | best schedule | iteration (s) | why it lost |")
+    w("|---|---|---|---|---|---|---|---|---|")
     for c in sorted(res.alternatives, key=lambda c: c.time):
         why = "chosen" if c is best else ("does not fit" if not c.ok else
                                            f"{c.time / best.time:.3f}x slower")
-        w(f"| {c.P} | {c.tp} | {c.dp} | {c.zero} | {c.m} | {c.schedule} | "
+        w(f"| {c.P} | {c.tp} | {_sp(c.sp)} | {c.dp} | {c.zero} | {c.m} | {c.schedule} | "
           f"{_fmt(c.time if c.ok else None, 4)} | {why} |")
     w("\n## Plots\n")
     for f in files:

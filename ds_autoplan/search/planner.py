@@ -22,6 +22,9 @@ from .pipeline import DEFAULT_SCHEDULES, Eval, available, choose_schedule, sched
 from .space import strategies as wide_strategies
 
 
+SP_MODES = ("auto", "on", "off")
+
+
 def pow2(n: int) -> list[int]:
     out, x = [], 1
     while x <= n:
@@ -57,10 +60,15 @@ class Candidate:
     def ok(self) -> bool:
         return math.isfinite(self.time)
 
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism, as the config's strategies were costed."""
+        return bool(self.ctx is not None and self.ctx.strategies[0].sp)
+
     def summary(self, B: int, seq: int) -> dict:
         return {"name": self.name, "pp": self.P, "tp": self.tp, "dp": self.dp, "zero_stage": self.zero,
                 "micro_batch_size": self.B_m // self.dp if self.dp else 0, "num_microbatches": self.m,
-                "schedule": self.schedule, "partitioner": self.partitioner,
+                "sequence_parallel": self.sp, "schedule": self.schedule, "partitioner": self.partitioner,
                 "iteration_time_s": self.time if self.ok else None,
                 "throughput_tokens_per_s": B * seq / self.time if self.ok else 0.0,
                 "layers_per_stage": list(self.parts), "recompute_layers": list(self.recompute),
@@ -86,7 +94,7 @@ class Planner:
                  precision: str = "bf16", budget_gb: float | None = None, units: int = 512,
                  schedules=None, partitioner: str = "bmw", max_tp: int | None = None,
                  allow_zero: tuple = (0, 1, 2, 3), progress: bool = False,
-                 pp: int | None = None, tp: int | None = None):
+                 pp: int | None = None, tp: int | None = None, sequence_parallel: str = "auto"):
         if budget_gb is not None and budget_gb <= 0:
             raise SpecError(f"memory budget must be positive, got {budget_gb} GB")
         self.model, self.cluster, self.B = model, cluster, int(global_batch)
@@ -114,6 +122,14 @@ class Planner:
                 raise SpecError(f"tp={tp} is not possible here; choose from {self.tps} (divides the "
                                 f"heads, at most one node)")
             self.tps = [tp]
+        if sequence_parallel not in SP_MODES:
+            raise SpecError(f"sequence_parallel must be one of {', '.join(SP_MODES)}, got {sequence_parallel!r}")
+        self.sp = sequence_parallel
+        if sequence_parallel == "on":      # SP is a TP feature: 'on' searches TP > 1 only
+            self.tps = [t for t in self.tps if t > 1]
+            if not self.tps:
+                raise SpecError(f"sequence parallelism 'on' needs tensor parallelism (tp > 1), but "
+                                f"tp={tp or 1} is the only degree possible here; use 'auto' or 'off'")
         self._ctx: dict = {}
         self.evaluated = 0
 
@@ -144,9 +160,13 @@ class Planner:
                             continue
                         yield P, t, d, z, m, b * d
 
-    @staticmethod
-    def exec_strats(t, d, z):
-        return (Strategy(t, d, z, False, False), Strategy(t, d, z, False, True))
+    def exec_strats(self, t, d, z):
+        """The two strategies of an executable config (without / with CKPT).  Sequence
+        parallelism is one flag per plan (Megatron-core has one for the model); 'auto' sets it
+        whenever t > 1: on the cost model it never adds time (same TP volume, a smaller p2p
+        tensor) and always saves memory (Korthikanti et al. 2022 §4.2.2)."""
+        sp = t > 1 and self.sp != "off"
+        return (Strategy(t, d, z, False, False, sp), Strategy(t, d, z, False, True, sp))
 
     def static_floor(self, P, t, d, z, m, B_m) -> float:
         """Model states of the heaviest even stage: no plan of this config fits below it."""
@@ -390,10 +410,11 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
            wide: bool = True, baselines: bool = True, progress: bool = False,
            world_size: int | None = None, profile: str | None = None, units: int = 512,
            max_tp: int | None = None, keep_sim: bool = True, pp: int | None = None,
-           tp: int | None = None) -> SearchResult:
+           tp: int | None = None, sequence_parallel: str = "auto") -> SearchResult:
     """Plan ``model`` on ``cluster`` for ``global_batch``: the executable plan (never worse than
     the baselines on the same cost model), the baselines, the wide Galvatron-BMW result and
-    the partitioner comparison.  ``pp``/``tp`` restrict the search to one degree."""
+    the partitioner comparison.  ``pp``/``tp`` restrict the search to one degree;
+    ``sequence_parallel``: 'auto' (on whenever tp > 1), 'on' (tp > 1 only) or 'off'."""
     t0 = time.perf_counter()
     if profile and _is_model_profile(profile):
         # a model profile (ds-autoplan profile MODEL --out profile.json): measured per-layer
@@ -408,7 +429,7 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
     _validate(model, cluster, global_batch, world_size)
     pl = Planner(model, cluster, global_batch, precision=precision, budget_gb=budget_gb,
                  partitioner=partitioner, schedules=schedules, progress=progress, units=units,
-                 max_tp=max_tp, pp=pp, tp=tp)
+                 max_tp=max_tp, pp=pp, tp=tp, sequence_parallel=sequence_parallel)
     if next(pl.combos(), None) is None:
         raise SpecError(f"global batch {global_batch} is not divisible into micro-batches for "
                         f"{cluster.world_size} devices: no pipeline/tensor/data layout gives "
@@ -422,7 +443,8 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
     bl = pl.baselines() if baselines else {}
     phases["baselines"] = time.perf_counter() - tp0
     for c in bl.values():              # the plan is never worse than a baseline
-        if pp is not None and c is not None and c.P != pp or tp is not None and c is not None and c.tp != tp:
+        if c is None or pp is not None and c.P != pp or tp is not None and c.tp != tp \
+                or sequence_parallel == "on" and c.tp == 1:
             continue
         if c is not None and c.ok and (best is None or c.time < best.time * (1 - 1e-12)):
             best = c
@@ -487,7 +509,7 @@ def to_plan(c: Candidate, model, cluster, B, precision, pl: Planner, bl: dict, w
                                 "peak_memory_gb": [round(x / GB, 3) for x in e.peak]} for e in alts]
     # per-unit strategy labels (embedding, blocks, head); recomputed blocks are the first ones
     # of their stage (Megatron's 'block' method)
-    base = Strategy(c.tp, c.dp, c.zero).label()
+    base = Strategy(c.tp, c.dp, c.zero, sp=c.sp).label()
     strategies = [base]
     for n, r in zip(nblk, c.recompute or [0] * len(nblk)):
         strategies += [base + "+CKPT"] * int(r) + [base] * (n - int(r))
@@ -497,7 +519,7 @@ def to_plan(c: Candidate, model, cluster, B, precision, pl: Planner, bl: dict, w
                 schedule_options=schedule_options(c.schedule), layers_per_stage=nblk,
                 recompute_per_stage=[round(x, 6) for x in rec], model=model.name, cluster=cluster.name,
                 seq_len=seq, num_layers=model.num_layers, world_size=cluster.world_size,
-                partitioner=c.partitioner, layer_strategies=strategies, predicted=pred,
+                sequence_parallel=c.sp, partitioner=c.partitioner, layer_strategies=strategies, predicted=pred,
                 notes=[c.note] if c.note else [])
 
 
