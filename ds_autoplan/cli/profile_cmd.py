@@ -43,6 +43,20 @@ def add_parser(sub) -> None:
     p.add_argument("--world", type=int, default=2, help="processes for the collective benchmark")
     p.add_argument("--quick", action="store_true", help="small hardware benchmark")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    g = p.add_argument_group("DawnPiper partition and memory policy of the profile "
+                             "(partition-dawnpiper.md §6-7)")
+    g.add_argument("--stages", type=int, default=0,
+                   help="cut the profiled units into this many pipeline stages")
+    g.add_argument("--mem-cap", type=float, default=None, metavar="GB",
+                   help="per-stage memory cap (default: no cap)")
+    g.add_argument("--schedule", default="1f1b", help="schedule giving in-flight copies")
+    g.add_argument("--microbatches", type=int, default=None, help="default 2 x stages")
+    g.add_argument("--per-tensor", action="store_true",
+                   help="keep / recompute / swap per saved tensor (default: per unit)")
+    g.add_argument("--swap-GBps", type=float, default=12.0,
+                   help="host link bandwidth for swapping; 0 disables swapping")
+    g.add_argument("--policy-out", default=None,
+                   help="partition report JSON (default: <out>.policy.json)")
     p.set_defaults(func=run)
 
 
@@ -70,6 +84,29 @@ def _print_profile(prof) -> None:
             print("  ".join(r))
 
 
+def _partition(prof, args) -> None:
+    import json
+    from ..profile import partition_report
+    from ..schedule import ScheduleError
+    if args.stages > prof.num_units or (args.mem_cap or 1) <= 0 or args.swap_GBps < 0:
+        raise UserError(f"--stages must be <= {prof.num_units} units, --mem-cap > 0, "
+                        "--swap-GBps >= 0")
+    cap = args.mem_cap * 2 ** 30 if args.mem_cap else float("inf")
+    try:
+        rep = partition_report(prof, args.stages, cap, schedule=args.schedule,
+                               microbatches=args.microbatches, per_tensor=args.per_tensor,
+                               swap_GBps=args.swap_GBps or None,
+                               prefix_only=True)   # what recompute_per_stage executes
+    except (KeyError, ScheduleError, ValueError) as e:
+        raise UserError(f"cannot partition: {e}") from None
+    path = args.policy_out or os.path.splitext(args.out)[0] + ".policy.json"
+    with open(path, "w") as f:
+        json.dump(rep, f, indent=1)
+    print(f"wrote {path}: units per stage {rep['units_per_stage']}, recompute "
+          f"{[round(x, 2) for x in rep['recompute_per_stage']]}, swap bytes "
+          f"{rep['swap_bytes_per_stage']}" + ("" if rep["feasible"] else " (cap NOT met)"))
+
+
 def run(args) -> int:
     import torch
     from ..profile import hardware_cluster_spec, profile_model
@@ -95,6 +132,10 @@ def run(args) -> int:
             _print_profile(prof)
             print(f"{'reused' if existed else 'wrote'} {args.out} ({prof.num_units} units, "
                   f"{prof.total_params:,} parameters)")
+        if args.stages:
+            _partition(prof, args)
+    elif args.stages:
+        raise UserError("--stages needs a MODEL")
     if args.hardware:
         import yaml
         spec = hardware_cluster_spec(world=args.world, device=args.device, quick=args.quick)

@@ -4,18 +4,23 @@ measured on the device, hardware micro-benchmarks, DawnPiper's memory optimisati
     prof = profile_model("gpt-tiny", batch_size=2, out="profile.json")
     spec = to_model_spec(prof)                      # the planner's ModelSpec
     prof = load_profile("profile.json", "gpt-tiny")  # refused with the reason on mismatch
-    pols = memory_policy(prof, [(0, 5), (5, 10)], cap_bytes, inflight_copies(schedule))
+    pols = memory_policy(prof, [(0, 5), (5, 10)], cap_bytes, inflight_copies(schedule),
+                         per_tensor=True)               # keep / recompute / swap per tensor
+    opts = stage_memory_options(pols)   # recompute_per_stage, swap (runtime.swap.SwapPolicy)
+    rep = partition_report(prof, 4, cap_bytes, per_tensor=True)   # DawnPiper cuts + policies
 """
 from .profile import (Profile, ProfileMismatch, Unit, device_info, is_profile, load_profile,
                       model_fingerprint, profile_model)
-from .hardware import collective_bandwidth, hardware_cluster_spec, matmul_flops
-from .memopt import StagePolicy, inflight_copies, mem_opt, memory_policy
-from .partition import Partition, dawnpiper_partition
+from .hardware import collective_bandwidth, hardware_cluster_spec, host_link_GBps, matmul_flops
+from .memopt import (StagePolicy, inflight_copies, mem_opt, memory_policy, stage_memory_options,
+                     tensor_mem_opt)
+from .partition import Partition, dawnpiper_partition, partition_report
 from .spec import to_model_spec
 from .trace import TraceFailure, auto_leaf_classes, build_chain, trace
 
 __all__ = ["Partition", "Profile", "ProfileMismatch", "StagePolicy", "TraceFailure", "Unit",
            "auto_leaf_classes", "build_chain", "collective_bandwidth", "dawnpiper_partition",
-           "device_info", "hardware_cluster_spec", "is_profile", "inflight_copies", "load_profile",
-           "matmul_flops", "mem_opt", "memory_policy", "model_fingerprint", "profile_model",
-           "to_model_spec", "trace"]
+           "device_info", "hardware_cluster_spec", "host_link_GBps", "is_profile",
+           "inflight_copies", "load_profile", "matmul_flops", "mem_opt", "memory_policy",
+           "model_fingerprint", "partition_report", "profile_model", "stage_memory_options",
+           "tensor_mem_opt", "to_model_spec", "trace"]

@@ -40,6 +40,32 @@ def matmul_flops(n: int = 512, device: str | torch.device = "cpu", dtype=torch.f
     return 2.0 * n ** 3 / statistics.median(times)
 
 
+def host_link_GBps(device: str | torch.device = "cpu", nbytes: int = 1 << 24,
+                   repeats: int = 5) -> dict:
+    """Swap link bandwidth (partition-dawnpiper.md §7.2 ``BW_pcie``, D2H and H2D separately):
+    pinned host <-> device copies on CUDA; on a CPU a host-to-host copy of the buffer (the
+    "host" of a CPU rank is the same memory).  Median of ``repeats`` after one warm-up."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+
+    def rate(dst, src):
+        times = []
+        for r in range(repeats + 1):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=cuda)
+            if cuda:
+                torch.cuda.synchronize()
+            if r:
+                times.append(time.perf_counter() - t0)
+        return nbytes / statistics.median(times) / 1e9
+
+    return {"d2h_GBps": rate(host, dev), "h2d_GBps": rate(dev, host), "bytes": nbytes}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -149,6 +175,7 @@ def hardware_cluster_spec(world: int = 2, device: str | None = None, quick: bool
         mem = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
     else:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30 / world
+    link = host_link_GBps(device, 1 << (22 if quick else 26), repeats=3 if quick else 10)
     ar, p2p = coll["all_reduce"], coll["p2p"]
     cluster = {"name": name or f"measured-{device}-{world}", "num_nodes": 1,
                "gpus_per_node": world, "memory_gb": round(mem, 2),
@@ -159,4 +186,4 @@ def hardware_cluster_spec(world: int = 2, device: str | None = None, quick: bool
                "intra_latency_us": ar["alpha_us"], "inter_latency_us": ar["alpha_us"],
                "p2p_GBps": p2p["GBps"], "overlap_slowdown": 1.3}
     return {"cluster": cluster,
-            "measured": {"device": device, "matmul_flops": flops, **coll}}
+            "measured": {"device": device, "matmul_flops": flops, "host_link": link, **coll}}

@@ -49,12 +49,17 @@ class SavedTracker:
         self.exclude = {_skey(p) for p in exclude.parameters()} if exclude is not None else set()
         self.owner = None
         self.saved: dict = {}          # owner -> {storage key: bytes}
+        self.first: dict = {}          # storage key -> [first owner, index there, shape, dtype]
+        self._count: dict = {}         # owner -> new storages packed so far
 
     def _pack(self, t):
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             k = _skey(t)
             if k not in self.exclude and k[1] != 0:
                 self.saved.setdefault(self.owner, {})[k] = _sbytes(t)
+                if k not in self.first:   # per-tensor record, in packing order (§2.3)
+                    i = self._count[self.owner] = self._count.get(self.owner, -1) + 1
+                    self.first[k] = [self.owner, i, list(t.shape), str(t.dtype)]
         return t
 
     @contextmanager
@@ -114,17 +119,41 @@ def capture_unit_inputs(chain: Chain, inputs: tuple) -> list[tuple]:
     return got
 
 
-def measure_saved(chain: Chain, inputs: tuple, loss_fn=None) -> tuple[list[dict], dict | None]:
-    """Saved-for-backward storages per unit on one grad-enabled forward of the whole chain."""
+def measure_saved(chain: Chain, inputs: tuple, loss_fn=None,
+                  tensors: list | None = None) -> tuple[list[dict], dict | None]:
+    """Saved-for-backward storages per unit on one grad-enabled forward of the whole chain.
+    With ``tensors`` (a list) one record per saved storage is appended to it (DawnPiper's
+    per-node saved-tensor lists, partition-dawnpiper.md §2.3): ``unit`` (first unit saving
+    it; the loss counts as the last unit), ``index`` (its order among that unit's new saved
+    storages: how a runtime recognises it), ``bytes``, ``shape``, ``dtype``, ``users`` (units
+    saving it), ``producer`` (unit that computed it: a unit whose output it is, else the first
+    saver; -1 for the chain's inputs) and per unit the float ``inputs`` it reads as
+    ``[producer, bytes, tensor id or -1]`` (what a recomputation needs)."""
     tr = SavedTracker(chain.split)
     hooks = []
     for i, u in enumerate(chain.units):
         hooks.append(u.register_forward_pre_hook(lambda m, a, i=i: setattr(tr, "owner", i)))
         hooks.append(u.register_forward_hook(lambda m, a, o: setattr(tr, "owner", None)))
     in_keys: list[set] = [set() for _ in chain.names]
-    hooks += [u.register_forward_pre_hook(
-        lambda m, a, i=i: in_keys[i].update(_skey(t) for t in _tensors(a)))
-        for i, u in enumerate(chain.units)]
+    in_rows: list[list] = [[] for _ in chain.names]
+    out_of: dict = {}                  # storage key -> unit whose output it is (first)
+
+    keep: list = []                    # hold every tensor seen: no storage address reuse
+
+    def _pre(i, a):
+        keep.extend(_tensors(a))
+        in_keys[i].update(_skey(t) for t in _tensors(a))
+        in_rows[i] += [(_skey(t), _sbytes(t)) for t in _tensors(a) if t.is_floating_point()]
+
+    hooks += [u.register_forward_pre_hook(lambda m, a, i=i: _pre(i, a))
+              for i, u in enumerate(chain.units)]
+    def _post(i, o):                   # returns None: the output is left as it is
+        for t in _tensors(o):
+            keep.append(t)
+            out_of.setdefault(_skey(t), i)
+
+    hooks += [u.register_forward_hook(lambda m, a, o, i=i: _post(i, o))
+              for i, u in enumerate(chain.units)]
     try:
         with tr.track(None):
             out = chain.split(*_prep_inputs(inputs, False))
@@ -141,6 +170,25 @@ def measure_saved(chain: Chain, inputs: tuple, loss_fn=None) -> tuple[list[dict]
         rows.append({"act_bytes": sum(mine.values()),
                      "act_shared_prev_bytes": sum(b for k, b in mine.items() if k in prev),
                      "act_input_bytes": sum(b for k, b in mine.items() if k in in_keys[i])})
+    if tensors is not None:
+        K = len(chain.names)
+        ids = {}
+        for k, (owner, idx, shape, dtype) in tr.first.items():
+            if owner is None:
+                continue
+            unit = K - 1 if owner == "loss" else owner
+            users = sorted({K - 1 if o == "loss" else o for o, d in tr.saved.items()
+                            if o is not None and k in d})
+            ids[k] = len(tensors)
+            tensors.append({"unit": unit, "owner": "loss" if owner == "loss" else unit,
+                            "index": idx, "bytes": tr.saved[owner][k], "shape": shape,
+                            "dtype": dtype, "users": users,
+                            "producer": out_of[k] if k in out_of
+                            else (-1 if k in in_keys[unit] else unit)})
+        rows_in = [[[out_of.get(k, -1), b, ids.get(k, -1)] for k, b in dict(r).items()]
+                   for r in in_rows]
+        for r, ins in zip(rows, rows_in):
+            r["inputs"] = ins
     loss = None
     if loss_fn is not None:
         mine, last = tr.saved.get("loss", {}), tr.saved.get(len(chain.names) - 1, {})
@@ -283,10 +331,12 @@ def time_in_chain(chain: Chain, inputs: tuple, device: torch.device, repeats: in
 
 def measure_chain(chain: Chain, inputs: tuple, device: torch.device, *, repeats: int = 5,
                   warmup: int = 2, loss_fn=None, timing: str = "chain",
-                  inflight: int = 1) -> tuple[list[dict], dict | None]:
-    """Everything per unit (and for the loss, when given) on ``device``."""
+                  inflight: int = 1, tensors: list | None = None
+                  ) -> tuple[list[dict], dict | None]:
+    """Everything per unit (and for the loss, when given) on ``device``; per saved tensor
+    records are appended to ``tensors`` when given (:func:`measure_saved`)."""
     unit_inputs = capture_unit_inputs(chain, inputs)
-    saved, loss_saved = measure_saved(chain, inputs, loss_fn)
+    saved, loss_saved = measure_saved(chain, inputs, loss_fn, tensors)
     rows, fns, args, params = [], list(chain.units), list(unit_inputs), []
     for i, (name, unit) in enumerate(zip(chain.names, chain.units)):
         ps = list(unit.parameters())

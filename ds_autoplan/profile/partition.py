@@ -100,3 +100,25 @@ def dawnpiper_partition(prof: Profile, copies: list[int], cap: float, **memopt_k
 
     t, bounds, pols = bipar(0, N, 0, S - 1)
     return Partition(list(bounds), list(pols), t)
+
+
+def partition_report(prof: Profile, stages: int, cap: float, *, schedule: str = "1f1b",
+                     microbatches: int | None = None, **memopt_kw) -> dict:
+    """:func:`dawnpiper_partition` for ``stages`` pipeline ranks of ``schedule`` (activation
+    copies per stage from the simulator, :func:`memopt.inflight_copies`), as a JSON-ready
+    report: cuts (``units_per_stage``; at block granularity the units are the runtime's layer
+    list, so it is a Plan's ``layers_per_stage``), ``bottleneck_s`` and
+    :func:`memopt.stage_memory_options` (``recompute_per_stage``, ``swap_bytes_per_stage``,
+    the per-stage ``swap`` policy, ...) plus every stage's full policy.  ``memopt_kw`` go to
+    :func:`memopt.mem_opt` (``per_tensor=True``: keep / recompute / swap per saved tensor)."""
+    from ..schedule import build
+    from .memopt import inflight_copies, stage_memory_options
+    n = microbatches or 2 * stages
+    copies = inflight_copies(build(schedule, stages, n))
+    res = dawnpiper_partition(prof, copies, cap, **memopt_kw)
+    return {"model": prof.model, "granularity": prof.granularity, "schedule": schedule,
+            "num_microbatches": n, "copies": copies, "cap_bytes": cap if cap < INF else None,
+            "per_tensor": bool(memopt_kw.get("per_tensor")),
+            "units_per_stage": res.units_per_stage, "feasible": res.bottleneck_s < INF,
+            "bottleneck_s": res.bottleneck_s if res.bottleneck_s < INF else None,
+            **stage_memory_options(res.policies), "policies": [p.to_dict() for p in res.policies]}

@@ -78,6 +78,7 @@ class Unit:
     act_input_bytes: int = 0        # of act_bytes, storages that are this unit's inputs
     modules: list = field(default_factory=list)
     out_shapes: list = field(default_factory=list)
+    inputs: list = field(default_factory=list)   # [producer unit, bytes, saved tensor id]
     peak_fwd_bytes: int | None = None   # CUDA only
     peak_bwd_bytes: int | None = None
 
@@ -99,6 +100,7 @@ class Profile:
     flops_ref: float = 0.0            # matmul FLOP/s measured on the device with the profile
     created: str = ""
     format: str = FORMAT
+    tensors: list = field(default_factory=list)   # per saved tensor (measure.measure_saved)
 
     # ---- derived ----
     @property
@@ -289,7 +291,9 @@ def profile_model(model: nn.Module | str, make_inputs=None, *, batch_size: int =
         nblocks = sum(isinstance(m, tuple(blocks)) for m in model.modules()) if blocks else 0
         chain = build_chain(gm, inputs, leaves, granularity, max_cross, num_blocks=nblocks,
                             anchor_types=anchors)
+        tensors: list = []
         rows, loss_row = measure_chain(chain, inputs, device, repeats=repeats, warmup=warmup,
+                                       tensors=tensors,
                                        loss_fn=loss_fn, timing=timing, inflight=inflight)
     if seq == 0:
         seq = next((int(x.shape[1]) for x in inputs
@@ -301,7 +305,8 @@ def profile_model(model: nn.Module | str, make_inputs=None, *, batch_size: int =
                    {"class": f"{type(model).__module__}.{type(model).__qualname__}",
                     "params": int(sum(p.numel() for p in model.parameters())), "config": config},
                    matmul_flops(512, device, repeats=max(3, repeats)),
-                   datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+                   datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   tensors=tensors)
     if out:
         prof.save(out)
     return prof

@@ -132,7 +132,7 @@ def build_module(model_or_layers, plan, *, schedule: Schedule | None = None, los
 
 def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = None,
                config=None, loss_fn=None, track_memory: bool = False, module_kwargs=None,
-               **ds_kwargs):
+               swap=None, **ds_kwargs):
     """Like ``deepspeed.initialize``, for a layer list / ``nn.Sequential`` / ``PipelineModule``
     trained with ``plan`` (a Plan, dict or path).  Returns ``(engine, optimizer,
     training_dataloader, lr_scheduler)`` from ``deepspeed.initialize``.
@@ -141,6 +141,8 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
     ``plan.pp`` ranks and ``plan.num_microbatches``).  ``config`` (dict or JSON path) is
     merged over the keys the plan fixes; the plan itself is stored at
     ``config["pipeline"]["autoplan"]`` (DeepSpeed never validates ``pipeline``).
+    ``swap``: per-stage swap policies (``profile.stage_memory_options(...)["swap"]``), see
+    :meth:`AutoplanEngine.set_swap_policy`.
     """
     import deepspeed
     plan = as_plan(plan)
@@ -161,4 +163,7 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
                           track_memory=track_memory, **(module_kwargs or {}))
     ds_kwargs.setdefault("model_parameters", [p for p in module.parameters() if p.requires_grad])
     with _engine_installed():
-        return deepspeed.initialize(model=module, config=cfg, **ds_kwargs)
+        out = deepspeed.initialize(model=module, config=cfg, **ds_kwargs)
+    if swap:
+        out[0].set_swap_policy(swap)
+    return out

@@ -136,6 +136,7 @@ class AutoplanEngine(PipelineEngine):
         # per-step state of dynamic micro-batching (dynamic.py): shape plan, loss factors
         self.ap_shape_plan = None        # (stage, mb) -> (is_tensor, [(dtype, shape)]) or None
         self.ap_loss_factors = None      # per micro-batch factor on the loss stage's loss
+        self.ap_swap: dict = {}          # local stage -> runtime.swap.Swapper (set_swap_policy)
         self._ap_ready = True
         if self.training_data and (self.is_first_stage() or self.is_last_stage()):
             self._build_data_iter(self.training_data)
@@ -158,6 +159,18 @@ class AutoplanEngine(PipelineEngine):
         if n != self.micro_batches:
             self.set_train_batch_size(self.train_micro_batch_size_per_gpu() * n * self.dp_world_size)
             self.micro_batches = n
+
+    def set_swap_policy(self, policies):
+        """Offload the saved tensors chosen per stage to host memory during its forwards
+        (DawnPiper's swap, partition-dawnpiper.md §7.5): ``policies`` is stage -> (or a list
+        per stage of) ``runtime.swap.SwapPolicy`` or its JSON form, e.g.
+        ``stage_memory_options(...)["swap"]``; unit names are this module's layer names
+        (``str(layer index)``, see ``SwapPolicy.to_layers``)."""
+        from ..swap import SwapPolicy, Swapper
+        items = policies.items() if isinstance(policies, dict) else enumerate(policies)
+        self.ap_swap = {s: Swapper(p if isinstance(p, SwapPolicy) else SwapPolicy.from_dict(p),
+                                   self.module, tracker=self.memtracker)
+                        for s, p in items if s in self.module.local_stages and p}
 
     def reset_activation_shape(self):
         """Exchange tensor shapes again (call when activation shapes change between batches)."""
@@ -376,7 +389,9 @@ class AutoplanEngine(PipelineEngine):
             with torch.no_grad(), self.module.activated(stage, 0, k):
                 h = self.module(x)
             slot.h = x = _detached_leaf(h)
-        with self.module.activated(stage, k if torch.is_grad_enabled() else 0):
+        sw = self.ap_swap.get(stage) if torch.is_grad_enabled() else None
+        with self.module.activated(stage, k if torch.is_grad_enabled() else 0), \
+                (sw.forward() if sw is not None else contextlib.nullcontext()):
             out = DeepSpeedEngine.forward(self, x)
         slot.out = out
         if stage == self.S - 1:
