@@ -135,7 +135,7 @@ def worker(path):
     cfg = {"steps_per_print": 10 ** 9, "gradient_clipping": 0.0}
     out = {}
     for on in (False, True):
-        swap = [SwapPolicy.from_dict(u).to_layers(spec["units"]) for u in spec["swap"]]
+        swap = {"swap": spec["swap"], "unit_names": spec["units"]}   # as partition_report writes
         engine, *_ = api.initialize(model().layers(), plan, loss_fn=gpt_loss, config=cfg,
                                     optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
                                     track_memory=True, swap=swap if on else None)

@@ -119,6 +119,7 @@ def partition_report(prof: Profile, stages: int, cap: float, *, schedule: str = 
     return {"model": prof.model, "granularity": prof.granularity, "schedule": schedule,
             "num_microbatches": n, "copies": copies, "cap_bytes": cap if cap < INF else None,
             "per_tensor": bool(memopt_kw.get("per_tensor")),
+            "unit_names": [u.name for u in prof.units],
             "units_per_stage": res.units_per_stage, "feasible": res.bottleneck_s < INF,
             "bottleneck_s": res.bottleneck_s if res.bottleneck_s < INF else None,
             **stage_memory_options(res.policies), "policies": [p.to_dict() for p in res.policies]}

@@ -165,8 +165,13 @@ class AutoplanEngine(PipelineEngine):
         (DawnPiper's swap, partition-dawnpiper.md §7.5): ``policies`` is stage -> (or a list
         per stage of) ``runtime.swap.SwapPolicy`` or its JSON form, e.g.
         ``stage_memory_options(...)["swap"]``; unit names are this module's layer names
-        (``str(layer index)``, see ``SwapPolicy.to_layers``)."""
+        (``str(layer index)``, see ``SwapPolicy.to_layers``) -- or a whole
+        ``ds-autoplan profile --stages`` report (``profile.partition_report``), whose unit
+        names are mapped onto the layers."""
         from ..swap import SwapPolicy, Swapper
+        if isinstance(policies, dict) and "unit_names" in policies:     # a profile report
+            policies = [SwapPolicy.from_dict(u).to_layers(policies["unit_names"])
+                        for u in policies["swap"]]
         items = policies.items() if isinstance(policies, dict) else enumerate(policies)
         self.ap_swap = {s: Swapper(p if isinstance(p, SwapPolicy) else SwapPolicy.from_dict(p),
                                    self.module, tracker=self.memtracker)
