@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from .executor import SIGNATURE, ScheduleRunner
 from .dynamic import check_same_plan, loss_weights, step_kwargs
+from .swap import swap_forward_step
 from .setup import (MegatronSetup, StageLayerLayout, initialize, layout_string, megatron_args,
                     plan_overrides,
                     stage_layer_lists)
@@ -58,4 +59,4 @@ __all__ = ["MegatronSetup", "SIGNATURE", "ScheduleRunner",
            "SplitColumnParallelLinear", "SplitRowParallelLinear", "StageLayerLayout", "cpu_shim",
            "check_same_plan", "get_forward_backward_func", "initialize", "install", "layout_string",
            "loss_weights", "megatron_args", "plan_overrides", "split_backward_spec",
-           "stage_layer_lists", "step_kwargs"]
+           "stage_layer_lists", "step_kwargs", "swap_forward_step"]
