@@ -50,13 +50,20 @@ def _cases(d: int, n: int):
     return cases
 
 
-def _check(cases, out):
+def _check(cases, out, own=("1f1b", "interleaved")):
+    tps = sorted({o[0].get("tp_rank", 0) for o in out})
+    if len(tps) > 1:   # tensor parallel: every tp rank sees a whole pipeline
+        for t in tps:
+            _check(cases, [o for o in out if o[0]["tp_rank"] == t], own)
+        return
     d = len(out)
     for i, case in enumerate(cases):
         label = f"{case['schedule']}/{case.get('runner', 'ours')} d={d}"
         rs = [out[r][i] for r in range(d)]
         for r in rs:
             assert r["max_grad_err"] <= TOL * max(1.0, r["max_grad"]), (label, r["rank"], r["max_grad_err"])
+            # W actions run deferred weight GEMMs of the split Megatron layers (else none)
+            assert (r["w_items"] > 0) == r["has_w"], (label, r["rank"], r["w_items"])
         last = [r for r in rs if r["losses"][0]]
         assert len(last) == 1, f"{label}: losses must come from exactly one rank"
         lr = last[0]
@@ -70,7 +77,7 @@ def _check(cases, out):
                     (label, r["rank"], r["peak_bytes"], r["sim_peak_bytes"])
     # ours == Megatron's own schedule (1F1B and interleaved), loss by loss
     by = {(c["schedule"], c.get("runner", "ours")): i for i, c in enumerate(cases)}
-    for sname in ("1f1b", "interleaved"):
+    for sname in own:
         a, b = by[(sname, "ours")], by[(sname, "megatron")]
         la = [x for r in range(d) for step in out[r][a]["losses"] for x in step]
         lb = [x for r in range(d) for step in out[r][b]["losses"] for x in step]
@@ -89,6 +96,24 @@ def test_four_ranks_all_schedules():
     from ds_autoplan.megatron.testing import launch
     cases = [c for c in _cases(4, 8) if c["schedule"] not in ("zb-h1",)]
     _check(cases, launch(4, cases, timeout=260))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_tensor_parallel_split_backward(sp):
+    """pp 2 x tp 2 (4 ranks), with and without sequence parallelism: 1F1B (ours and
+    Megatron's), ZB-H1 and V-ZB (B/W split, V placement) equal a pp=1, tp=2 reference built
+    from Megatron's own linear layers, and every rank's W runs deferred weight GEMMs."""
+    from ds_autoplan.megatron.testing import launch
+    base = dict(pp=2, n=4, tp=2, sp=sp, ref_split=False, layers=[1, 1])
+    cases = [dict(base, schedule="1f1b"), dict(base, schedule="1f1b", runner="megatron"),
+             dict(base, schedule="zb-h1")]
+    if "v-zb" in names():
+        cases.append(dict(base, schedule="v-zb", layers=[1, 1, 1, 1]))
+    out = launch(4, cases, timeout=160)
+    assert sorted(o[0]["tp_rank"] for o in out) == [0, 0, 1, 1]
+    assert all(o[i]["w_items"] > 0 for o in out for i, c in enumerate(cases) if c["schedule"] != "1f1b")
+    _check(cases, out, own=("1f1b",))
 
 
 @pytest.mark.timeout(120)

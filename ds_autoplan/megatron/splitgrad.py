@@ -7,11 +7,17 @@ Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` are not ``nn.Linear`
 their GEMM through ``_forward_impl`` (bias inside or outside the GEMM), so this module adds:
 
 * :class:`SplitColumnParallelLinear` / :class:`SplitRowParallelLinear` -- the Megatron layers
-  with ``_forward_impl`` replaced (TP=1, no sequence parallel) by a linear whose backward returns
-  the input gradient at once and defers ``dW`` (and the bias gradient, if the bias goes through
-  the GEMM) with the runtime's ``defer`` while a ``WeightGradStore`` is deferring; otherwise it
-  returns them at once (fused BW).  The runtime store accumulates deferred gradients through
-  autograd, so Megatron DDP's gradient hooks (``main_grad``) fire as in a fused backward;
+  with ``_forward_impl`` (Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``)
+  replaced by a linear whose backward returns the input gradient at once and defers ``dW``
+  (and the bias gradient, if the bias goes through the GEMM) with the runtime's ``defer``
+  while a ``WeightGradStore`` is deferring; otherwise it returns them at once (fused BW).
+  Tensor parallelism keeps Megatron's communication: the row-parallel GEMM is local (its
+  output reduction happens outside ``_forward_impl``); column-parallel without sequence
+  parallelism all-reduces the input gradient over the layer's tp group in B; with sequence
+  parallelism the input is all-gathered along dim 0 in forward and the input gradient of
+  the gathered input is reduce-scattered in B.  The runtime store accumulates deferred
+  gradients through autograd, so Megatron DDP's gradient hooks (``main_grad``) fire as in a
+  fused backward (``gradient_accumulation_fusion`` is therefore not used on this path);
 * :func:`split_backward_spec` -- swaps those classes into a layer ``ModuleSpec`` (the public way
   to choose a layer's modules in megatron-core).
 
@@ -23,15 +29,27 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 
 from ..runtime.splitgrad import defer
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (_gather_along_first_dim,
+                                                    _reduce_scatter_along_first_dim)
 
 
-def _wgrad(weight, bias):
-    """The W work of one linear call: [(param, grad)] for the runtime store to accumulate."""
+def _wgrad(weight, bias, sp_group):
+    """The W work of one linear call: [(param, grad)] for the runtime store to accumulate.
+
+    Sequence parallel: dW needs the gathered input.  Only the local input is kept and W
+    re-gathers it, as Megatron's own backward does: one all-gather per linear in backward
+    either way, and the store holds 1/tp of the gathered input from B until W (keeping the
+    gathered input would hold tp times as much across the whole B→W lifetime).  The
+    all-gather at W is matched on every tp rank: all tp ranks of a pipeline rank run the same
+    action list (the executor takes it by pp rank) and drain a store in the same order."""
     def run(x, go):
+        if sp_group is not None:
+            x = _gather_along_first_dim(x, sp_group)
         go2 = go.reshape(-1, go.shape[-1])
         out = [(weight, go2.t().matmul(x.reshape(-1, x.shape[-1])))]
         if bias is not None:
@@ -42,39 +60,52 @@ def _wgrad(weight, bias):
 
 class _SplitLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, allreduce_dgrad, tp_group):
         # the weight is kept on ctx, not saved: under saved-tensor hooks (memtrack) the unpacked
-        # tensor is not the Parameter object, and dW must land on the Parameter
+        # tensor is not the Parameter object, and dW must land on the Parameter.
+        # tp_group is None unless a collective is needed (column-parallel, tp > 1).
         ctx.save_for_backward(x)
         ctx.weight, ctx.bias = weight, bias
-        out = torch.matmul(x, weight.t())
+        ctx.allreduce_dgrad, ctx.group = allreduce_dgrad, tp_group
+        ctx.sp_group = None if allreduce_dgrad else tp_group
+        total = x if ctx.sp_group is None else _gather_along_first_dim(x, tp_group)
+        out = torch.matmul(total, weight.t())
         return out + bias if bias is not None else out
 
     @staticmethod
     def backward(ctx, go):
         (x,) = ctx.saved_tensors
-        weight = ctx.weight
-        gx = go.matmul(weight)
-        run = _wgrad(weight, ctx.bias)
-        if defer(run, x, go):          # B of a split schedule: dW waits for the W pass
-            return gx, None, None
-        with torch.no_grad():
-            grads = dict(run(x, go))
-        return gx, grads[weight], (grads[ctx.bias] if ctx.bias is not None else None)
+        gx = go.matmul(ctx.weight)
+        # B: Megatron's dgrad collective (all-reduce, or reduce-scatter of the gathered
+        # input's gradient with sequence parallel); the all-reduce overlaps a fused dW
+        handle = dist.all_reduce(gx, group=ctx.group, async_op=True) if ctx.allreduce_dgrad else None
+        if ctx.sp_group is not None:
+            gx = _reduce_scatter_along_first_dim(gx, ctx.sp_group)
+        run = _wgrad(ctx.weight, ctx.bias, ctx.sp_group)
+        grads = {}
+        if not defer(run, x, go):      # fused BW; in B of a split schedule dW waits for W
+            with torch.no_grad():
+                grads = dict(run(x, go))
+        if handle is not None:
+            handle.wait()
+        return gx, grads.get(ctx.weight), grads.get(ctx.bias), None, None
 
 
 class _SplitMixin:
     """``_forward_impl`` override shared by the two Megatron linear layers."""
 
-    def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,
-                      allreduce_dgrad=False, sequence_parallel=False, *args, **kwargs):
-        tp = getattr(self, "tp_group", None)
-        if (not weight.requires_grad or allreduce_dgrad or sequence_parallel
-                or (tp is not None and tp.size() > 1)):
-            # TP>1 / sequence parallel: keep Megatron's fused path (no split; documented gap)
-            return super()._forward_impl(input, weight, bias, gradient_accumulation_fusion,
-                                         allreduce_dgrad, sequence_parallel, *args, **kwargs)
-        return _SplitLinearFn.apply(input, weight, bias)
+    def _forward_impl(self, input, weight, *args, **kw):
+        # megatron-core 0.16.1 calls it with keywords only (ColumnParallelLinear.forward,
+        # RowParallelLinear.forward); anything else takes Megatron's path
+        if args or not weight.requires_grad or kw.get("grad_output_buffer") is not None:
+            # frozen weight / Megatron's own embedding-wgrad deferral
+            return super()._forward_impl(input, weight, *args, **kw)
+        ar, sp = bool(kw.get("allreduce_dgrad")), bool(kw.get("sequence_parallel"))
+        assert not (ar and sp)          # as in Megatron's backward
+        group = None
+        if ar or sp:
+            group = kw["tp_group"] if kw.get("tp_group") is not None else self.tp_group
+        return _SplitLinearFn.apply(input, weight, kw.get("bias"), ar, group)
 
 
 class SplitColumnParallelLinear(_SplitMixin, ColumnParallelLinear):

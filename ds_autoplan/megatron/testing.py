@@ -86,10 +86,26 @@ def base_config(**over):
     return TransformerConfig(**kw)
 
 
-def layer_spec(split: bool = True):
+class SPTorchNorm:
+    """torch ``LayerNorm`` for sequence parallelism on CPU: Megatron's local ``WrappedTorchNorm``
+    refuses SP and its ``FusedLayerNorm`` needs apex.  A norm is per token, so SP only needs
+    what ``FusedLayerNorm`` does: mark the parameters ``sequence_parallel`` (their gradients
+    are summed over the tp group, as ``finalize_model_grads`` does)."""
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **_):
+        import torch
+        norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def layer_spec(split: bool = True, sp: bool = False):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from .splitgrad import split_backward_spec
     spec = get_gpt_layer_local_spec()
+    if sp:
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SPTorchNorm
     return split_backward_spec(spec) if split else spec
 
 
@@ -97,15 +113,23 @@ def gpt(config, pre_process=True, post_process=True, vp_stage=None, split=True, 
         max_seq=SEQ):
     import torch
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
     torch.manual_seed(seed)
-    return GPTModel(config=config, transformer_layer_spec=layer_spec(split), vocab_size=VOCAB,
+    spec = layer_spec(split, config.sequence_parallel)
+    if config.sequence_parallel:     # the block's final norm, too
+        spec = TransformerBlockSubmodules([spec] * get_num_layers_to_build(config, vp_stage),
+                                          layer_norm=SPTorchNorm)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                     max_sequence_length=max_seq, pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=False, vp_stage=vp_stage)
 
 
-def build_reference(num_layers: int, split=True, max_seq=SEQ):
-    """The whole model on this process (pp=1 config), deterministic weights."""
-    return gpt(base_config(num_layers=num_layers), split=split, max_seq=max_seq)
+def build_reference(num_layers: int, split=True, max_seq=SEQ, tp=1, sp=False):
+    """The whole model on this pipeline rank (pp=1 config), deterministic weights; with
+    ``tp`` > 1 it is tensor-parallel on this rank's tp group (sharded like the chunks)."""
+    cfg = dict(tensor_model_parallel_size=tp, sequence_parallel=sp) if tp > 1 else {}
+    return gpt(base_config(num_layers=num_layers, **cfg), split=split, max_seq=max_seq)
 
 
 def build_chunks(setup, split=True, max_seq=SEQ, **cfg_over):
@@ -172,7 +196,8 @@ def sgd(params, lr=0.05):
 def _plan(case):
     from ..plan import Plan
     d, n, name = case["pp"], case["n"], case.get("schedule", "custom")
-    return Plan(pp=d, tp=1, dp=1, num_microbatches=n, micro_batch_size=MBS, schedule=name,
+    return Plan(pp=d, tp=case.get("tp", 1), sequence_parallel=case.get("sp", False), dp=1,
+                num_microbatches=n, micro_batch_size=MBS, schedule=name,
                 schedule_options=case.get("options", {}), layers_per_stage=case["layers"],
                 recompute_per_stage=case.get("recompute", [0.0] * len(case["layers"])),
                 precision="fp32")
@@ -198,15 +223,21 @@ def run_case(case) -> dict:
     rank, S, n = setup.pp_rank, sched.num_stages, plan.num_microbatches
     L = sum(plan.layers_per_stage)
     split = case.get("split", True)
-    ref = build_reference(L, split=split)
+    # tp > 1: a reference with Megatron's own linear layers ("ref_split": False) checks the
+    # tensor-parallel communication of the split layers against Megatron's
+    ref = build_reference(L, split=case.get("ref_split", split), tp=plan.tp,
+                          sp=setup.config_overrides["sequence_parallel"])
     chunks = build_chunks(setup, split=split, **case.get("config", {}))
     copy_weights(ref, chunks, setup, plan.layers_per_stage)
     params = [p for m in chunks for p in m.parameters()]
     runner = case.get("runner", "ours")
     tracker = MemTracker(exclude=params) if runner == "ours" else None
     fb = get_forward_backward_func(plan, schedule=sched, tracker=tracker) if runner == "ours" else None
-    res = {"rank": rank, "stages": setup.stages, "losses": [], "ref_losses": [],
-           "max_grad_err": 0.0, "max_grad": 0.0, "peak_bytes": [], "time": []}
+    res = {"rank": rank, "tp_rank": ps.get_tensor_model_parallel_rank(), "stages": setup.stages,
+           "losses": [], "ref_losses": [], "max_grad_err": 0.0, "max_grad": 0.0,
+           "peak_bytes": [], "time": [], "w_items": 0,
+           "has_w": runner == "ours" and any(a.kind.value == "W" for a in sched.ranks[rank])}
+    w_items = _count_w_items(res)
     for step in range(case.get("steps", 2)):
         with cpu_shim(remap_cuda_factories=True):
             ref_l = ms.forward_backward_no_pipelining(
@@ -223,6 +254,8 @@ def run_case(case) -> dict:
             with cpu_shim(remap_cuda_factories=True):
                 losses = ms.get_forward_backward_func()(**kw)
         res["time"].append(time.perf_counter() - t0)
+        if setup.config_overrides["sequence_parallel"]:
+            _allreduce_sp_grads([ref, *chunks])
         rp = dict(ref.named_parameters())
         for c, m in enumerate(chunks):
             off = stage_offset(plan.layers_per_stage, setup.stages[c])
@@ -267,10 +300,39 @@ def run_case(case) -> dict:
             losses = fb(**kw)
         else:
             losses = ms.get_forward_backward_func()(**kw)
+    w_items()
     res["eval_losses"] = [float(x["loss"]) for x in losses]
     res["ref_eval_losses"] = [float(x["loss"]) for x in ref_l]
     dist.barrier()
     return res
+
+
+def _count_w_items(res):
+    """Count, into ``res["w_items"]``, the deferred weight-gradient closures of the Megatron
+    split layers that W actions run (shows that W does work); returns the undo."""
+    from ..runtime.splitgrad import WeightGradStore
+    from . import splitgrad
+    run_all = WeightGradStore.run_all
+
+    def counting(store):
+        res["w_items"] += sum(fn.__module__ == splitgrad.__name__ for fn, _, _ in store._items)
+        return run_all(store)
+    WeightGradStore.run_all = counting
+
+    def undo():
+        WeightGradStore.run_all = run_all
+    return undo
+
+
+def _allreduce_sp_grads(models):
+    """What Megatron's ``finalize_model_grads`` does for sequence-parallel parameters (norms:
+    each tp rank saw its slice of the sequence), on plain ``.grad`` (no DDP here)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    for m in models:
+        for p in m.parameters():
+            if getattr(p, "sequence_parallel", False) and p.grad is not None:
+                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
 
 
 def dropout_case(case) -> dict:
