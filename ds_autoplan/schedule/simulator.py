@@ -106,25 +106,27 @@ def simulate(sched: Schedule, costs: Costs, *, blocking: bool = False,
     remaining = sum(len(lst) for lst in lists)
 
     def ready_time(a: Action):
-        """Earliest start allowed by dependencies, or None if some are not done."""
+        """Earliest start allowed by dependencies, or ``(None, what)`` with the first missing
+        one: ``(end, key)`` (an action not ended yet) or ``(posted, key)`` (a receive not
+        posted yet, blocking sends)."""
         r = t[a.rank]
         if a.kind == Kind.RECV_F or a.kind == Kind.RECV_B:
             # a RECV posts the receive (zero time); the consumer waits for the data
             posted[(Kind.SEND_F, a.stage - 1, a.mb) if a.kind == Kind.RECV_F
                    else (Kind.SEND_B, a.stage + 1, a.mb)] = r
-            return r
+            return r, None
         if a.kind in (Kind.SEND_F, Kind.SEND_B):
             p = dep.preds(a)[0]
             if p not in end:
-                return None
+                return None, (end, p)
             if blocking:  # rendezvous: wait until the peer has posted the receive
                 if a.key not in posted:
-                    return None
-                return max(r, end[p], posted[a.key])
-            return max(r, end[p])
+                    return None, (posted, a.key)
+                return max(r, end[p], posted[a.key]), None
+            return max(r, end[p]), None
         for p in dep.preds(a):
             if p not in end:
-                return None
+                return None, (end, p)
             r = max(r, end[p])
         xp = cross_stage_pred(a, dep) if a.kind.is_compute else None
         if xp is not None and sched.placement[xp[1]] != a.rank:
@@ -132,20 +134,28 @@ def simulate(sched: Schedule, costs: Costs, *, blocking: bool = False,
                 rk = (Kind.RECV_F, a.stage, a.mb) if a.kind == Kind.F else (Kind.RECV_B, a.stage, a.mb)
                 sk = (Kind.SEND_F, a.stage - 1, a.mb) if a.kind == Kind.F else \
                     (Kind.SEND_B, a.stage + 1, a.mb)
-                if rk not in end or sk not in end:
-                    return None
+                for k in (rk, sk):
+                    if k not in end:
+                        return None, (end, k)
                 r = max(r, end[sk] + latency)
             else:
                 r = max(r, end[xp] + latency)
-        return r
+        return r, None
 
+    # passes over the ranks in a fixed order (the order fixes ties downstream, e.g. in
+    # lowering); a rank whose head waits on something that has not happened is skipped
+    # without re-examining its head
+    waiting: list = [None] * d
     while remaining:
         progressed = False
         for rank in range(d):
             lst = lists[rank]
+            w = waiting[rank]
+            if w is not None and w[1] not in w[0]:
+                continue
             while idx[rank] < len(lst):
                 a = lst[idx[rank]]
-                st = ready_time(a)
+                st, waiting[rank] = ready_time(a)
                 if st is None:
                     break
                 dur = float(costs.duration(a.kind, a.stage, a.mb))
