@@ -358,3 +358,58 @@ def test_sequence_parallel_modes():
     # baselines with TP > 1 (Megatron 3D, Galvatron without BMW) use SP under 'auto' too
     ok = [b for b in on.baselines.values() if b is not None and b.ok]
     assert all(b.sp == (b.tp > 1) for b in ok) and any(b.sp for b in ok)
+
+
+# -- BMW per rank for V / interleaved placements (seed 000 §IV-B2, App. B) ---------------------
+def _time_balanced(ctx, name):
+    """The time-balanced split of ``name`` and its stage-aware-recompute Eval (the p_t corner)."""
+    from ds_autoplan.search.pipeline import num_stages, stage_aware_recompute, stage_figures, time_partition
+    S = num_stages(name, ctx.P)
+    sp = time_partition(ctx, S, lambda x: [0] * len(x.seq))
+    sub = Context(ctx.cm, ctx.strategies, S, ctx.m, ctx.B_m, ctx.E, ctx.units)
+    ck = [1 if ctx.cm.units[u].checkpointable else 0 for u in sub.seq]
+    figs = stage_figures(sub, sp, [0] * len(sub.seq), ck)
+    return (stage_aware_recompute(ctx, name, sp, figs),
+            stage_aware_recompute(ctx, name, sp, figs, max_rounds=0))
+
+
+def test_rank_balance_moves_blocks_off_rank0_instead_of_recompute():
+    """GPT-3 1.3B, 4 ranks, v-min, 8 GB: the time-balanced split must recompute on rank 0
+    (stages 0 and 7: embedding and LM head); moving a block from stage 0 to stage 1 fits
+    without recompute and is predicted faster."""
+    from ds_autoplan.schedule import build
+    from ds_autoplan.search.planner import Planner
+    pl = Planner(load_model("gpt3-1.3b"), load_cluster("8xtitan-24gb"), 64, precision="fp16", budget_gb=8)
+    cand = pl.evaluate(4, 1, 2, 0, 32, 2, schedules=["v-min"])
+    tb, tb0 = _time_balanced(cand.ctx, "v-min")
+    place = build("v-min", 4, 8).placement
+    assert tb.ok and tb0.peak[0] > pl.E and not tb0.fits
+    assert any(tb.recompute[s] for s in range(8) if place[s] == 0)
+    assert cand.schedule == "v-min" and cand.partitioner == "rank-balanced"
+    assert cand.parts != tb.parts and sum(cand.parts) == sum(tb.parts) == 24
+    assert sum(cand.recompute) < sum(tb.recompute)
+    assert cand.time < tb.time
+    assert max(cand.peak) <= pl.E
+
+
+@pytest.mark.parametrize("model,budget,cfg,name", [
+    ("gpt3-1.3b", 8, (4, 1, 2, 0, 32, 2), "v-half"),
+    ("gpt3-1.3b", 8, (8, 1, 1, 0, 32, 2), "v-zb"),
+    ("t5-large", 4, (4, 1, 2, 0, 32, 2), "v-half"),
+    ("t5-large", 4, (2, 1, 4, 1, 16, 4), "interleaved"),
+])
+def test_rank_balance_partitions_valid_and_fit(model, budget, cfg, name):
+    """Every split rank_balance returns keeps all blocks, has S stages of >= 1 block, fits every
+    rank under the cap (the simulator's peak per rank) and is never slower than the
+    time-balanced split."""
+    from ds_autoplan.search.pipeline import choose_schedule, num_stages
+    from ds_autoplan.search.planner import Planner
+    pl = Planner(load_model(model), load_cluster("8xtitan-24gb"), 64, precision="fp16", budget_gb=budget)
+    P, t, d, z, m, B_m = cfg
+    ctx = pl.ctx(P, m, B_m, pl.exec_strats(t, d, z))
+    (e,) = choose_schedule(ctx, (pl.L // P,) * P, [0] * len(ctx.seq), [name])
+    tb, _ = _time_balanced(ctx, name)
+    assert e.partitioner == "rank-balanced"
+    assert sum(e.parts) == pl.L and len(e.parts) == num_stages(name, P) and min(e.parts) >= 1
+    assert len(e.peak) == P and max(e.peak) <= pl.E and e.fits
+    assert e.time < tb.time or not tb.ok

@@ -52,6 +52,7 @@ class Eval:
     sim: object = None               # (Schedule, Costs, SimResult) for plots
     ctx: object = None               # the context and stage figures it was costed with
     figs: list = None
+    partitioner: str = "time-balanced"   # non-1F1B split: time-balanced or rank_balance's
 
     @property
     def ok(self) -> bool:
@@ -132,6 +133,24 @@ def simulate_plan(ctx: Context, name: str, parts: tuple, rec: list, figs: list, 
     return T, peak, bub, ((sched, costs, res) if keep_sim else None)
 
 
+def _evaluate(ctx: Context, name: str, parts: tuple, rec, figs: list, keep_sim=False) -> Eval:
+    """simulate_plan memoised on (schedule, partition, recompute) in ``ctx._sim_memo``."""
+    memo = ctx.__dict__.setdefault("_sim_memo", {})
+    key = (name, tuple(parts), tuple(rec), keep_sim)
+    if key not in memo:
+        memo[key] = simulate_plan(ctx, name, parts, list(rec), figs, keep_sim)
+    T, peak, bub, sim = memo[key]
+    return Eval(name, T, tuple(parts), list(rec), list(peak), bool(np.all(peak <= ctx.E)), bub, sim, ctx, figs)
+
+
+def _placement(ctx: Context, name: str) -> tuple | None:
+    from ..schedule import ScheduleError
+    try:
+        return _build(name, ctx.P, min(ctx.m, 2 * ctx.P), tuple(sorted(schedule_options(name).items()))).placement
+    except ScheduleError:
+        return None
+
+
 def stage_aware_recompute(ctx: Context, name: str, parts: tuple, figs: list, rec0=None,
                           keep_sim=False, max_rounds: int = 3, bound: float = INF) -> Eval:
     """Recomputed blocks per stage so that every rank fits (Merak SR, ds_autoplan version
@@ -139,24 +158,15 @@ def stage_aware_recompute(ctx: Context, name: str, parts: tuple, figs: list, rec
     is over the cap, simulate full recomputation (if even that does not fit, the schedule is
     out), interpolate each rank's block count linearly between the two, then add one block
     per round on ranks still over."""
-    from ..schedule import ScheduleError
     S = len(parts)
     rec = list(rec0) if rec0 is not None else [0] * S
     full = [g["nblk"] for g in figs]
-    try:
-        sched = _build(name, ctx.P, min(ctx.m, 2 * ctx.P), tuple(sorted(schedule_options(name).items())))
-    except ScheduleError:
+    place = _placement(ctx, name)
+    if place is None:
         return Eval(name, INF, parts, rec, fits=False)
-    place = [sched.placement[s] for s in range(S)]
-
-    memo = ctx.__dict__.setdefault("_sim_memo", {})
 
     def run(r):
-        key = (name, tuple(parts), tuple(r), keep_sim)
-        if key not in memo:
-            memo[key] = simulate_plan(ctx, name, parts, r, figs, keep_sim)
-        T, peak, bub, sim = memo[key]
-        return Eval(name, T, parts, list(r), list(peak), bool(np.all(peak <= ctx.E)), bub, sim, ctx, figs)
+        return _evaluate(ctx, name, parts, r, figs, keep_sim)
 
     e0 = run(rec)
     if e0.fits or max_rounds == 0 or e0.time >= bound:   # more recompute is only slower
@@ -197,14 +207,54 @@ def time_partition(ctx: Context, S: int, plan_nock_fn) -> tuple | None:
     return minmax_partition(stage_matrices(sub, plan_nock_fn(sub), "time"))
 
 
+def rank_balance(ctx: Context, name: str, e0: Eval, figs_of, keep_sim=False, bound: float = INF,
+                 rounds: int = 4) -> Eval:
+    """Galvatron-BMW's PP_Partition_Adjust (seed 000 §IV-B2 and App. B; planner-galvatron.md
+    §4.3) for any stage->rank placement.  Memory is per rank (a V rank holds stages r and
+    S-1-r, rank 0 the embedding and the LM head; in-flight micro-batches differ per stage),
+    so when the time-balanced split ``e0`` (the paper's p_t corner) needs recompute to fit,
+    move one boundary block out of a stage on the most loaded rank (no-recompute peak from the
+    simulator) to an adjacent stage; each candidate is costed with ``stage_aware_recompute``
+    (time including the recompute needed to fit: the paper's rules 1-2 judged on the simulated
+    iteration, strictly faster and within the cap).  Greedy: the best candidate per round,
+    stop when none is faster, no recompute is left, or after ``rounds`` rounds.  Skipped when
+    e0's time without recompute (a lower bound on any move [decision]) is not below ``bound``.
+    ``figs_of(q)`` gives the stage figures of partition q."""
+    place = _placement(ctx, name)
+    S, best, seen = len(e0.parts), e0, {tuple(e0.parts)}
+    if place is None or not (e0.ok and any(e0.recompute)) \
+            or _evaluate(ctx, name, e0.parts, [0] * S, e0.figs, keep_sim).time >= bound:
+        return e0
+    for _ in range(rounds):
+        p = best.parts
+        r = int(np.argmax(_evaluate(ctx, name, p, [0] * S, best.figs, keep_sim).peak))
+        cands = {tuple(x + (i == t) - (i == s) for i, x in enumerate(p))
+                 for s in range(S) if place[s] == r and p[s] > 1 for t in (s - 1, s + 1) if 0 <= t < S}
+        step = None
+        for q in sorted(cands - seen):
+            seen.add(q)
+            lim = min(bound, (step or best).time)
+            e = stage_aware_recompute(ctx, name, q, figs_of(q), None, keep_sim, bound=lim)
+            if e.ok and e.time < lim:
+                step = e
+        if step is None:
+            break
+        best = step
+        best.partitioner = "rank-balanced"
+        if not any(best.recompute):
+            break
+    return best
+
+
 def choose_schedule(ctx: Context, parts: tuple, plan: list, schedules, keep_sim=False,
                     bound: float = INF) -> list[Eval]:
     """Cost every schedule for a uniform executable config (strategies [s, s+CKPT]):
     1F1B on the given (BMW) partition with the DP's CKPT counts and with stage-aware
-    recompute; the others on a time-balanced split into their stage count.  Sorted, best first."""
+    recompute; the others on a time-balanced split into their stage count, adjusted per rank
+    by ``rank_balance`` when that split needs recompute.  Sorted, best first."""
     nock = lambda c: [0] * len(c.seq)   # noqa: E731  strategy 0 = no CKPT
     ck = lambda c: [1 if c.cm.units[u].checkpointable else 0 for u in c.seq]   # noqa: E731
-    evals = []
+    evals, adjust = [], []
     P = ctx.P
     for name in schedules:
         S = num_stages(name, P)
@@ -220,9 +270,14 @@ def choose_schedule(ctx: Context, parts: tuple, plan: list, schedules, keep_sim=
         if sp is None:
             continue
         sub = Context(ctx.cm, ctx.strategies, S, ctx.m, ctx.B_m, ctx.E, ctx.units)
-        figs = stage_figures(sub, sp, nock(sub), ck(sub))
-        e = stage_aware_recompute(ctx, name, sp, figs, None, keep_sim, bound=bound)
-        evals.append(e)
+        figs_of = lambda q, sub=sub: stage_figures(sub, q, nock(sub), ck(sub))   # noqa: E731
+        evals.append(stage_aware_recompute(ctx, name, sp, figs_of(sp), None, keep_sim, bound=bound))
+        adjust.append((len(evals) - 1, figs_of))
+    # BMW per rank (rank_balance), bounded by the best time so far: it only pays where the
+    # recompute overhead of a time-balanced split is what separates it from the best
+    for i, figs_of in adjust:
+        best = min([bound] + [e.time for e in evals if e.ok])
+        evals[i] = rank_balance(ctx, evals[i].schedule, evals[i], figs_of, keep_sim, best)
     uniq = {}
     for e in evals:
         uniq.setdefault((e.schedule, tuple(e.parts), tuple(e.recompute)), e)

@@ -233,7 +233,7 @@ class Planner:
             return Candidate(name, P, t, d, z, m, B_m, INF, "1f1b", parts, [], [], pname, ctx, plan)
         e: Eval = evs[0]
         c = Candidate(name, P, t, d, z, m, B_m, e.time, e.schedule, e.parts, e.recompute, e.peak,
-                      pname if e.schedule == "1f1b" else "time-balanced", full, plan, e.sim)
+                      pname if e.schedule == "1f1b" else e.partitioner, full, plan, e.sim)
         c.alts = evs
         return c
 
