@@ -7,7 +7,14 @@ Prediction (the cost model): the ``ds_autoplan.profile`` profile of gpt-tiny (pe
 and backward time timed inside whole-model steps, saved-for-backward bytes, boundary bytes) plus
 runtime micro-benchmarks (one-way p2p time of a boundary tensor; the DeepSpeed engine's own time
 per forward/backward/transfer action and per step, measured on a model with no compute but the
-same parameter sizes) fed to the schedule simulator (``lower`` + ``simulate``).
+same parameter tensors) fed to the schedule simulator (``lower`` + ``simulate``).  The per-step
+time is what a step spends outside the simulated actions: before the first one, and from the
+last action's end on any rank to the step's end (gradient reductions, the gradient-norm
+all-reduce of DeepSpeed's default clipping, optimizer, loss aggregation).  It is measured on the
+null model with gpt-tiny's parameter *tensors* (one flat tensor per layer under-counted that
+per-tensor work by about 2 ms a step) and from the last action's end (a per-rank sum counted
+one rank's wait in the norm all-reduce).  ``--diagnose`` prints, per case and rank, the
+measured mean time of every action (p2p waits excluded) next to the cost the model uses.
 
 Measurement: the real DeepSpeed PipelineEngine (``ds_autoplan.runtime.deepspeed.initialize``,
 the action-list adapter): median ``train_batch`` wall time (max over ranks) and the engine's
@@ -19,6 +26,7 @@ the measurement alike, and medians drop it.  Nothing measured on the real runs f
 prediction.
 
     python bench/cost_model_accuracy.py [--quick] [--json out.json] [--timing isolated]
+                                        [--verbose] [--diagnose]
 
 Prints one row per case and the medians; the last line is a JSON object with
 "median_time_error" and "median_memory_error" (relative errors; max over ranks for memory).
@@ -32,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -78,49 +87,102 @@ def predict(cfg: dict, profs: list) -> dict:
     for c in lps:
         bounds.append((lo, lo + c))
         lo += c
-    f, b, r, act, keep = [], [], [], [], []
+    own, act, keep = [], [], []     # per stage: the engine's own (F, B, R) time
     for s, (lo, hi) in enumerate(bounds):
         pr = profs[sched.placement[s]]
-        tf, tb = pr.stage_times(lo, hi)
         # + the engine's own time per action, and for a cross-rank input its receive
         recv_f = s > 0 and sched.placement[s - 1] != sched.placement[s]
         recv_b = s < S - 1 and sched.placement[s + 1] != sched.placement[s]
-        f.append(tf + pr.overhead["F"] + recv_f * pr.overhead["comm"])
-        b.append(tb + pr.overhead["B"] + recv_b * pr.overhead["comm"])
-        r.append(pr.stage_times(lo, lo + ks[s], with_loss=False)[0] + pr.overhead["F"])
+        own.append((pr.overhead["F"] + recv_f * pr.overhead["comm"],
+                     pr.overhead["B"] + recv_b * pr.overhead["comm"], pr.overhead["F"]))
         act.append(prof.stage_act_bytes(lo, hi))
         # recomputed stage keeps its input (checkpoint) and the rest of the stage's stash
         keep.append(prof.units[lo].act_input_bytes + prof.stage_act_bytes(lo + ks[s], hi)
                     if ks[s] else act[-1])
     p2p = max(p.overhead["p2p"] for p in profs)    # measured one-way boundary transfer
+    times = [(*p.stage_times(lo, hi), p.stage_times(lo, lo + k, with_loss=False)[0])
+             for (lo, hi), k, p in zip(bounds, ks, (profs[r] for r in sched.placement))]
+    f, b, r = ([t[j] + o[j] for t, o in zip(times, own)] for j in range(3))
     costs = Costs.per_stage(S, cfg["n"], f, b, 0.0, r=r, mem_f=act, mem_b=[-a for a in act],
                             mem_w=0.0, keep_ckpt=keep, p2p=p2p,
                             send=max(p.overhead["comm"] for p in profs))
     res = simulate(lower(sched, costs), costs, blocking=False)
     # + once per step: optimizer, gradient reductions, loss aggregation (runtime benchmark)
     step = max(p.overhead["step"] for p in profs)
-    return {"time": res.makespan + step, "peak": list(res.peak_memory)}
+    return {"time": res.makespan + step, "peak": list(res.peak_memory),
+            "costs": {"F": f, "B": b, "R": r, "step": step, "send": costs.send, "p2p": p2p,
+                      "busy": list(res.busy), "makespan": res.makespan}}
+
+
+def diagnose(cfg: dict, pred: dict, diag: list) -> None:
+    """Per rank: measured mean time per action (p2p waits excluded) against the cost the
+    prediction uses, the waits, and the step time outside the actions."""
+    c = pred["costs"]
+    names = {"ForwardPass": "F", "BackwardPass": "B", "RecomputePass": "R"}
+    for rank, d in enumerate(diag):
+        n = d["steps"]
+        rows = []
+        for k in sorted(k for k in d if k.startswith(":")):
+            name, st = k[1:].split("@")
+            mean = d[k] / d["n_" + k]
+            want = c[names[name]][int(st)] if name in names else (
+                c["send"] if name.startswith("Send") else None)
+            rows.append(f"{name[:8]}{st}={mean * 1e3:.2f}" + (
+                f"/{want * 1e3:.2f}" if want is not None else "") + (
+                f" w{d['wait:' + k[1:]] / n * 1e3:.1f}" if d["wait:" + k[1:]] > 1e-5 else ""))
+        instr = sum(v for k, v in d.items() if k.startswith(":"))
+        print(f"  r{rank} step {d['step'] / n * 1e3:.2f} = instr {instr / n * 1e3:.2f} + wait "
+              f"{d['wait'] / n * 1e3:.2f} + outside {(d['step'] - instr - d['wait']) / n * 1e3:.2f}"
+              f" | pred busy {c['busy'][rank] * 1e3:.2f} makespan {c['makespan'] * 1e3:.2f} "
+              f"| once per step {d['once'] / n * 1e3:.2f}/{c['step'] * 1e3:.2f}\n    "
+              + "  ".join(rows))
 
 
 class _Null(torch.nn.Module):
-    """A layer with (almost) no compute but as many parameters as a gpt-tiny layer (so the
-    per-step optimizer and gradient bookkeeping cost the same); the first one embeds ids."""
+    """A layer with (almost) no compute but the same parameter tensors as a gpt-tiny layer;
+    the first one embeds the ids.  Only its first tensor is used (a gradient costs as little
+    as possible); the others get zero gradients before each step (``NullEngine.step``), so
+    the per-tensor work of a step (gradient reductions and norm, optimizer) is the real one."""
 
-    def __init__(self, params: int, vocab: int = 0, hidden: int = 0):
+    def __init__(self, layer: torch.nn.Module, embed: bool = False):
         super().__init__()
-        self.emb = torch.nn.Embedding(vocab, hidden) if vocab else None
-        own = params - (vocab * hidden if vocab else 0)
-        self.w = torch.nn.Parameter(torch.zeros(max(1, own)))   # DeepSpeed cannot broadcast 0-d
+        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros_like(p))
+                                          for p in layer.parameters()])
+        self.embed = embed
 
     def forward(self, x):
-        return (self.emb(x) if self.emb is not None else x) + self.w[:1] * 0
+        w = self.ps[0]
+        return torch.nn.functional.embedding(x, w) if self.embed else x + w.view(-1)[:1] * 0
+
+
+_ONCE = ("CommitP2P", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep")   # once per step
+
+
+def _start(acc) -> float:
+    if acc is not None:
+        acc["_first"] = None
+    return time.perf_counter()
+
+
+def _once(acc, t0: float) -> float:
+    """A step's time outside the simulated actions: before the first action, and from the
+    last action's end on any rank to the step's end on every rank (one host: perf_counter
+    is the same monotonic clock on every rank)."""
+    t = torch.tensor([acc["_first"] - t0, acc["_last"], time.perf_counter()], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t[0] + t[2] - t[1])
 
 
 def _timed(engine) -> dict:
     """Wrap the engine's instruction handlers and its p2p waits: per-instruction time
-    without the time spent waiting for the other rank."""
+    without the time spent waiting for the other rank (also per ``name@stage``), and the
+    waits per instruction (``wait:name@stage``)."""
     acc = {"wait": 0.0}
     wait = engine._wait
+
+    def add(k, v):
+        acc[k] = acc.get(k, 0.0) + v
+        acc["n_" + k] = acc.get("n_" + k, 0) + 1
 
     def timed_wait(*a, **kw):
         t0 = time.perf_counter()
@@ -135,8 +197,15 @@ def _timed(engine) -> dict:
             acc["_in_wait"] = 0.0
             t0 = time.perf_counter()
             r = fn(*a, **kw)
-            acc[name] = acc.get(name, 0.0) + time.perf_counter() - t0 - acc["_in_wait"]
-            acc["n_" + name] = acc.get("n_" + name, 0) + 1
+            t1 = time.perf_counter()
+            dt, key = t1 - t0, f"{name}@{kw.get('stage', '')}"
+            if acc.get("_first") is None:
+                acc["_first"] = t0
+            if name not in _ONCE:
+                acc["_last"] = t1
+            add(name, dt - acc["_in_wait"])
+            add(":" + key, dt - acc["_in_wait"])
+            add("wait:" + key, acc["_in_wait"])
             return r
         return w
     engine._wait = timed_wait
@@ -146,16 +215,18 @@ def _timed(engine) -> dict:
 
 
 class NullEngine:
-    """Runtime micro-benchmark: the DeepSpeed engine's own time per action on a model with no
-    compute (same boundary tensors as gpt-tiny), p2p waits excluded.  Independent of the
-    measured cases; it is part of the cost model's input, like the p2p latency."""
+    """Runtime micro-benchmark on a model with no compute (the boundary tensors and the
+    parameter tensors of gpt-tiny): the DeepSpeed engine's own time per action (p2p waits
+    excluded) and per step (before the first action, and from the last action's end on any
+    rank to the step's end: gradient reductions, gradient norm, optimizer, loss
+    aggregation).  Independent of the measured cases; part of the cost model's input, like
+    the p2p latency."""
 
     def __init__(self, api, n: int, mbs: int):
         from ds_autoplan.models import gpt_tiny
         real = gpt_tiny().layers()
         self.c, self.n, self.mbs = gpt_tiny().cfg, n, mbs
-        sizes = [sum(p.numel() for p in layer.parameters()) for layer in real]
-        layers = [_Null(sizes[0], self.c.vocab_size, self.c.hidden)] + [_Null(k) for k in sizes[1:]]
+        layers = [_Null(layer, embed=i == 0) for i, layer in enumerate(real)]
         plan = {"pp": WORLD, "dp": 1, "zero_stage": 0, "micro_batch_size": mbs,
                 "num_microbatches": n, "global_batch_size": mbs * n, "precision": "fp32",
                 "schedule": "1f1b", "schedule_options": {}, "layers_per_stage": [5, 5],
@@ -163,31 +234,31 @@ class NullEngine:
         self.engine, *_ = api.initialize(layers, plan, loss_fn=lambda out, y: out.mean(),
                                          config=_ds_config(n, mbs),
                                          optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
-        self.acc, self.total, self.steps = None, 0.0, 0
+        self.params = list(self.engine.module.parameters())
+        self.acc, self.once = None, []
 
     def step(self, timed: bool) -> None:
         ids = torch.randint(0, self.c.vocab_size, (self.n, self.mbs, self.c.seq_len))
+        for p in self.params:       # as a real backward leaves them (the engine zeroes them)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         torch.distributed.barrier()
         if timed and self.acc is None:
             self.acc = _timed(self.engine)
-        t0 = time.perf_counter()
+        t0 = _start(self.acc)
         self.engine.train_batch(iter([(x, x) for x in ids]))
         if timed:
-            self.total += time.perf_counter() - t0
-            self.steps += 1
+            self.once.append(_once(self.acc, t0))
 
     def overheads(self) -> dict:
-        acc, steps = self.acc, self.steps
+        acc = self.acc
         per = lambda k: acc.get(k, 0.0) / max(1, acc.get("n_" + k, 0))   # noqa: E731
         comm = [k for k in ("SendActivation", "SendGrad", "RecvActivation", "RecvGrad")
                 if acc.get(k)]
-        instr = sum(v for k, v in acc.items() if not k.startswith(("n_", "_")) and k != "wait")
         return {"F": per("ForwardPass"), "B": per("BackwardPass"),
                 "comm": sum(acc[k] for k in comm) / max(1, sum(acc["n_" + k] for k in comm)),
-                # once per step: optimizer, gradient reductions, loss aggregation, bookkeeping
-                "step": (self.total - acc["wait"] - instr) / steps + sum(
-                    acc.get(k, 0.0) for k in ("OptimizerStep", "ReduceGrads", "ReduceTiedGrads",
-                                              "CommitP2P")) / steps}
+                # once per step: optimizer, gradient reductions and norm, loss aggregation
+                "step": statistics.median(self.once)}
 
 
 class Profiler:
@@ -240,7 +311,7 @@ def _ds_config(n: int, mbs: int) -> dict:
             "gradient_accumulation_steps": n, "train_batch_size": mbs * n}
 
 
-def worker(path: str, steps: int, timing: str = "chain") -> None:
+def worker(path: str, steps: int, timing: str = "chain", diagnose: bool = False) -> None:
     """One rank: build the profilers, the no-compute engines and one real DeepSpeed engine
     (our adapter) per case, then run rounds of [profile samples, overhead steps, one step of
     every case], so a burst of load on the shared machine hits the cost model's inputs and
@@ -297,14 +368,22 @@ def worker(path: str, steps: int, timing: str = "chain") -> None:
         ids = torch.randint(0, cfg0.vocab_size, (n, mbs, cfg0.seq_len + 1), generator=g)
         batch = [(x[:, :-1].contiguous(), x[:, 1:].contiguous()) for x in ids]
         torch.distributed.barrier()
-        t0 = time.perf_counter()
+        t0 = _start(diag[i] if diag else None)
         engines[i].train_batch(iter(batch))
-        t = torch.tensor([time.perf_counter() - t0])
+        own[i].append(time.perf_counter() - t0)
+        if diag:
+            diag[i]["once"] = diag[i].get("once", 0.0) + _once(diag[i], t0)
+        t = torch.tensor([own[i][-1]])
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return float(t)
 
     times: list[list[float]] = [[] for _ in cases]
+    own: list[list[float]] = [[] for _ in cases]
+    diag = []
     for r in range(steps + 1):                  # round 0: warm-up
+        if r == 1 and diagnose:
+            diag = [_timed(e) for e in engines]
+            own = [[] for _ in cases]
         for mbs in sizes:
             if r:
                 profilers[mbs].sample()
@@ -318,19 +397,24 @@ def worker(path: str, steps: int, timing: str = "chain") -> None:
         print("ACC_PROFILE " + json.dumps({"rank": rank, "mbs": mbs,
                                            "profile": profilers[mbs].result().to_dict(),
                                            "overhead": {**nulls[mbs].overheads(),
-                                                        "p2p": statistics.median(p2p[mbs])}}),
+                                                        "p2p": statistics.median(p2p[mbs])},
+                                           "null": {**nulls[mbs].acc, "steps": len(nulls[mbs].once)}
+                                           if diagnose else None}),
               flush=True)
     for i, case in enumerate(cases):            # one more step with the saved-bytes tracker
+        d = {**diag[i], "step": sum(own[i]), "steps": len(own[i])} if diag else None
         engines[i].memtracker = trackers[i]
         step(i)
         print("ACC_RESULT " + json.dumps({"case": case, "rank": rank,
                                           "time": statistics.median(times[i]),
+                                          "diag": d,
                                           "peak": trackers[i].peak}), flush=True)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def measure(cases: list[dict], steps: int, timeout: float, timing: str = "chain"):
+def measure(cases: list[dict], steps: int, timeout: float, timing: str = "chain",
+            diagnose: bool = False):
     """Run the ranks; return the per-case measurements and the ranks' profiles per mbs."""
     from ds_autoplan.profile import Profile
     from ds_autoplan.runtime.deepspeed.spawn import spawn
@@ -338,7 +422,7 @@ def measure(cases: list[dict], steps: int, timeout: float, timing: str = "chain"
         json.dump(cases, f)
     try:
         outs = spawn([os.path.abspath(__file__), "--worker", f.name, "--steps", str(steps),
-                      "--timing", timing],
+                      "--timing", timing] + ["--diagnose"] * diagnose,
                      WORLD, timeout=timeout, grace=20)
     finally:
         os.unlink(f.name)
@@ -349,12 +433,13 @@ def measure(cases: list[dict], steps: int, timeout: float, timing: str = "chain"
             if line.startswith("ACC_PROFILE "):
                 r = json.loads(line[len("ACC_PROFILE "):])
                 prof = Profile.from_dict(r["profile"])
-                prof.overhead = r["overhead"]
+                prof.overhead, prof.null = r["overhead"], r.get("null")
                 profs.setdefault(r["mbs"], [None] * WORLD)[r["rank"]] = prof
             if line.startswith("ACC_RESULT "):
                 r = json.loads(line[len("ACC_RESULT "):])
                 key = json.dumps(r["case"], sort_keys=True)
-                res.setdefault(key, {"time": 0.0, "peak": [0] * WORLD})
+                res.setdefault(key, {"time": 0.0, "peak": [0] * WORLD, "diag": [None] * WORLD})
+                res[key]["diag"][r["rank"]] = r["diag"]
                 res[key]["time"] = max(res[key]["time"], r["time"])
                 res[key]["peak"][r["rank"]] = r["peak"]
         if rc != 0:
@@ -371,17 +456,20 @@ def main(argv=None) -> int:
     ap.add_argument("--timing", choices=("chain", "isolated"), default="chain",
                     help="how the profile times units (ds_autoplan.profile.profile_model)")
     ap.add_argument("--verbose", action="store_true", help="print the profiles and overheads")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="per case and rank: measured time per action vs the cost model's")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     steps = args.steps or (20 if args.quick else 16)
     if args.worker:
-        worker(args.worker, steps, args.timing)
+        worker(args.worker, steps, args.timing, args.diagnose)
         return 0
     t_start = time.time()
     cases = configs(args.quick)
     try:
-        meas, profs = measure(cases, steps, timeout=55 if args.quick else 600, timing=args.timing)
+        meas, profs = measure(cases, steps, timeout=55 if args.quick else 600, timing=args.timing,
+                              diagnose=args.diagnose)
     except (RuntimeError, KeyError) as e:   # a failed or killed rank: still one JSON line
         print(e, file=sys.stderr)
         print(json.dumps({"median_time_error": None, "median_memory_error": None,
@@ -391,8 +479,13 @@ def main(argv=None) -> int:
     if args.verbose:
         for mbs, ps in profs.items():
             for r, p in enumerate(ps):
-                print(mbs, r, [f"{u.fwd_s * 1e3:.2f}/{u.bwd_s * 1e3:.2f}" for u in p.units],
+                print(mbs, r, [f"{u.fwd_s * 1e3:.2f}/{u.bwd_s * 1e3:.2f}"
+                               for u in (*p.units, SimpleNamespace(**p.loss))],
                       {k: round(v * 1e3, 3) for k, v in p.overhead.items()})
+                if p.null:
+                    print("   null engine per action:", {k[1:]: round(v / p.null["n_" + k] * 1e3, 2)
+                                                         for k, v in p.null.items()
+                                                         if k.startswith(":")})
     rows, terr, merr = [], [], []
     print(f"{'schedule':<12} {'part':<5} {'rec':>3} {'mbs':>3} {'n':>2} {'pred ms':>8} "
           f"{'meas ms':>8} {'t err':>6} {'pred peak KiB':>16} {'meas peak KiB':>16} {'m err':>6}")
@@ -408,6 +501,8 @@ def main(argv=None) -> int:
               f"{c['mbs']:>3} {c['n']:>2} "
               f"{p['time'] * 1e3:>8.2f} {m['time'] * 1e3:>8.2f} {te:>6.1%} "
               f"{pk(p['peak']):>16} {pk(m['peak']):>16} {me:>6.1%}")
+        if args.diagnose:
+            diagnose(c, p, m["diag"])
     out = {"median_time_error": statistics.median(terr),
            "median_memory_error": statistics.median(merr), "cases": len(cases),
            "runtime": "deepspeed PipelineEngine (ds_autoplan adapter), 2 gloo CPU ranks",
