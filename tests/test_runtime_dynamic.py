@@ -83,6 +83,7 @@ def test_misuse_is_reported(two_ranks):
     for d in two_ranks["dynapipe:0:tokens"]:
         assert "placement" in d["errors"]["placement"]
         assert "the plan says" in d["errors"]["shape"]
+        assert "different iteration plans" in d["errors"]["mismatch"]
 
 
 def test_pipeline_with_data_parallel_replicas_of_different_plans(pipeline_and_data_parallel):

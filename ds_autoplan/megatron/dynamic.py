@@ -22,32 +22,7 @@ executor accumulates and passes as Megatron's schedules do.
 """
 from __future__ import annotations
 
-import hashlib
-
-import torch
-
-from ..schedule import ScheduleError
-
-
-def plan_digest(plan) -> int:
-    """62-bit digest of what all pipeline ranks must agree on: shapes and lowered lists."""
-    text = repr([(int(b), L if isinstance(L, int) else tuple(L)) for b, L in plan.shapes])
-    return int.from_bytes(hashlib.sha256((text + plan.lowered.to_text()).encode()).digest()[:8],
-                          "little") >> 2
-
-
-def check_same_plan(plan, group) -> None:
-    """Raise ScheduleError on every rank of ``group`` (e.g. the pipeline group) unless all of
-    them hold the same plan (one all-reduce of two integers); a mismatch would otherwise
-    mean wrongly sized receives or a hang."""
-    import torch.distributed as dist
-    dev = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    h = plan_digest(plan)
-    x = torch.tensor([h, -h], dtype=torch.long, device=dev)
-    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
-    if int(x[0]) != h or int(x[1]) != -h:
-        raise ScheduleError(f"step {plan.step}: pipeline ranks hold different iteration plans "
-                            f"(same lengths, seed and planner on every rank?)")
+from ..dynamic.step import check_same_plan, loss_shares as loss_weights  # noqa: F401
 
 
 def step_kwargs(plan, group=None) -> dict:
@@ -64,19 +39,3 @@ def step_kwargs(plan, group=None) -> dict:
                 microbatch_shapes=shapes, seq_length=seq,
                 micro_batch_size=max(b for b, _ in shapes), decoder_seq_length=dec)
 
-
-def loss_weights(counts, dp_group=None) -> list[float]:
-    """``w_m = dp · c_m / Σ c`` for per-micro-batch counts ``c_m`` (tokens that carry loss, or
-    samples), the sum taken over the data-parallel group (``dp_group``; Megatron's DDP
-    averages gradients over it, hence the factor dp).  With these weights the step's loss is
-    ``Σ_m w_m · mean_m`` = mean over all the step's tokens (samples)."""
-    c = torch.tensor([float(x) for x in counts], dtype=torch.float64)
-    total, dp = c.sum(), 1
-    if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
-        dp = torch.distributed.get_world_size(dp_group)
-        dev = "cuda" if torch.distributed.get_backend(dp_group) == "nccl" else "cpu"
-        total = total.to(dev)
-        torch.distributed.all_reduce(total, group=dp_group)
-    if float(total) <= 0:
-        raise ValueError("no tokens/samples carry loss in this step")
-    return [float(x) * dp / float(total) for x in c]

@@ -100,8 +100,9 @@ def run(args, schedule, zero, weight, recompute, ref, layers0, ds, lengths):
 
 
 def _misuse(args, engine, sampler) -> dict:
-    """The messages of a schedule for other ranks and of a loader whose shapes differ from
-    the plan (every rank here loads data, so every rank stops before any transfer)."""
+    """The messages of a schedule for other ranks, of a loader whose shapes differ from the
+    plan (every rank here loads data, so every rank stops before any transfer) and of ranks
+    holding different plans (every rank stops at the plan check)."""
     from ...schedule import build
     from . import dynamic
     out = {}
@@ -115,6 +116,12 @@ def _misuse(args, engine, sampler) -> dict:
         dynamic.train_batch(engine, plan, iter(wrong), hidden=args.hidden)
     except ValueError as e:
         out["shape"] = str(e)
+    plans = sampler.iter_plans()     # pipeline rank r takes step r's plan: they differ
+    mine = [next(plans) for _ in range(engine.stage_id + 1)][-1]
+    try:
+        dynamic.train_batch(engine, mine, iter([]), hidden=args.hidden)
+    except ValueError as e:
+        out["mismatch"] = str(e)
     return out
 
 

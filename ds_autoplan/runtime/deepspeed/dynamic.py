@@ -35,12 +35,12 @@ module's parameters, untested).
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 from typing import Callable, Iterator, Sequence
 
 import torch
-from deepspeed import comm as dist
+
+from ...dynamic.step import check_same_plan, loss_shares
 
 
 def static_plan(pp: int, *, dp: int = 1, layers_per_stage=None, zero_stage: int = 0,
@@ -53,21 +53,6 @@ def static_plan(pp: int, *, dp: int = 1, layers_per_stage=None, zero_stage: int 
                 global_batch_size=dp, precision=precision, schedule="1f1b", schedule_options={},
                 layers_per_stage=list(layers_per_stage or []),
                 recompute_per_stage=list(recompute_per_stage or [0.0] * pp))
-
-
-def plan_digest(plan) -> int:
-    """A 62-bit digest of what every rank must agree on: shapes and lowered action lists."""
-    text = repr(list(plan.shapes)) + plan.lowered.to_text()
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
-
-
-def _check_same_plan(engine, plan):
-    mine = torch.tensor([plan_digest(plan)], dtype=torch.long)
-    first = mine.clone()
-    dist.broadcast(first, src=engine.grid.stage_to_global(0), group=engine.grid.get_pipe_parallel_group())
-    if int(first) != int(mine):
-        raise RuntimeError(f"pipeline rank {engine.stage_id}: its iteration plan (step {plan.step}) "
-                           f"differs from pipeline rank 0's; every rank must plan the same step")
 
 
 def _labels(batch):
@@ -86,20 +71,15 @@ def _weight_of(batch, weight, ignore_index) -> float:
 
 
 def loss_factors(engine, batches, weight="tokens", ignore_index: int = -100) -> list[float]:
-    """Per micro-batch factor ``c_k = n·dp·w_k / Σ_replicas Σ_j w_j`` on the loss rank: with
-    DeepSpeed's division by gradient_accumulation_steps (n) and the data-parallel average
-    (dp), micro-batch k's gradient counts with its share ``w_k / Σ w`` of the step."""
+    """Per micro-batch factor ``c_k = n · loss_shares(w)_k`` on the loss rank: with
+    DeepSpeed's division by gradient_accumulation_steps (n) and the data-parallel average,
+    micro-batch k's gradient counts with its share ``w_k / Σ w`` of the step."""
     if isinstance(weight, Sequence) and not isinstance(weight, str):
         w = [float(x) for x in weight]
     else:
         w = [_weight_of(b, weight, ignore_index) for b in batches]
-    n = len(w)
-    tot = torch.tensor([sum(w)], dtype=torch.float64)
-    if engine.dp_world_size > 1:
-        dist.all_reduce(tot, group=engine.grid.get_data_parallel_group())
-    if float(tot) <= 0:
-        raise ValueError("the step has no tokens to train on (all labels ignored)")
-    return [n * engine.dp_world_size * x / float(tot) for x in w]
+    group = engine.grid.get_data_parallel_group() if engine.dp_world_size > 1 else None
+    return [len(w) * x for x in loss_shares(w, group)]
 
 
 def gpt_shapes(hidden: int, dtype: torch.dtype) -> Callable:
@@ -124,7 +104,7 @@ def train_batch(engine, plan, data_iter: Iterator | None = None, *, hidden: int 
     'tokens' (labels != ignore_index), 'samples', a callable on the batch or a list of
     per-micro-batch weights.  Returns DeepSpeed's aggregated loss (the weighted step loss)."""
     if check:
-        _check_same_plan(engine, plan)
+        check_same_plan(plan, engine.grid.get_pipe_parallel_group())
     if shapes is None:
         if hidden is None:
             raise ValueError("give hidden= (the activation width) or shapes=")
