@@ -1,5 +1,5 @@
 """megatron-core benchmark: Megatron's own 1F1B and interleaved schedules vs ds_autoplan's
-V-Half, V-Min and V-ZB run through ``ds_autoplan.megatron.get_forward_backward_func``, on 4
+V-Half, V-Min and V-ZB run through ``ds_autoplan.runtime.megatron.get_forward_backward_func``, on 4
 CPU ranks (gloo) with calibrated-sleep layers (F:B:W = 1:1:1 per layer), in one process group.
 Reports the iteration time and the peak saved-activation bytes per rank, as ratios to
 Megatron's 1F1B from the same run, next to the simulator's predictions (issue 5).
@@ -111,8 +111,8 @@ def bench_case(case) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import schedules as ms
 
-    from ds_autoplan.megatron import cpu_shim, get_forward_backward_func, initialize
-    from ds_autoplan.megatron.testing import base_config
+    from ds_autoplan.runtime.megatron import cpu_shim, get_forward_backward_func, initialize
+    from ds_autoplan.runtime.megatron.testing import base_config
     from ds_autoplan.plan import Plan
     from ds_autoplan.runtime.memtrack import MemTracker
 
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     unit = a.unit_ms if a.unit_ms is not None else (20.0 if a.quick else 30.0)
     iters = a.iters if a.iters is not None else (1 if a.quick else 5)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from ds_autoplan.megatron.testing import launch
+    from ds_autoplan.runtime.megatron.testing import launch
     from ds_autoplan.schedule import names
 
     L = 2 * D          # 1F1B: 2 layers per stage; V / interleaved: 1 layer per stage

@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 4 examples/train_megatron.py --schedule v-half --microbatches 8 --layers 8
     torchrun --nproc_per_node 2 examples/train_megatron.py --plan out/plan.json
 
-``ds_autoplan.megatron.initialize(plan)`` sets up Megatron's parallel state and says how to
+``ds_autoplan.runtime.megatron.initialize(plan)`` sets up Megatron's parallel state and says how to
 build this rank's model chunks (layer layout, V placement, per-stage recompute);
 ``get_forward_backward_func(plan)`` is a drop-in for Megatron's schedule function.
 Prints the mean loss of every step on the rank that holds the last stage.
@@ -20,7 +20,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ds_autoplan.megatron import (cpu_shim, get_forward_backward_func, initialize,
+from ds_autoplan.runtime.megatron import (cpu_shim, get_forward_backward_func, initialize,
                                   split_backward_spec)
 from ds_autoplan.plan import Plan
 from ds_autoplan.schedule import build

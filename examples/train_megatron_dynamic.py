@@ -24,7 +24,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ds_autoplan.dynamic import CostModel, IterationPlanner, LengthSampler
 from ds_autoplan.dynamic.sampler import DynamicBatchSampler, pad_collate
-from ds_autoplan.megatron import ScheduleRunner, cpu_shim, initialize, loss_weights, step_kwargs
+from ds_autoplan.runtime.megatron import ScheduleRunner, cpu_shim, initialize, loss_weights, step_kwargs
 from ds_autoplan.plan import Plan
 
 

@@ -173,7 +173,7 @@ def test_megatron_sequence_parallel_flag(tp, sp):
     TransformerConfig (which rejects SP with tp = 1) and the runtime overrides agree."""
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from ds_autoplan.megatron import plan_overrides
+    from ds_autoplan.runtime.megatron import plan_overrides
     plan = _plan(tp=tp, dp=4 // tp, sequence_parallel=sp)
     on = sp and tp > 1
     c = json.loads(json.dumps(megatron_config(plan)))          # megatron.json round trip

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from ds_autoplan.cli import UserError, main
+from ds_autoplan.cli import main
+from ds_autoplan.errors import UserError
 from ds_autoplan.models import TinyGPT, resolve_model
 from ds_autoplan.profile import (Profile, ProfileMismatch, TraceFailure, auto_leaf_classes,
                                  build_chain, load_profile, profile_model, to_model_spec, trace)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from ds_autoplan.profile import Profile, Unit
-from ds_autoplan.profile.memopt import (KEEP, RECOMPUTE, SWAP, _Stage, inflight_copies, mem_opt,
+from ds_autoplan.search.memopt import (KEEP, RECOMPUTE, SWAP, _Stage, inflight_copies, mem_opt,
                                         memory_policy, tensor_mem_opt)
 from ds_autoplan.schedule import build
 
@@ -106,7 +106,7 @@ def test_memory_policy_per_stage_feeds_the_plan():
 def test_binary_partition_two_stages_equals_brute_force():
     # Theorem 4.1: with monotone prefixes and even MO opportunities the best 2-stage cut lies
     # in [rho_mb, rho_cb]; the binary search must find the brute-force optimum
-    from ds_autoplan.profile import dawnpiper_partition
+    from ds_autoplan.search.dawnpiper import dawnpiper_partition
     n = 12
     p = synth(n=n, act=[3] * n, fwd=[1 + (i % 3) for i in range(n)])
     copies = [2, 1]
@@ -123,7 +123,7 @@ def test_binary_partition_two_stages_equals_brute_force():
 
 
 def test_binary_partition_four_stages_meets_the_cap():
-    from ds_autoplan.profile import dawnpiper_partition
+    from ds_autoplan.search.dawnpiper import dawnpiper_partition
     p = synth(n=16, act=[2 + i % 4 for i in range(16)], fwd=[1 + i % 2 for i in range(16)])
     copies = inflight_copies(build("1f1b", d=4, n=8))
     free = dawnpiper_partition(p, copies, float("inf"), swap_GBps=None)
@@ -182,7 +182,7 @@ def brute(st, cap, swap=True):
 
 
 def test_tensor_cost_formulas():
-    from ds_autoplan.profile.memopt import _TensorStage
+    from ds_autoplan.search.memopt import _TensorStage
     p = tsynth()
     k, bw = 3, 2e9
     st = _TensorStage(p, 0, 3, k, bw, 4.0)
@@ -247,14 +247,14 @@ def test_fast_link_swaps_the_long_lived_big_tensor_slow_link_recomputes_it():
     # undone, as are the free riders (u0#2, u1#0: u0 re-runs anyway), once u0#1 alone fits
     assert [t for t, c in slow.tensor_choice.items() if c != KEEP] == ["u0#1"]
     assert slow.extra_s == pytest.approx(4e-3)   # RT = u0's forward
-    from ds_autoplan.profile.memopt import _TensorStage
+    from ds_autoplan.search.memopt import _TensorStage
     assert slow.extra_s == pytest.approx(brute(_TensorStage(p, 0, 3, 2, 0.05e9, 4.0), cap))
     assert slow.choice["u0"] == RECOMPUTE and slow.recompute_fraction == pytest.approx(1 / 3)
 
 
 def test_tensor_choice_agrees_with_brute_force():
     import random
-    from ds_autoplan.profile.memopt import _TensorStage
+    from ds_autoplan.search.memopt import _TensorStage
     rng = random.Random(0)
     cases = exact = 0
     for _ in range(25):
@@ -279,7 +279,8 @@ def test_tensor_choice_agrees_with_brute_force():
 
 
 def test_per_tensor_partition_and_planner_options():
-    from ds_autoplan.profile import dawnpiper_partition, stage_memory_options
+    from ds_autoplan.search.dawnpiper import dawnpiper_partition
+    from ds_autoplan.search.memopt import stage_memory_options
     p = tsynth(n=4, big=(8, 6, 4, 2), small=(1, 1, 1, 1), fwd=(1, 2, 2, 1), inp=(1, 1, 1, 1))
     copies = [2, 1]
     free = dawnpiper_partition(p, copies, float("inf"), per_tensor=True)
@@ -300,7 +301,7 @@ def test_per_tensor_partition_and_planner_options():
 def test_tensor_prefix_only_is_the_shortest_fitting_prefix():
     # prefix_only: what recompute_per_stage executes (whole leading units); recompute-only,
     # the shortest prefix meeting the cap is optimal, which exhaustive enumeration confirms
-    from ds_autoplan.profile.memopt import _TensorStage
+    from ds_autoplan.search.memopt import _TensorStage
     p = tsynth(big=(8, 6, 4), fwd=(1, 2, 2))
     st = _TensorStage(p, 0, 3, 3, 0.0, 4.0, prefix=True)
     base, kps = st.mem([KEEP] * 9), set()

@@ -86,14 +86,14 @@ def _check(cases, out, own=("1f1b", "interleaved")):
 
 @pytest.mark.timeout(240)
 def test_two_ranks_all_schedules():
-    from ds_autoplan.megatron.testing import launch
+    from ds_autoplan.runtime.megatron.testing import launch
     cases = _cases(2, 4)
     _check(cases, launch(2, cases, timeout=200))
 
 
 @pytest.mark.timeout(300)
 def test_four_ranks_all_schedules():
-    from ds_autoplan.megatron.testing import launch
+    from ds_autoplan.runtime.megatron.testing import launch
     cases = [c for c in _cases(4, 8) if c["schedule"] not in ("zb-h1",)]
     _check(cases, launch(4, cases, timeout=260))
 
@@ -104,7 +104,7 @@ def test_tensor_parallel_split_backward(sp):
     """pp 2 x tp 2 (4 ranks), with and without sequence parallelism: 1F1B (ours and
     Megatron's), ZB-H1 and V-ZB (B/W split, V placement) equal a pp=1, tp=2 reference built
     from Megatron's own linear layers, and every rank's W runs deferred weight GEMMs."""
-    from ds_autoplan.megatron.testing import launch
+    from ds_autoplan.runtime.megatron.testing import launch
     base = dict(pp=2, n=4, tp=2, sp=sp, ref_split=False, layers=[1, 1])
     cases = [dict(base, schedule="1f1b"), dict(base, schedule="1f1b", runner="megatron"),
              dict(base, schedule="zb-h1")]
@@ -120,7 +120,7 @@ def test_tensor_parallel_split_backward(sp):
 def test_recompute_replays_dropout():
     # rank 1 recomputes its second V stage (R before B): with hidden dropout the gradients
     # equal those of the same schedule without R only if R replays the forward's RNG state
-    from ds_autoplan.megatron.testing import launch
+    from ds_autoplan.runtime.megatron.testing import launch
     case = dict(fn="dropout_case", pp=2, n=4, layers=[1, 1, 1, 1], schedule="hand-v",
                 sched=hand_v(2, 4).to_dict(), dropout=0.3)
     out = launch(2, [case], timeout=100)
@@ -133,7 +133,7 @@ def test_recompute_replays_dropout():
 
 @pytest.mark.timeout(120)
 def test_failing_rank_does_not_hang_the_others():
-    from ds_autoplan.megatron.testing import launch
+    from ds_autoplan.runtime.megatron.testing import launch
     t0 = time.time()
     with pytest.raises(RuntimeError, match="deliberate failure"):
         launch(2, [dict(fn="fail_case", bad_rank=1, pp=2, n=4, schedule="v-zb" if "v-zb" in names()
@@ -145,7 +145,7 @@ def test_failing_rank_does_not_hang_the_others():
 # ------------------------------------------------------------------ in-process unit tests
 def test_signature_is_megatrons():
     from megatron.core.pipeline_parallel import schedules as ms
-    from ds_autoplan.megatron import get_forward_backward_func
+    from ds_autoplan.runtime.megatron import get_forward_backward_func
     fb = get_forward_backward_func(schedule=build("1f1b", 2, 4))
     for f in (ms.forward_backward_pipelining_without_interleaving,
               ms.forward_backward_pipelining_with_interleaving, ms.forward_backward_no_pipelining):
@@ -155,7 +155,7 @@ def test_signature_is_megatrons():
 
 
 def test_layouts_and_overrides():
-    from ds_autoplan.megatron import StageLayerLayout, plan_overrides, stage_layer_lists
+    from ds_autoplan.runtime.megatron import StageLayerLayout, plan_overrides, stage_layer_lists
     from ds_autoplan.plan import Plan
     from megatron.core.transformer.enums import LayerType
     plan = Plan(pp=2, num_microbatches=4, schedule="1f1b", layers_per_stage=[3, 1],
@@ -180,7 +180,7 @@ def test_layouts_and_overrides():
 
 def test_split_spec_and_shim_restore():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from ds_autoplan.megatron import (SplitColumnParallelLinear, SplitRowParallelLinear, cpu_shim,
+    from ds_autoplan.runtime.megatron import (SplitColumnParallelLinear, SplitRowParallelLinear, cpu_shim,
                                       split_backward_spec)
     spec = split_backward_spec(get_gpt_layer_local_spec())
     sa = spec.submodules.self_attention.submodules
@@ -208,7 +208,7 @@ def test_memory_ratio_of_v_schedules_in_simulator():
 def test_install_swaps_megatron_dispatcher_and_undoes():
     import megatron.core.pipeline_parallel as pp_pkg
     from megatron.core.pipeline_parallel import schedules as ms
-    from ds_autoplan.megatron import ScheduleRunner, install
+    from ds_autoplan.runtime.megatron import ScheduleRunner, install
     orig = (pp_pkg.get_forward_backward_func, ms.get_forward_backward_func)
     undo = install(schedule=build("1f1b", 2, 4))
     try:
@@ -220,7 +220,7 @@ def test_install_swaps_megatron_dispatcher_and_undoes():
 
 
 def test_megatron_args():
-    from ds_autoplan.megatron import megatron_args
+    from ds_autoplan.runtime.megatron import megatron_args
     from ds_autoplan.plan import Plan
     a = megatron_args(Plan(pp=2, num_microbatches=4, schedule="interleaved", schedule_options={"v": 2},
                            layers_per_stage=[1, 2, 2, 1], recompute_per_stage=[0, 0.5, 0, 0],
@@ -235,7 +235,7 @@ def test_example_trains_on_two_ranks():
     import os
     import subprocess
     import sys
-    from ds_autoplan.megatron.testing import free_port
+    from ds_autoplan.runtime.megatron.testing import free_port
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(free_port()), os.path.join(root, "examples", "train_megatron.py"),

@@ -71,7 +71,7 @@ def forward_step_per_token(data_it, model):
 
 def _pairs(chunks, ref, setup, layers):
     """(parameter of a local chunk, the reference model's parameter it copies)."""
-    from ds_autoplan.megatron import testing as T
+    from ds_autoplan.runtime.megatron import testing as T
     rp = dict(ref.named_parameters())
     for c, m in enumerate(chunks):
         off = T.stage_offset(layers, setup.stages[c])
@@ -80,15 +80,15 @@ def _pairs(chunks, ref, setup, layers):
 
 
 def dynamic_case(case) -> dict:
-    """Runs on every rank (ds_autoplan.megatron.testing.launch): ``steps`` optimizer steps,
+    """Runs on every rank (ds_autoplan.runtime.megatron.testing.launch): ``steps`` optimizer steps,
     each with its own DynaPipe plan, vs the whole model on the step's samples in one batch."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from torch.utils.data import DataLoader
 
     from ds_autoplan.dynamic.sampler import DynamicBatchSampler, pad_collate
-    from ds_autoplan.megatron import ScheduleRunner, cpu_shim, initialize, loss_weights, step_kwargs
-    from ds_autoplan.megatron import testing as T
+    from ds_autoplan.runtime.megatron import ScheduleRunner, cpu_shim, initialize, loss_weights, step_kwargs
+    from ds_autoplan.runtime.megatron import testing as T
     from ds_autoplan.plan import Plan
     from ds_autoplan.schedule import ScheduleError
 
@@ -188,7 +188,7 @@ def dynamic_case(case) -> dict:
 def test_dynamic_plans_match_unpipelined_run():
     """Loss weights (``microbatch_weights``) and Megatron's per-token loss (its DDP and
     ``finalize_model_grads``), each 2 steps with different plans."""
-    from ds_autoplan.megatron.testing import launch
+    from ds_autoplan.runtime.megatron.testing import launch
     cases = [dict(fn=f"{__file__}:dynamic_case", layers=[1, 1], steps=2, per_token=pt)
              for pt in (False, True)]
     out = launch(2, cases, timeout=80)
@@ -215,7 +215,7 @@ def _check(r0, r1):
 
 def test_step_kwargs_and_loss_weights():
     from ds_autoplan.dynamic.sampler import DynamicBatchSampler
-    from ds_autoplan.megatron import loss_weights, step_kwargs
+    from ds_autoplan.runtime.megatron import loss_weights, step_kwargs
     sampler = DynamicBatchSampler(_lengths(), GBS, _planner(), seed=1, background="none")
     plan = next(sampler.iter_plans())
     kw = step_kwargs(plan)
@@ -228,7 +228,7 @@ def test_step_kwargs_and_loss_weights():
 
 
 def test_shape_plan_mismatch_is_a_clear_error():
-    from ds_autoplan.megatron import ScheduleRunner
+    from ds_autoplan.runtime.megatron import ScheduleRunner
     from ds_autoplan.schedule import ScheduleError, build
     fb = ScheduleRunner(None)
     with pytest.raises(ScheduleError, match="no schedule"):
@@ -244,7 +244,7 @@ def test_example_trains_with_dynamic_plans():
     import os
     import subprocess
     import sys
-    from ds_autoplan.megatron.testing import free_port
+    from ds_autoplan.runtime.megatron.testing import free_port
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(free_port()),

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ds_autoplan.models.tiny_gpt import GPTConfig, TinyGPT, example_batch, gpt_loss
-from ds_autoplan.profile.memopt import KEEP, _TensorStage, tensor_mem_opt
+from ds_autoplan.search.memopt import KEEP, _TensorStage, tensor_mem_opt
 from ds_autoplan.runtime.memtrack import MemTracker, hold
 from ds_autoplan.runtime.swap import SwapPolicy, Swapper
 
@@ -156,7 +156,7 @@ def worker(path):
 
 def test_deepspeed_stage_swaps(prof, tmp_path):
     pytest.importorskip("deepspeed")
-    from ds_autoplan.profile import inflight_copies, stage_memory_options
+    from ds_autoplan.search.memopt import inflight_copies, stage_memory_options
     from ds_autoplan.runtime.deepspeed.spawn import spawn
     from ds_autoplan.schedule import build
     n = 4

@@ -7,12 +7,10 @@ import argparse
 import importlib
 import sys
 
+from ..errors import UserError  # noqa: F401  (re-exported: ds_autoplan.cli.UserError)
+
 # sub-command name -> module (modules that are missing are skipped)
 COMMANDS = ["simulate", "plan", "profile", "launch", "patch"]
-
-
-class UserError(Exception):
-    """Bad input: printed as one line, non-zero exit, never a traceback."""
 
 
 def _user_errors() -> tuple[type, ...]:

@@ -86,7 +86,7 @@ def _print_profile(prof) -> None:
 
 def _partition(prof, args) -> None:
     import json
-    from ..profile import partition_report
+    from ..search.dawnpiper import partition_report
     from ..schedule import ScheduleError
     if args.stages > prof.num_units or (args.mem_cap or 1) <= 0 or args.swap_GBps < 0:
         raise UserError(f"--stages must be <= {prof.num_units} units, --mem-cap > 0, "

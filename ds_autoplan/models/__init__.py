@@ -47,7 +47,7 @@ def _hf(name: str, family: str) -> ModelEntry:
         import transformers
         from transformers.utils.fx import HFTracer
     except ImportError as e:
-        from ..cli import UserError
+        from ..errors import UserError
         raise UserError(f"model {name!r} needs the 'transformers' package ({e}); "
                         "install it or use gpt-tiny / module:path.to.factory") from None
     if family == "gpt2":
@@ -117,7 +117,7 @@ BUILTIN: dict[str, Callable[[], ModelEntry]] = {
 def resolve_model(name: str) -> ModelEntry:
     """``gpt-tiny`` (and the other BUILTIN names) or ``module:pkg.mod.factory``.  A factory
     returns an ``nn.Module`` with ``example_inputs(batch_size)``, or ``(module, make_inputs)``."""
-    from ..cli import UserError
+    from ..errors import UserError
     if name in BUILTIN:
         return BUILTIN[name]()
     if not name.startswith("module:"):

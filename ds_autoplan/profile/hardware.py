@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..cli import UserError
+from ..errors import UserError
 
 
 def matmul_flops(n: int = 512, device: str | torch.device = "cpu", dtype=torch.float32,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..cli import UserError
+from ..errors import UserError
 
 FORMAT = "ds_autoplan.profile/1"
 

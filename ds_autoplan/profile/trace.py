@@ -16,7 +16,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
-from ..cli import UserError
+from ..errors import UserError
 
 _BLOCK_NAME = re.compile(r"(Block|Layer|DecoderLayer|EncoderLayer)$")
 

@@ -58,7 +58,7 @@ class SwapPolicy:
 
     @classmethod
     def from_stage_policy(cls, policy, min_bytes: int = 0) -> "SwapPolicy":
-        """From a :class:`ds_autoplan.profile.memopt.StagePolicy` (its ``swap_units``: the
+        """From a :class:`ds_autoplan.search.memopt.StagePolicy` (its ``swap_units``: the
         per-tensor choice when it has one, else whole units chosen ``swap``)."""
         return cls.from_dict(policy.swap_units, min_bytes)
 

@@ -141,7 +141,7 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
     ``plan.pp`` ranks and ``plan.num_microbatches``).  ``config`` (dict or JSON path) is
     merged over the keys the plan fixes; the plan itself is stored at
     ``config["pipeline"]["autoplan"]`` (DeepSpeed never validates ``pipeline``).
-    ``swap``: per-stage swap policies (``profile.stage_memory_options(...)["swap"]``), see
+    ``swap``: per-stage swap policies (``search.memopt.stage_memory_options(...)["swap"]``), see
     :meth:`AutoplanEngine.set_swap_policy`.
     """
     import deepspeed

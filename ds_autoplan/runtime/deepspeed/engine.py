@@ -166,7 +166,7 @@ class AutoplanEngine(PipelineEngine):
         per stage of) ``runtime.swap.SwapPolicy`` or its JSON form, e.g.
         ``stage_memory_options(...)["swap"]``; unit names are this module's layer names
         (``str(layer index)``, see ``SwapPolicy.to_layers``) -- or a whole
-        ``ds-autoplan profile --stages`` report (``profile.partition_report``), whose unit
+        ``ds-autoplan profile --stages`` report (``search.dawnpiper.partition_report``), whose unit
         names are mapped onto the layers."""
         from ..swap import SwapPolicy, Swapper
         if isinstance(policies, dict) and "unit_names" in policies:     # a profile report

@@ -22,9 +22,9 @@ import dataclasses
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
-from ..emit.megatron import layout_string
-from ..emit.megatron import megatron_args as emit_megatron_args
-from ..schedule import Schedule, ScheduleError
+from ...emit.megatron import layout_string
+from ...emit.megatron import megatron_args as emit_megatron_args
+from ...schedule import Schedule, ScheduleError
 
 
 def stage_layer_lists(layers_per_stage) -> list[list[str]]:

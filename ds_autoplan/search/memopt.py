@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass, field
 
-from .profile import Profile
+from ..profile.profile import Profile
 
 KEEP, RECOMPUTE, SWAP = "keep", "recompute", "swap"
 

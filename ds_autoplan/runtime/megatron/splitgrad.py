@@ -31,7 +31,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from ..runtime.splitgrad import defer
+from ..splitgrad import defer
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (_gather_along_first_dim,

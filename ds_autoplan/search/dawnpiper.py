@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .memopt import KEEP, StagePolicy, _Stage, mem_opt
-from .profile import Profile
+from ..profile.profile import Profile
 
 INF = float("inf")
 
@@ -39,7 +39,7 @@ def dawnpiper_partition(prof: Profile, copies: list[int], cap: float, **memopt_k
     its memory optimisation, with every stage's ``mem_x <= cap``."""
     N, S = prof.num_units, len(copies)
     if S < 1 or N < S:
-        from ..cli import UserError
+        from ..errors import UserError
         raise UserError(f"cannot cut {N} units into {S} stages")
 
     def stage(lo, hi, x) -> _Stage:

@@ -1,12 +1,12 @@
 """megatron-core 0.16.1 hooks: ds_autoplan schedules as Megatron's ``forward_backward_func``,
 plan → parallel setup, a CPU shim and split-backward linear layers.
 
-    setup = ds_autoplan.megatron.initialize(plan)          # initialize_model_parallel + overrides
-    fb = ds_autoplan.megatron.get_forward_backward_func(plan)
+    setup = ds_autoplan.runtime.megatron.initialize(plan)          # initialize_model_parallel + overrides
+    fb = ds_autoplan.runtime.megatron.get_forward_backward_func(plan)
     losses = fb(forward_step_func=..., data_iterator=..., model=chunks, num_microbatches=...,
                 seq_length=..., micro_batch_size=...)     # same keywords as Megatron's
-    ds_autoplan.megatron.install(plan)                     # or: patch Megatron's dispatcher
-    fb = ds_autoplan.megatron.ScheduleRunner(None)         # DynaPipe: plan per step, see .dynamic
+    ds_autoplan.runtime.megatron.install(plan)                     # or: patch Megatron's dispatcher
+    fb = ds_autoplan.runtime.megatron.ScheduleRunner(None)         # DynaPipe: plan per step, see .dynamic
     fb(..., microbatch_weights=loss_weights(counts), **step_kwargs(iteration_plan))
 """
 from __future__ import annotations

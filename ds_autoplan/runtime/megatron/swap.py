@@ -6,14 +6,14 @@ The executor stays as it is: the forward step function is wrapped, so whichever 
 (stage) Megatron's ``forward_step`` hands it runs under that chunk's
 :class:`~ds_autoplan.runtime.swap.Swapper`::
 
-    fb = ds_autoplan.megatron.get_forward_backward_func(plan, tracker=tracker)
+    fb = ds_autoplan.runtime.megatron.get_forward_backward_func(plan, tracker=tracker)
     step = swap_forward_step(forward_step, chunks, [{"decoder.layers.0.mlp": None}, {}],
                              tracker=tracker)
     fb(forward_step_func=step, model=chunks, ...)
 
 ``policies``: one per local chunk, a :class:`SwapPolicy` or its JSON form (module name inside
 the chunk -> indices of its new saved storages, or None for all), e.g. one stage's entry of
-``ds_autoplan.profile.stage_memory_options(...)["swap"]`` for a profile of that chunk.
+``ds_autoplan.search.memopt.stage_memory_options(...)["swap"]`` for a profile of that chunk.
 Evaluation (no autograd) runs without swapping.  With ``tracker`` (the runner's
 ``MemTracker``) the bytes that stay on the device are counted as the runner counts them.
 """
@@ -23,7 +23,7 @@ import contextlib
 
 import torch
 
-from ..runtime.swap import SwapPolicy, Swapper
+from ..swap import SwapPolicy, Swapper
 
 
 def swap_forward_step(forward_step_func, chunks, policies, *, tracker=None):

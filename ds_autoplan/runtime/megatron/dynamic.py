@@ -3,7 +3,7 @@
 One optimizer step = one :class:`~ds_autoplan.dynamic.IterationPlan`: its own micro-batch
 count, a shape (mbs, padded length) per micro-batch and a lowered schedule::
 
-    fb = ds_autoplan.megatron.ScheduleRunner(None)          # schedule comes with every step
+    fb = ds_autoplan.runtime.megatron.ScheduleRunner(None)          # schedule comes with every step
     for plan in sampler.iter_plans():                       # or sampler.pop_plan()
         batches = [next(loader_it) for _ in range(plan.num_microbatches)]
         w = loss_weights([(lab != -100).sum() for _, lab in batches])   # loss stage
@@ -22,7 +22,7 @@ executor accumulates and passes as Megatron's schedules do.
 """
 from __future__ import annotations
 
-from ..dynamic.step import check_same_plan, loss_shares as loss_weights  # noqa: F401
+from ...dynamic.step import check_same_plan, loss_shares as loss_weights  # noqa: F401
 
 
 def step_kwargs(plan, group=None) -> dict:

@@ -1,7 +1,7 @@
 """Tiny megatron-core GPT, weight copying and a multi-process launcher (tests, example, bench).
 
 ``launch(world, cases, ...)`` starts ``world`` CPU processes with gloo (``python -m
-ds_autoplan.megatron.testing``), runs every case in one process group (imports are paid
+ds_autoplan.runtime.megatron.testing``), runs every case in one process group (imports are paid
 once), and returns each rank's results.  A rank that fails exits at once (its sockets close,
 so peers error out instead of hanging); the launcher kills the rest on the first failure and
 everything after ``timeout`` seconds.
@@ -133,7 +133,7 @@ def build_reference(num_layers: int, split=True, max_seq=SEQ, tp=1, sp=False):
 
 
 def build_chunks(setup, split=True, max_seq=SEQ, **cfg_over):
-    """This rank's model chunks per :func:`ds_autoplan.megatron.initialize`'s setup."""
+    """This rank's model chunks per :func:`ds_autoplan.runtime.megatron.initialize`'s setup."""
     base = base_config(**{**setup.config_overrides, **cfg_over})
     return [gpt(setup.chunk_config(base, c), setup.pre_process(c), setup.post_process(c),
                 setup.vp_stage(c), split=split, max_seq=max_seq) for c in range(setup.num_chunks)]
@@ -194,7 +194,7 @@ def sgd(params, lr=0.05):
 
 # ------------------------------------------------------------------------------ cases
 def _plan(case):
-    from ..plan import Plan
+    from ...plan import Plan
     d, n, name = case["pp"], case["n"], case.get("schedule", "custom")
     return Plan(pp=d, tp=case.get("tp", 1), sequence_parallel=case.get("sp", False), dp=1,
                 num_microbatches=n, micro_batch_size=MBS, schedule=name,
@@ -211,8 +211,8 @@ def run_case(case) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import schedules as ms
 
-    from ..runtime.memtrack import MemTracker
-    from ..schedule import Costs, Schedule, simulate
+    from ..memtrack import MemTracker
+    from ...schedule import Costs, Schedule, simulate
     from . import get_forward_backward_func, initialize
     from .shim import cpu_shim
 
@@ -310,7 +310,7 @@ def run_case(case) -> dict:
 def _count_w_items(res):
     """Count, into ``res["w_items"]``, the deferred weight-gradient closures of the Megatron
     split layers that W actions run (shows that W does work); returns the undo."""
-    from ..runtime.splitgrad import WeightGradStore
+    from ..splitgrad import WeightGradStore
     from . import splitgrad
     run_all = WeightGradStore.run_all
 
@@ -342,7 +342,7 @@ def dropout_case(case) -> dict:
     import torch
     from megatron.core import parallel_state as ps
 
-    from ..schedule import Kind, Schedule
+    from ...schedule import Kind, Schedule
     from . import get_forward_backward_func, initialize
     with_r = Schedule.from_dict(case["sched"])
     no_r = Schedule.from_keys("no-r", with_r.num_microbatches, with_r.placement,

@@ -35,7 +35,7 @@ Megatron's signature, for one call (one optimizer step):
   ``seq_length`` / ``micro_batch_size`` are then unused;
 * ``microbatch_weights=[w_0, ...]``: micro-batch m's loss is multiplied by ``n·w_m``,
   undoing Megatron's ``1/num_microbatches``, so the step loss is ``Σ w_m·loss_m`` (see
-  :func:`ds_autoplan.megatron.dynamic.loss_weights`: w_m = share of the step's tokens).
+  :func:`ds_autoplan.runtime.megatron.dynamic.loss_weights`: w_m = share of the step's tokens).
 """
 from __future__ import annotations
 
@@ -52,10 +52,10 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, get_model_type
 
-from ..schedule import Costs, Kind, Schedule, ScheduleError, lower
+from ...schedule import Costs, Kind, Schedule, ScheduleError, lower
 from .shim import cpu_shim
-from ..runtime.rng import RngState
-from ..runtime.splitgrad import WeightGradStore
+from ..rng import RngState
+from ..splitgrad import WeightGradStore
 
 SIGNATURE = inspect.signature(_ms.forward_backward_pipelining_without_interleaving)
 
