@@ -4,7 +4,13 @@ Megatron-LM's pretrain_gpt.py).  Uneven stage layer counts use megatron-core 0.1
 'L' loss, '|' between stages, ordered vpp0pp0, vpp0pp1, ...)."""
 from __future__ import annotations
 
+import re
+
 from ..plan import Plan
+
+# characters a value may hold so that the flags work unquoted: as `$(...)` output (word
+# splitting only, no quote removal) and as lines of megatron_args.txt ('|' is data there)
+_UNQUOTED_SAFE = re.compile(r"[A-Za-z0-9_.,:=+/@%|-]+")
 
 def _schedule(plan: Plan):
     """The plan's schedule (None for pp = 1); its placement decides what Megatron can express."""
@@ -96,7 +102,10 @@ def layers_per_rank(plan: Plan) -> list[list[int]]:
 
 
 def megatron_args(plan: Plan, model=None) -> list[str]:
-    """Flags for Megatron-LM's pretrain_gpt.py."""
+    """Flags for Megatron-LM's pretrain_gpt.py, one ``--flag value`` per item.  No value needs
+    quoting, so the joined flags work verbatim as ``pretrain_gpt.py $(...)`` and as the lines
+    of megatron_args.txt (``$(cat megatron_args.txt)``): a quote would reach Megatron
+    literally, since ``$(...)`` output is only split at spaces."""
     c = megatron_config(plan, model)
     a = [f"--tensor-model-parallel-size {c['tensor_model_parallel_size']}",
          f"--pipeline-model-parallel-size {c['pipeline_model_parallel_size']}",
@@ -114,6 +123,15 @@ def megatron_args(plan: Plan, model=None) -> list[str]:
                   "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
     if c.get("pipeline_model_parallel_layout"):
         a.append(f"--pipeline-model-parallel-layout {c['pipeline_model_parallel_layout']}")
+    elif c["virtual_pipeline_model_parallel_size"]:
+        # a V placement: Megatron's layout string cannot say "stage 2P-1-r on rank r", so only
+        # the chunk count goes on the command line; the patched pretrain_gpt.py applies the
+        # plan's placement (ds_autoplan.runtime.megatron.megatron_lm)
+        a.append(f"--num-virtual-stages-per-pipeline-rank {c['virtual_pipeline_model_parallel_size']}")
+        if "--untie-embeddings-and-output-weights" not in a:
+            # both ends of the V live on pp rank 0 in two model chunks: Megatron ties the
+            # embedding and output weights only across pp ranks
+            a.append("--untie-embeddings-and-output-weights")
     if c.get("microbatch_group_size_per_vp_stage"):
         a.append("--microbatch-group-size-per-virtual-pipeline-stage "
                  f"{c['microbatch_group_size_per_vp_stage']}")
@@ -129,4 +147,7 @@ def megatron_args(plan: Plan, model=None) -> list[str]:
         a.append("--bf16")
     elif c["fp16"]:
         a.append("--fp16")
+    for flag in a:
+        if not all(_UNQUOTED_SAFE.fullmatch(tok) for tok in flag.split(" ")):
+            raise ValueError(f"Megatron flag {flag!r} would need shell quoting")
     return a
