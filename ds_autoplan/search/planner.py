@@ -94,12 +94,13 @@ class Planner:
                  precision: str = "bf16", budget_gb: float | None = None, units: int = 512,
                  schedules=None, partitioner: str = "bmw", max_tp: int | None = None,
                  allow_zero: tuple = (0, 1, 2, 3), progress: bool = False,
-                 pp: int | None = None, tp: int | None = None, sequence_parallel: str = "auto"):
+                 pp: int | None = None, tp: int | None = None, sequence_parallel: str = "auto",
+                 runtime: str = "any"):
         if budget_gb is not None and budget_gb <= 0:
             raise SpecError(f"memory budget must be positive, got {budget_gb} GB")
         self.model, self.cluster, self.B = model, cluster, int(global_batch)
         self.E = budget_gb * GB if budget_gb else cluster.budget_bytes
-        self.cm = CostModel(model, cluster, precision)
+        self.cm = CostModel(model, cluster, precision, runtime)
         self.precision, self.units = precision, units
         self.schedules = available(schedules or DEFAULT_SCHEDULES)
         if partitioner not in part.PARTITIONERS:
@@ -410,11 +411,12 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
            wide: bool = True, baselines: bool = True, progress: bool = False,
            world_size: int | None = None, profile: str | None = None, units: int = 512,
            max_tp: int | None = None, keep_sim: bool = True, pp: int | None = None,
-           tp: int | None = None, sequence_parallel: str = "auto") -> SearchResult:
+           tp: int | None = None, sequence_parallel: str = "auto", runtime: str = "any") -> SearchResult:
     """Plan ``model`` on ``cluster`` for ``global_batch``: the executable plan (never worse than
     the baselines on the same cost model), the baselines, the wide Galvatron-BMW result and
     the partitioner comparison.  ``pp``/``tp`` restrict the search to one degree;
-    ``sequence_parallel``: 'auto' (on whenever tp > 1), 'on' (tp > 1 only) or 'off'."""
+    ``sequence_parallel``: 'auto' (on whenever tp > 1), 'on' (tp > 1 only) or 'off';
+    ``runtime``: whose memory accounting the plan must fit ('any', 'megatron', 'deepspeed')."""
     t0 = time.perf_counter()
     if profile and _is_model_profile(profile):
         # a model profile (ds-autoplan profile MODEL --out profile.json): measured per-layer
@@ -429,7 +431,7 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
     _validate(model, cluster, global_batch, world_size)
     pl = Planner(model, cluster, global_batch, precision=precision, budget_gb=budget_gb,
                  partitioner=partitioner, schedules=schedules, progress=progress, units=units,
-                 max_tp=max_tp, pp=pp, tp=tp, sequence_parallel=sequence_parallel)
+                 max_tp=max_tp, pp=pp, tp=tp, sequence_parallel=sequence_parallel, runtime=runtime)
     if next(pl.combos(), None) is None:
         raise SpecError(f"global batch {global_batch} is not divisible into micro-batches for "
                         f"{cluster.world_size} devices: no pipeline/tensor/data layout gives "
