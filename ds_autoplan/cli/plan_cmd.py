@@ -42,7 +42,9 @@ def add_problem_args(p) -> None:
     p.add_argument("--model", required=True, help="preset name, model YAML, or HF config.json")
     p.add_argument("--cluster", required=True, help="preset name or cluster YAML")
     p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--seq", type=int, default=None,
+                   help="sequence length (default: the preset's; for a Hugging Face config.json its "
+                        "context, capped at 4096 tokens)")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--memory-budget-gb", type=float, default=None,
                    help="per-device budget (default: device memory minus the preset's reserve)")
@@ -55,6 +57,7 @@ def summary(plan) -> dict:
     return {"throughput_tokens_per_s": pr["throughput_tokens_per_s"],
             "iteration_time_s": pr["iteration_time_s"], "pp": plan.pp, "tp": plan.tp, "dp": plan.dp,
             "zero_stage": plan.zero_stage, "sequence_parallel": plan.sequence_parallel,
+            "seq_len": plan.seq_len,
             "schedule": plan.schedule,
             "micro_batch_size": plan.micro_batch_size,
             "peak_memory_gb_per_stage": pr["peak_memory_gb_per_stage"],
@@ -62,6 +65,13 @@ def summary(plan) -> dict:
             "layers_per_stage": plan.layers_per_stage, "recompute_per_stage": plan.recompute_per_stage,
             "mfu": pr["mfu"], "ratio_vs_best_baseline": pr.get("ratio_vs_best_baseline"),
             "wide_gain": pr.get("wide_gain")}
+
+
+def seq_line(plan, model, seq_arg) -> str:
+    """The sequence length planned for, and where it came from."""
+    if seq_arg is not None:
+        return f"sequence length {plan.seq_len} (--seq)"
+    return model.config.get("seq_note") or f"sequence length {plan.seq_len} (the model's; --seq to change)"
 
 
 def quoted_flags(plan, model=None) -> list[str]:
@@ -141,6 +151,7 @@ def run(args) -> int:
               f"{' (sequence parallel)' if plan.sequence_parallel else ''} dp={plan.dp} "
               f"ZeRO-{plan.zero_stage} schedule={plan.schedule} micro-batch={plan.micro_batch_size} "
               f"x {plan.num_microbatches}")
+        print(seq_line(plan, res.model, args.seq))
         print(f"layers per stage {plan.layers_per_stage}, recompute {plan.recompute_per_stage}")
         print(f"predicted {pr['iteration_time_s']:.4g} s/iteration, "
               f"{pr['throughput_tokens_per_s']:.6g} tokens/s, MFU {pr['mfu']:.1%}, "
