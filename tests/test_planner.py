@@ -364,10 +364,10 @@ def test_sequence_parallel_modes():
 
 
 # -- BMW per rank for V / interleaved placements (seed 000 §IV-B2, App. B) ---------------------
-def _time_balanced(ctx, name):
+def _time_balanced(ctx, name, v=2):
     """The time-balanced split of ``name`` and its stage-aware-recompute Eval (the p_t corner)."""
     from ds_autoplan.search.pipeline import num_stages, stage_aware_recompute, stage_figures, time_partition
-    S = num_stages(name, ctx.P)
+    S = num_stages(name, ctx.P, v)
     sp = time_partition(ctx, S, lambda x: [0] * len(x.seq))
     sub = Context(ctx.cm, ctx.strategies, S, ctx.m, ctx.B_m, ctx.E, ctx.units)
     ck = [1 if ctx.cm.units[u].checkpointable else 0 for u in sub.seq]
@@ -412,9 +412,11 @@ def test_rank_balance_partitions_valid_and_fit(model, budget, cfg, name):
                  runtime="deepspeed")
     P, t, d, z, m, B_m = cfg
     ctx = pl.ctx(P, m, B_m, pl.exec_strats(t, d, z))
-    (e,) = choose_schedule(ctx, (pl.L // P,) * P, [0] * len(ctx.seq), [name])
+    evs = choose_schedule(ctx, (pl.L // P,) * P, [0] * len(ctx.seq), [name])
+    e = next(x for x in evs if len(x.parts) == num_stages(name, P))     # interleaved: v = 2
     tb, _ = _time_balanced(ctx, name)
     assert e.partitioner == "rank-balanced"
+    assert evs[0].time <= e.time and all(x.schedule == name for x in evs)
     assert sum(e.parts) == pl.L and len(e.parts) == num_stages(name, P) and min(e.parts) >= 1
     assert len(e.peak) == P and max(e.peak) <= pl.E and e.fits
     assert e.time < tb.time or not tb.ok
