@@ -91,7 +91,7 @@ class Planner:
                  schedules=None, partitioner: str = "bmw", max_tp: int | None = None,
                  allow_zero: tuple = (0, 1, 2, 3), progress: bool = False,
                  pp: int | None = None, tp: int | None = None, sequence_parallel: str = "auto",
-                 fix: dict | str | None = None):
+                 fix: dict | str | None = None, runtime: str = "any"):
         self.fix = fx = parse_fix(fix)
         pp, tp = _merge_fix(fx, "pp", pp), _merge_fix(fx, "tp", tp)
         sequence_parallel = fx.get("sp", sequence_parallel)
@@ -108,7 +108,7 @@ class Planner:
             raise SpecError(f"memory budget must be positive, got {budget_gb} GB")
         self.model, self.cluster, self.B = model, cluster, int(global_batch)
         self.E = budget_gb * GB if budget_gb else cluster.budget_bytes
-        self.cm = CostModel(model, cluster, precision)
+        self.cm = CostModel(model, cluster, precision, runtime)
         self.precision, self.units = precision, units
         self.schedules = available(schedules or DEFAULT_SCHEDULES)
         if partitioner not in part.PARTITIONERS:
@@ -485,12 +485,14 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
            wide: bool = True, baselines: bool = True, progress: bool = False,
            world_size: int | None = None, profile: str | None = None, units: int = 512,
            max_tp: int | None = None, keep_sim: bool = True, pp: int | None = None,
-           tp: int | None = None, sequence_parallel: str = "auto", fix=None) -> SearchResult:
+           tp: int | None = None, sequence_parallel: str = "auto", fix=None,
+           runtime: str = "any") -> SearchResult:
     """Plan ``model`` on ``cluster`` for ``global_batch``: the executable plan (never worse than
     the baselines on the same cost model), the baselines, the wide Galvatron-BMW result and
     the partitioner comparison.  ``pp``/``tp`` restrict the search to one degree;
     ``sequence_parallel``: 'auto' (on whenever tp > 1), 'on' (tp > 1 only) or 'off'; ``fix``:
-    the user's configuration, as restrictions (:func:`ds_autoplan.search.fix.parse_fix`)."""
+    the user's configuration, as restrictions (:func:`ds_autoplan.search.fix.parse_fix`);
+    ``runtime``: whose memory accounting the plan must fit ('any', 'megatron', 'deepspeed')."""
     t0 = time.perf_counter()
     if profile and _is_model_profile(profile):
         # a model profile (ds-autoplan profile MODEL --out profile.json): measured per-layer
@@ -505,7 +507,8 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
     _validate(model, cluster, global_batch, world_size)
     pl = Planner(model, cluster, global_batch, precision=precision, budget_gb=budget_gb,
                  partitioner=partitioner, schedules=schedules, progress=progress, units=units,
-                 max_tp=max_tp, pp=pp, tp=tp, sequence_parallel=sequence_parallel, fix=fix)
+                 max_tp=max_tp, pp=pp, tp=tp, sequence_parallel=sequence_parallel, fix=fix,
+                 runtime=runtime)
     if next(pl.combos(), None) is None:
         if pl.fix:
             raise SpecError(f"--fix {pl.fix}: no layout of {cluster.world_size} devices and global "
