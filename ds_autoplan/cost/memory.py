@@ -68,3 +68,28 @@ def local_optimizer_fraction(zero: int, d: int, precision: str, runtime: str = "
     o = state_bytes(precision, zero, d, runtime)[2]
     full = 8.0 if precision == "fp32" else 12.0
     return o / full
+
+
+HEADROOM_FRACTION = 0.05   # default headroom of a cluster-derived budget [decision]
+
+
+def usable_budget(cluster, budget_gb: float | None = None, headroom_gb: float | None = None) -> tuple[float, float]:
+    """(bytes a plan may use per device, headroom in GB kept free).  The budget is the user's
+    ``budget_gb`` (a cap: no default headroom) or the device memory minus the preset's reserve
+    (CUDA context, allocator slack), less a headroom the user can set (default 5% of device
+    memory: fragmentation, communication buffers and what the engines allocate beyond the
+    accounting)."""
+    from ..spec import SpecError
+    from ..spec.cluster import GB
+    if budget_gb is not None and budget_gb <= 0:
+        raise SpecError(f"memory budget must be positive, got {budget_gb} GB")
+    if headroom_gb is not None and headroom_gb < 0:
+        raise SpecError(f"memory headroom must be >= 0, got {headroom_gb} GB")
+    base = budget_gb * GB if budget_gb else cluster.budget_bytes
+    if headroom_gb is None:
+        headroom_gb = 0.0 if budget_gb else HEADROOM_FRACTION * cluster.memory_gb
+    E = base - headroom_gb * GB
+    if E <= 0:
+        raise SpecError(f"memory headroom {headroom_gb:g} GB leaves no budget (budget before headroom "
+                        f"{base / GB:.1f} GB)")
+    return E, float(headroom_gb)
