@@ -85,7 +85,7 @@ def bench_case(case) -> dict:
 
     from ds_autoplan.models.sleep import scaled
     from ds_autoplan.runtime.megatron import cpu_shim, get_forward_backward_func, initialize
-    from ds_autoplan.runtime.megatron.testing import base_config
+    from ds_autoplan.models.megatron_gpt import base_config
     from ds_autoplan.plan import Plan
     from ds_autoplan.runtime.memtrack import MemTracker
 
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     unit = a.unit_ms if a.unit_ms is not None else (15.0 if a.quick else 30.0)
     iters = M.plan_iters(a.quick, a.iters)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from ds_autoplan.runtime.megatron.testing import launch
+    from ds_autoplan.runtime.launch import launch
     from ds_autoplan.schedule import names
 
     L = 2 * D          # 1F1B: 2 layers per stage; V / interleaved: 1 layer per stage
