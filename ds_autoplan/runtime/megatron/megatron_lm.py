@@ -196,8 +196,8 @@ def _place_chunks(mt, sched: Schedule) -> None:
 
 
 def _refuse(msg: str):
-    """One line on stderr (from global rank 0 only, the same check fails on every rank) and
-    exit status 2, before any collective call."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"ds_autoplan: {msg}", file=sys.stderr, flush=True)
+    """One line on stderr and exit status 2, before any collective call.  Every rank fails the
+    same check and prints the same line (a launcher may stop the other ranks as soon as one
+    exits, so no single rank can be relied on to print it)."""
+    print(f"ds_autoplan: {msg}", file=sys.stderr, flush=True)
     raise SystemExit(2)
