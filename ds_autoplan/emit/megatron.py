@@ -85,9 +85,13 @@ def megatron_config(plan: Plan, model=None) -> dict:
                        "recompute_layers_per_stage": per_stage,
                        "layers_per_rank": layers_per_rank(plan)}
     if counts is None and plan.pp > 1:
+        # the embedding (stage 0) and the output layer (stage 2P-1) are two chunks of pp rank 0,
+        # which Megatron does not tie
+        cfg["share_embeddings_and_output_weights"] = False
         cfg["autoplan"]["note"] = (f"{plan.schedule} places stage i and 2P-1-i on rank i; Megatron's "
-                                   "layout cannot express that order: run with ds_autoplan's "
-                                   "Megatron schedule runtime")
+                                   "layout cannot express that order: the patched pretrain_gpt.py "
+                                   "(patches/megatron-lm-pretrain_gpt.patch) or ds_autoplan's "
+                                   "Megatron runtime builds it from the plan")
     if m is not None and m.arch not in ("gpt", "llama"):
         cfg["autoplan"]["note_arch"] = f"pretrain_gpt.py trains decoder-only models; {m.arch} needs its own script"
     return cfg
@@ -165,9 +169,7 @@ def megatron_args(plan: Plan, model=None) -> list[str]:
         # the chunk count goes on the command line; the patched pretrain_gpt.py applies the
         # plan's placement (ds_autoplan.runtime.megatron.megatron_lm)
         a.append(f"--num-virtual-stages-per-pipeline-rank {c['virtual_pipeline_model_parallel_size']}")
-        if "--untie-embeddings-and-output-weights" not in a:
-            # both ends of the V live on pp rank 0 in two model chunks: Megatron ties the
-            # embedding and output weights only across pp ranks
+        if "--untie-embeddings-and-output-weights" not in a:   # (see megatron_config)
             a.append("--untie-embeddings-and-output-weights")
     if c.get("microbatch_group_size_per_vp_stage"):
         a.append("--microbatch-group-size-per-virtual-pipeline-stage "
