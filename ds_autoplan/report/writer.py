@@ -66,7 +66,8 @@ def write_report(res, out_dir: str) -> list[str]:
     w = L.append
     w(f"# ds-autoplan plan: {plan.model} on {plan.cluster}\n")
     w(f"Global batch {plan.global_batch_size}, sequence {plan.seq_len}, precision {plan.precision}, "
-      f"memory budget {budget:.1f} GB per device, {plan.world_size} devices. "
+      f"memory budget {budget:.1f} GB per device (headroom {pred.get('memory_headroom_gb', 0.0):.1f} GB "
+      f"kept free below it; {pred.get('memory_runtime', 'any')} engine accounting), {plan.world_size} devices. "
       f"Search took {pred['search_time_s']:.2f} s ({pred['candidates_evaluated']} configurations costed).\n")
     w("## Chosen plan\n")
     w("| pp | tp | sequence parallel | dp | ZeRO | schedule | micro-batch | micro-batches | partitioner |")
