@@ -1,4 +1,4 @@
-"""Megatron cases of tests/test_resume.py (every rank, through the Megatron test launcher):
+"""Megatron cases of tests/test_resume.py (every rank, through ds_autoplan.runtime.launch):
 Megatron's own DDP and optimizer (Adam; ZeRO-1 = its DistributedOptimizer), our schedule
 runner; train 3 steps under plan A, save, train 3 more; then plan B's chunks from other
 weights load the checkpoint and train the same 3 steps."""
@@ -9,7 +9,7 @@ STEPS, N, BLOCKS = 3, 4, 4          # N micro-batches per step over all replicas
 
 def _plan(spec):
     from ds_autoplan.plan import Plan
-    from ds_autoplan.runtime.megatron import testing as T
+    from ds_autoplan.models import megatron_gpt as T
     from ds_autoplan.schedule import build
     n = N // spec["dp"]
     S = build(spec["schedule"], spec["pp"], n).num_stages
@@ -31,7 +31,7 @@ class Run:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         from ds_autoplan.runtime.megatron import cpu_shim, get_forward_backward_func, initialize
-        from ds_autoplan.runtime.megatron import testing as T
+        from ds_autoplan.models import megatron_gpt as T
         ps.destroy_model_parallel()
         self.plan = _plan(spec)
         self.setup = initialize(self.plan)
@@ -55,7 +55,7 @@ class Run:
         import torch.distributed as dist
 
         from ds_autoplan.runtime.megatron import cpu_shim
-        from ds_autoplan.runtime.megatron import testing as T
+        from ds_autoplan.models import megatron_gpt as T
         n, dp = self.plan.num_microbatches, self.plan.dp
         r = _dp_rank()
         out = []
@@ -86,7 +86,7 @@ def _dp_rank():
 def _data():
     import torch
 
-    from ds_autoplan.runtime.megatron import testing as T
+    from ds_autoplan.models import megatron_gpt as T
     g = torch.Generator().manual_seed(5)
     out = []
     for _ in range(2 * STEPS):

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from ds_autoplan.runtime.deepspeed.spawn import results  # noqa: E402
+from ds_autoplan.runtime.launch import launch, results  # noqa: E402
 
 WORKER = str(pathlib.Path(__file__).with_name("resume_deepspeed.py"))
 MEGATRON_CASE = str(pathlib.Path(__file__).with_name("resume_megatron.py")) + ":resume_case"
@@ -56,7 +56,6 @@ def four_ranks(ckpt, two_ranks):
 @pytest.fixture(scope="module")
 def megatron_two_ranks(ckpt):
     pytest.importorskip("megatron.core")
-    from ds_autoplan.runtime.megatron.testing import launch
     cases = [dict(fn=MEGATRON_CASE, name=n, dir=str(ckpt / d), a=a, b=b) for n, d, a, b in (
         ("v-half->1f1b", "m-vhalf", spec("v-half"), spec("1f1b")),
         ("1f1b->v-zb", "m-pp2dp1", spec("1f1b"), spec("v-zb")))]
@@ -65,7 +64,6 @@ def megatron_two_ranks(ckpt):
 
 @pytest.fixture(scope="module")
 def megatron_four_ranks(ckpt, megatron_two_ranks):
-    from ds_autoplan.runtime.megatron.testing import launch
     pp2dp1 = str(ckpt / "m-pp2dp1")      # written by the 2-rank group
     cases = [dict(fn=MEGATRON_CASE, name="pp2 dp1->pp2 dp2", dir=pp2dp1, b=spec("1f1b", dp=2)),
              dict(fn=MEGATRON_CASE, name="pp2->pp4", dir=pp2dp1, b=spec("1f1b", pp=4)),
