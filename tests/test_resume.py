@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from ds_autoplan.runtime.deepspeed.spawn import results  # noqa: E402
+from ds_autoplan.runtime.launch import results  # noqa: E402
 
 WORKER = str(pathlib.Path(__file__).with_name("resume_deepspeed.py"))
 TOL = 1e-6

@@ -4,7 +4,8 @@ On a shared CPU machine a benchmark of *schedules* must not measure CPU contenti
 layer's forward, input-gradient (B) and weight-gradient (W) pass sleeps a set time instead
 of computing.  ``time.sleep`` overshoots by a roughly constant amount per call, which would
 penalise schedules with more, shorter actions; :func:`sleep` subtracts the overshoot
-measured once per process (:func:`oversleep`).
+measured once per process (:func:`oversleep`; both live with the thread replay of
+schedules, :mod:`ds_autoplan.dynamic.replay`, which sleeps the same way).
 
 :class:`SleepLayer` is ``y = p * x`` with a one-element weight ``p``; its backward joins the
 B/W split of zero-bubble schedules through ``runtime.splitgrad.defer``.  What it keeps for
@@ -19,35 +20,13 @@ Times are seconds, or a callable ``shape -> seconds`` (a cost model of the input
 """
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Callable, Union
 
 import torch
 
+from ..dynamic.replay import oversleep, sleep  # noqa: F401  (the one calibrated sleep)
+
 Seconds = Union[float, Callable[[tuple], float]]
-_OVER: list = [None]      # this process's measured overshoot of time.sleep
-
-
-def oversleep(samples: int = 15, dt: float = 0.002) -> float:
-    """Median overshoot of ``time.sleep(dt)`` here, in seconds (measured, then cached)."""
-    over = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        time.sleep(dt)
-        over.append(time.perf_counter() - t0 - dt)
-    _OVER[0] = max(0.0, statistics.median(over))
-    return _OVER[0]
-
-
-def sleep(seconds: float) -> None:
-    """Sleep ``seconds`` of wall time, net of the measured overshoot (no spinning: a spin
-    would take a core from the other ranks)."""
-    if seconds <= 0:
-        return
-    over = _OVER[0] if _OVER[0] is not None else oversleep()
-    if seconds > over:
-        time.sleep(seconds - over)
 
 
 def _weight_pass(*held, layer):

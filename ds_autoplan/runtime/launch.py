@@ -44,13 +44,16 @@ def _rank_env(rank: int, world: int, port: int, extra: dict | None) -> dict:
 
 def _wait(procs, timeout: float, grace: float) -> None:
     """Wait for every process; kill the rest ``grace`` s after the first failure or at the
-    deadline."""
+    deadline, but never while a torch extension builds (a killed build leaves a lock that
+    hangs later runs)."""
+    from .watchdog import build_in_progress
     deadline, first_fail = time.time() + timeout, None
     while any(p.poll() is None for p in procs):
         now = time.time()
         if first_fail is None and any(p.poll() not in (None, 0) for p in procs):
             first_fail = now
-        if now > deadline or (first_fail is not None and now > first_fail + grace):
+        if (now > deadline or (first_fail is not None and now > first_fail + grace)) \
+                and not build_in_progress():
             for p in procs:
                 if p.poll() is None:
                     p.kill()
@@ -59,9 +62,13 @@ def _wait(procs, timeout: float, grace: float) -> None:
 
 
 def spawn(argv: list[str], world: int, timeout: float = 300.0, grace: float = 60.0,
-          env: dict | None = None) -> list[tuple[int, str]]:
+          env: dict | None = None, prebuild: bool = True) -> list[tuple[int, str]]:
     """Run ``python <argv>`` on ``world`` ranks; return ``[(returncode, output)]`` per rank.
-    A rank still running at the deadline is killed (returncode -9)."""
+    A rank still running at the deadline is killed (returncode -9), but never while a torch
+    extension builds; with ``prebuild`` the DeepSpeed ops the ranks would JIT-build are built
+    here first, without a deadline."""
+    if prebuild:
+        prebuild_ops({**os.environ, **(env or {})})
     port = free_port()
     procs, logs = [], []
     for r in range(world):
@@ -76,6 +83,14 @@ def spawn(argv: list[str], world: int, timeout: float = 300.0, grace: float = 60
         out.append((rc, f.read()))
         f.close()
     return out
+
+
+def prebuild_ops(env) -> None:
+    """Build DeepSpeed's CPU shared-memory comm op once, in this process, when the ranks would
+    build it (``DS_AUTOPLAN_SHM=1``, see :mod:`ds_autoplan.runtime.deepspeed.dist`)."""
+    if env.get("DS_AUTOPLAN_SHM") == "1":
+        from deepspeed.comm.torch import build_shm_op
+        build_shm_op()
 
 
 def report_runs(jobs) -> None:
