@@ -2,11 +2,13 @@
 
 Bytes per parameter on one rank of a data-parallel group of ``d`` (ZeRO stage ``zero``):
 
-* Megatron-LM/-core with ``--bf16``/``--fp16`` keeps fp32 main gradients beside the 2-byte
-  parameters and the fp32 master copy + Adam moments: 2 + 4 + 12 = 18; the distributed optimizer
-  (our ZeRO-1) shards the 12 optimizer bytes: 6 + 12/d (megatron-core 0.16.1,
-  ``distributed/distributed_data_parallel.py``: the grad buffer is fp32 when
-  ``grad_reduce_in_fp32``/bf16; ``optimizer/distrib_optimizer.py``).
+* Megatron-LM with ``--bf16`` keeps fp32 main gradients beside the 2-byte parameters and the
+  fp32 master copy + Adam moments: 2 + 4 + 12 = 18; the distributed optimizer (our ZeRO-1)
+  shards the 12 optimizer bytes: 6 + 12/d.  In megatron-core 0.16.1 the gradient buffer's dtype
+  is ``torch.float if ddp_config.grad_reduce_in_fp32 else param.dtype``
+  (``distributed/distributed_data_parallel.py``) and the library default is False (2-byte
+  gradients, 16 B); Megatron-LM's training arguments turn it on for bf16, which is what the
+  emitted ``pretrain_gpt.py`` flags run, so 18 is charged.
 * DeepSpeed 0.19.8 with bf16 (``runtime/engine.py``, ``_do_optimizer_sanity_check``): without
   ZeRO and without pipelines the optimizer is ``FP16_UnfusedOptimizer`` on bf16 (DDP_BFLOAT16):
   2-byte parameters and gradients, fp32 master and Adam moments, 2 + 2 + 12; with pipelines it
