@@ -1,6 +1,6 @@
 """Execute a lowered schedule for real on CPU: one thread per pipeline rank, compute
-replaced by a calibrated sleep (:func:`sleep`, also the benchmarks' ``models.sleep``) of its
-cost-model time, transfers through per-rank-pair FIFO queues.
+replaced by a sleep of its cost-model time (``sleep``: ``time.sleep``, or the benchmarks'
+calibrated ``ds_autoplan.models.sleep.sleep``), transfers through per-rank-pair FIFO queues.
 
 This is a multi-rank execution of the per-rank action and send/recv lists (threads in one
 process, not processes): a SEND enqueues (non-blocking, like ``isend``), a RECV blocks until
@@ -10,40 +10,16 @@ communication order shows up as a mismatch or a timeout, never as a silent hang.
 from __future__ import annotations
 
 import queue
-import statistics
 import threading
 import time
 
 from ..schedule import Costs, Kind, Schedule, ScheduleError
 
-_OVER: list = [None]      # this process's measured overshoot of time.sleep
-
-
-def oversleep(samples: int = 15, dt: float = 0.002) -> float:
-    """Median overshoot of ``time.sleep(dt)`` here, in seconds (measured, then cached)."""
-    over = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        time.sleep(dt)
-        over.append(time.perf_counter() - t0 - dt)
-    _OVER[0] = max(0.0, statistics.median(over))
-    return _OVER[0]
-
-
-def sleep(seconds: float) -> None:
-    """Sleep ``seconds`` of wall time, net of the measured overshoot (no spinning: a spin
-    would take a core from the other ranks)."""
-    if seconds <= 0:
-        return
-    over = _OVER[0] if _OVER[0] is not None else oversleep()
-    if seconds > over:
-        time.sleep(seconds - over)
-
 
 def run_threads(low: Schedule, costs: Costs, ms_per_unit: float = 1.0, *,
-                timeout: float = 60.0) -> dict:
+                timeout: float = 60.0, sleep=time.sleep) -> dict:
     """Run ``low`` (a lowered schedule) with one thread per rank; a compute action sleeps
-    ``duration · ms_per_unit`` milliseconds.  Returns wall seconds and per-rank busy seconds;
+    ``duration · ms_per_unit`` milliseconds with ``sleep``.  Returns wall seconds and per-rank busy seconds;
     raises ScheduleError on a message-order mismatch or a receive timeout."""
     if not low.has_comm() and low.num_ranks > 1 and any(
             low.placement[s] != low.placement[s + 1] for s in range(low.num_stages - 1)):

@@ -14,7 +14,9 @@ Worker side: :func:`report_runs` prints each job's result as one ``AUTOPLAN_RESU
 ``python -m ds_autoplan.runtime.launch CASES.json`` is the worker of :func:`launch`.
 
 When one rank fails the others get ``grace`` seconds (their sockets error out), then are
-killed; every rank still running at the deadline is killed.
+killed; every rank still running at the deadline is killed -- but never while a torch
+extension builds (a killed build leaves a lock that hangs every later run, see
+:mod:`ds_autoplan.runtime.watchdog`).
 """
 from __future__ import annotations
 
@@ -44,8 +46,7 @@ def _rank_env(rank: int, world: int, port: int, extra: dict | None) -> dict:
 
 def _wait(procs, timeout: float, grace: float) -> None:
     """Wait for every process; kill the rest ``grace`` s after the first failure or at the
-    deadline, but never while a torch extension builds (a killed build leaves a lock that
-    hangs later runs)."""
+    deadline, unless an extension build is running then."""
     from .watchdog import build_in_progress
     deadline, first_fail = time.time() + timeout, None
     while any(p.poll() is None for p in procs):
@@ -64,9 +65,8 @@ def _wait(procs, timeout: float, grace: float) -> None:
 def spawn(argv: list[str], world: int, timeout: float = 300.0, grace: float = 60.0,
           env: dict | None = None, prebuild: bool = True) -> list[tuple[int, str]]:
     """Run ``python <argv>`` on ``world`` ranks; return ``[(returncode, output)]`` per rank.
-    A rank still running at the deadline is killed (returncode -9), but never while a torch
-    extension builds; with ``prebuild`` the DeepSpeed ops the ranks would JIT-build are built
-    here first, without a deadline."""
+    A rank still running at the deadline is killed (returncode -9).  With ``prebuild`` the
+    DeepSpeed op the ranks would JIT-build is built here first, with no deadline."""
     if prebuild:
         prebuild_ops({**os.environ, **(env or {})})
     port = free_port()
