@@ -41,6 +41,7 @@ from ds_autoplan.dynamic.lengths import LengthSampler  # noqa: E402
 from ds_autoplan.dynamic.microbatch import fixed_split, token_split  # noqa: E402
 from ds_autoplan.dynamic.planner import IterationPlanner, Prefetcher  # noqa: E402
 from ds_autoplan.dynamic.replay import run_threads  # noqa: E402
+from ds_autoplan.models.sleep import sleep  # noqa: E402
 
 
 def planners(cost: CostModel, S: int, max_len: int, mem_cap: float, device_mem: float,
@@ -194,7 +195,7 @@ def main(argv=None) -> int:
             for plan in pf:  # per iteration: wait for its plan (if not ready) + execute it
                 waits.append(pf.waited - before)
                 t0 = time.perf_counter()
-                run_threads(plan.lowered, plan.costs, scale)
+                run_threads(plan.lowered, plan.costs, scale, sleep=sleep)
                 runs.append(time.perf_counter() - t0)
                 before = pf.waited
             # the first plan cannot overlap anything (worker start-up): warm-up, excluded

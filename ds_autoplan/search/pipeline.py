@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import numpy as np
 
 from . import fastsim
+from .fastsim import cached_build as _build
 from .dp import INF, Context
 from .partition import minmax_partition, stage_matrices
 
 DEFAULT_SCHEDULES = ("1f1b", "interleaved", "v-half", "v-min", "v-zb")
-
-
-@lru_cache(maxsize=256)
-def _build(name: str, d: int, n: int, opts: tuple):
-    from ..schedule import build
-    return build(name, d, n, **dict(opts))
 
 
 def available(names) -> list[str]:
