@@ -41,7 +41,6 @@ from ds_autoplan.dynamic.lengths import LengthSampler  # noqa: E402
 from ds_autoplan.dynamic.microbatch import fixed_split, token_split  # noqa: E402
 from ds_autoplan.dynamic.planner import IterationPlanner, Prefetcher  # noqa: E402
 from ds_autoplan.dynamic.replay import run_threads  # noqa: E402
-from ds_autoplan.models.sleep import sleep  # noqa: E402
 
 
 def planners(cost: CostModel, S: int, max_len: int, mem_cap: float, device_mem: float,
@@ -187,6 +186,9 @@ def main(argv=None) -> int:
         real_mode = ("threads: one per pipeline rank in one process, calibrated sleep per "
                      f"action, queue transfers in the planned order, background planner "
                      f"{args.planner_worker}")
+        # imported here: torch on the heap makes every full garbage collection while planning
+        # cost ~90 ms, and the planning rows above are timed without it
+        from ds_autoplan.models.sleep import sleep
         for name, pl in methods.items():
             pf = Prefetcher(_plan_job, [(pl, i, b) for i, b in enumerate(batches)], depth=1,
                             kind=args.planner_worker)

@@ -24,7 +24,6 @@ def run_threads(low: Schedule, costs: Costs, ms_per_unit: float = 1.0, *,
     if not low.has_comm() and low.num_ranks > 1 and any(
             low.placement[s] != low.placement[s + 1] for s in range(low.num_stages - 1)):
         raise ScheduleError("run_threads needs a lowered schedule (ds_autoplan.schedule.lower)")
-    from ..models.sleep import sleep   # here: planning (this package) stays free of torch
     d = low.num_ranks
     chans = {(a, b): queue.Queue() for a in range(d) for b in range(d) if a != b}
     busy = [0.0] * d
