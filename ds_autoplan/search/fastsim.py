@@ -95,9 +95,15 @@ def compile_schedule(sched) -> Compiled | None:
 
 
 @lru_cache(maxsize=256)
+def cached_build(name: str, d: int, n: int, opts: tuple):
+    """``schedule.build(name, d, n, **dict(opts))``, memoised (schedules are immutable)."""
+    from ..schedule import build
+    return build(name, d, n, **dict(opts))
+
+
+@lru_cache(maxsize=256)
 def compiled(name: str, d: int, n: int, opts: tuple) -> Compiled | None:
-    from .pipeline import _build
-    return compile_schedule(_build(name, d, n, opts))
+    return compile_schedule(cached_build(name, d, n, opts))
 
 
 def run(c: Compiled, f, b, w, mem_f, mem_b, mem_w, p2p: float) -> FastResult:
