@@ -74,7 +74,10 @@ def megatron_config(plan: Plan, model=None) -> dict:
     # value is global in the args, so emit the largest per-stage count (memory-safe) and the
     # per-stage counts for the ds_autoplan runtime (integration.md §4.3).
     per_stage = [round(r * n) for r, n in zip(plan.recompute_per_stage, plan.layers_per_stage)]
-    if any(per_stage):
+    if getattr(plan, "selective_recompute", False):     # Korthikanti et al. 2022 §5
+        cfg.update({"recompute_granularity": "selective", "recompute_method": None,
+                    "recompute_num_layers": None})
+    elif any(per_stage):
         cfg.update({"recompute_granularity": "full", "recompute_method": "block",
                     "recompute_num_layers": max(per_stage)})
     else:
@@ -179,8 +182,9 @@ def megatron_args(plan: Plan, model=None) -> list[str]:
     if c["use_distributed_optimizer"]:
         a.append("--use-distributed-optimizer")
     if c["recompute_granularity"]:
-        a += [f"--recompute-granularity {c['recompute_granularity']}",
-              f"--recompute-method {c['recompute_method']}",
+        a.append(f"--recompute-granularity {c['recompute_granularity']}")
+    if c["recompute_method"]:
+        a += [f"--recompute-method {c['recompute_method']}",
               f"--recompute-num-layers {c['recompute_num_layers']}"]
     if c["bf16"]:
         a.append("--bf16")
