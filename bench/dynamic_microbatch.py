@@ -34,11 +34,13 @@ import time
 
 import numpy as np
 
-from ds_autoplan.dynamic.cost import CostModel
-from ds_autoplan.dynamic.lengths import LengthSampler
-from ds_autoplan.dynamic.microbatch import fixed_split, token_split
-from ds_autoplan.dynamic.planner import IterationPlanner, Prefetcher
-from ds_autoplan.dynamic.replay import run_threads
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _measure as M  # noqa: E402
+from ds_autoplan.dynamic.cost import CostModel  # noqa: E402
+from ds_autoplan.dynamic.lengths import LengthSampler  # noqa: E402
+from ds_autoplan.dynamic.microbatch import fixed_split, token_split  # noqa: E402
+from ds_autoplan.dynamic.planner import IterationPlanner, Prefetcher  # noqa: E402
+from ds_autoplan.dynamic.replay import run_threads  # noqa: E402
 
 
 def planners(cost: CostModel, S: int, max_len: int, mem_cap: float, device_mem: float,
@@ -200,9 +202,10 @@ def main(argv=None) -> int:
             r["real_speedup_vs_packing"] = rb / r["real_s"]
 
     if args.real_multiproc:
-        from ds_autoplan.runtime.deepspeed.spawn import spawn
+        from ds_autoplan.runtime.launch import spawn
         real_mode += ("; multiproc: one gloo rank per stage, DeepSpeed PipelineEngine, sleep "
                       "layers, plans made before the timed steps")
+        M.prebuild_ops()        # outside the ranks' kill timeout
         argv_w = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--real-multiproc"]
         outs = spawn([os.path.abspath(__file__), *argv_w, "--mp-worker"], args.stages, timeout=600)
         for rc, out in outs:

@@ -40,10 +40,41 @@ class Context:
         self.seq = np.concatenate([[0], cm.block_types, [1]])
         self._w: dict[int, np.ndarray] = {}
         self._r_zero = ~np.any(self.Rm != 0, axis=(1, 2))
+        self._layout_classes()
         self._cols = np.arange(self.S)[None, :]
         self._shifts: dict = {}
         self._prefix: dict = {}
         self._solved: dict = {}
+
+    def _layout_classes(self):
+        """Strategies sharing a layout (TP, data degree, level order) re-lay out to each
+        other for free and alike to the rest (§2.5): the DP's min over s' runs per class."""
+        keys = [(s.tp, s.dp, s.tp_outer) for s in self.strategies]
+        uniq = list(dict.fromkeys(keys))
+        self._cls = np.array([uniq.index(k) for k in keys])
+        self._members = [np.flatnonzero(self._cls == c) for c in range(len(uniq))]
+        rep = np.array([m[0] for m in self._members])
+        self._Rc = self.Rm[:, rep][:, :, rep]
+        if not np.array_equal(self._Rc[:, self._cls][:, :, self._cls], self.Rm):
+            self._members = None                   # R is not per layout: plain S x S min
+
+    def _relayout_min(self, Dp: np.ndarray, t: int):
+        """M[e, s] = min_s' D[e, s'] + m R(s', s) and its argmin s'."""
+        if self._members is None:
+            tot = Dp[:, :, None] + self.Rm[t][None, :, :]
+            return tot.min(axis=1), np.argmin(tot, axis=1)
+        E1 = Dp.shape[0]
+        rows = np.arange(E1)
+        Dc = np.empty((E1, len(self._members)))
+        best = np.empty((E1, len(self._members)), dtype=np.int64)
+        for c, mem in enumerate(self._members):
+            a = np.argmin(Dp[:, mem], axis=1)
+            best[:, c] = mem[a]
+            Dc[:, c] = Dp[rows, best[:, c]]
+        tot = Dc[:, :, None] + self._Rc[t][None, :, :]
+        ac = np.argmin(tot, axis=1)                                  # [E, C]: source class
+        Mc = np.take_along_axis(tot, ac[:, None, :], axis=1)[:, 0, :]
+        return Mc[:, self._cls], np.take_along_axis(best, ac, axis=1)[:, self._cls]
 
     def w(self, K: int) -> np.ndarray:
         """Discretised forward-memory weight per (type, strategy): K*O_f1 + O_ms (Eq. 3),
@@ -87,9 +118,7 @@ class Context:
                 M = np.repeat(Dp[np.arange(E1), a1][:, None], S, axis=1)
                 arg = np.repeat(a1[:, None], S, axis=1)
             else:
-                tot = Dp[:, :, None] + self.Rm[t][None, :, :]
-                arg = np.argmin(tot, axis=1)
-                M = tot.min(axis=1)
+                M, arg = self._relayout_min(Dp, t)
             src, valid = self._shift(K, t)
             D = np.where(valid, M[src, self._cols], INF) + self.cost[t][None, :]
             res = (D, args + (arg.astype(np.int16),))
@@ -121,6 +150,10 @@ class Context:
         key = (K, rle)
         if key in self._solved:
             return self._solved[key]
+        if self._two_level:
+            out = self._solve_ckpt_count(types, K)
+            self._solved[key] = out
+            return out
         D, args = self._table(rle, K)
         t = self.tab
         b_up = float(np.max(np.where(t.allowed[list(types)], t.ob[list(types)], 0.0)))
@@ -146,6 +179,31 @@ class Context:
                 break
         self._solved[key] = out
         return out
+
+    @property
+    def _two_level(self) -> bool:
+        """An executable strategy set: one layout without and with CKPT (no re-layout)."""
+        st = self.strategies
+        return len(st) == 2 and not st[0].ckpt and st[1] == st[0]._replace(ckpt=True) and self._r_zero.all()
+
+    def _solve_ckpt_count(self, types: tuple, K: int) -> StagePlan | None:
+        """The DP's answer for the two-level set in closed form: the first k checkpointable
+        units recomputed (Megatron's 'block' order keeps the running peak lowest), all k at
+        once with exact Eq. 2 peaks; the cheapest k that fits."""
+        t, n = self.tab, len(types)
+        ty = np.asarray(types)
+        ck = t.allowed[ty, 1]
+        rank = np.cumsum(ck) - 1                               # order among checkpointable units
+        k = np.arange(int(ck.sum()) + 1)[:, None]
+        sel = ck[None, :] & (rank[None, :] < k)                # [k, unit]: recomputed
+        pick = lambda a: np.where(sel, a[ty, 1][None, :], a[ty, 0][None, :])   # noqa: E731
+        f1, ob, ms, cost = pick(t.f1), pick(t.ob), pick(t.ms), pick(self.cost)
+        peak = (K - 1) * f1.sum(1) + (np.cumsum(f1, 1) + ob).max(1) + ms.sum(1)
+        total = np.where(peak <= self.E, cost.sum(1), INF)
+        i = int(np.argmin(total))
+        if not np.isfinite(total[i]):
+            return None
+        return StagePlan([int(x) for x in sel[i]], float(peak[i]))
 
     # -- whole pipeline ----------------------------------------------------------------
     def stage_types(self, parts: tuple) -> list[tuple]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..cost.memory import usable_budget
 from ..cost.model import CostModel, Strategy
 from ..plan import Plan
 from ..spec import SpecError
@@ -18,19 +19,12 @@ from ..spec.model import ModelSpec, load_model
 from . import partition as part
 from .dp import INF, Context
 from .pipeline import DEFAULT_SCHEDULES, Eval, available, choose_schedule, schedule_options, \
-    stage_aware_recompute, stage_figures
-from .space import strategies as wide_strategies
+    simulate_layers, stage_aware_recompute, stage_figures
+from .fix import RECOMPUTE, parse_fix
+from .space import divisors, strategies as wide_strategies
 
 
 SP_MODES = ("auto", "on", "off")
-
-
-def pow2(n: int) -> list[int]:
-    out, x = [], 1
-    while x <= n:
-        out.append(x)
-        x *= 2
-    return out
 
 
 @dataclass
@@ -53,6 +47,7 @@ class Candidate:
     plan: list | None = field(default=None, repr=False)
     sim: object = field(default=None, repr=False)
     note: str = ""
+    bubble: float = 0.0
     alts: list = field(default_factory=list, repr=False)   # schedules costed (Eval), best first
     estimate: float = INF                                  # Eq. 9 ranking key
 
@@ -69,6 +64,8 @@ class Candidate:
         return {"name": self.name, "pp": self.P, "tp": self.tp, "dp": self.dp, "zero_stage": self.zero,
                 "micro_batch_size": self.B_m // self.dp if self.dp else 0, "num_microbatches": self.m,
                 "sequence_parallel": self.sp, "schedule": self.schedule, "partitioner": self.partitioner,
+                "chunks": len(self.parts) // self.P if self.schedule == "interleaved" else 1,
+                "bubble": self.bubble,
                 "iteration_time_s": self.time if self.ok else None,
                 "throughput_tokens_per_s": B * seq / self.time if self.ok else 0.0,
                 "layers_per_stage": list(self.parts), "recompute_layers": list(self.recompute),
@@ -94,12 +91,23 @@ class Planner:
                  precision: str = "bf16", budget_gb: float | None = None, units: int = 512,
                  schedules=None, partitioner: str = "bmw", max_tp: int | None = None,
                  allow_zero: tuple = (0, 1, 2, 3), progress: bool = False,
-                 pp: int | None = None, tp: int | None = None, sequence_parallel: str = "auto"):
-        if budget_gb is not None and budget_gb <= 0:
-            raise SpecError(f"memory budget must be positive, got {budget_gb} GB")
+                 pp: int | None = None, tp: int | None = None, sequence_parallel: str = "auto",
+                 fix: dict | str | None = None, runtime: str = "any", headroom_gb: float | None = None):
+        self.fix = fx = parse_fix(fix)
+        pp, tp = _merge_fix(fx, "pp", pp), _merge_fix(fx, "tp", tp)
+        sequence_parallel = fx.get("sp", sequence_parallel)
+        if "zero" in fx:
+            allow_zero = (fx["zero"],)
+        if "schedule" in fx:
+            if not available([fx["schedule"]]):
+                from ..schedule import names
+                raise SpecError(f"--fix: unknown schedule {fx['schedule']!r}; choose from {', '.join(names())}")
+            schedules = [fx["schedule"]]
+        self.ckpt = RECOMPUTE[fx.get("recompute", "auto")]
+        self.chunks = fx.get("v")
         self.model, self.cluster, self.B = model, cluster, int(global_batch)
-        self.E = budget_gb * GB if budget_gb else cluster.budget_bytes
-        self.cm = CostModel(model, cluster, precision)
+        self.E, self.headroom_gb = usable_budget(cluster, budget_gb, headroom_gb)
+        self.cm = CostModel(model, cluster, precision, runtime)
         self.precision, self.units = precision, units
         self.schedules = available(schedules or DEFAULT_SCHEDULES)
         if partitioner not in part.PARTITIONERS:
@@ -109,18 +117,19 @@ class Planner:
         self.L = model.num_layers
         kv = int(model.config.get("kv_heads", model.heads))
         G = cluster.gpus_per_node
-        self.tps = [t for t in pow2(min(max_tp or G, G)) if model.heads % t == 0 and kv % t == 0]
+        self.tps = [t for t in divisors(G) if t <= (max_tp or G) and model.heads % t == 0 and kv % t == 0]
         self.allow_zero = allow_zero
         self.progress = progress
         self.pps = None
         if pp is not None:
-            if pp < 1 or pp & (pp - 1) or pp > min(self.N, self.L):
-                raise SpecError(f"pp={pp} must be a power of two <= min(devices {self.N}, layers {self.L})")
+            if pp < 1 or self.N % pp or pp > self.L:
+                raise SpecError(f"pp={pp} must divide the {self.N} devices and be at most the "
+                                f"{self.L} layers; choose from {self.pp_degrees()}")
             self.pps = [pp]
         if tp is not None:
             if tp not in self.tps:
                 raise SpecError(f"tp={tp} is not possible here; choose from {self.tps} (divides the "
-                                f"heads, at most one node)")
+                                f"heads and the devices of a node)")
             self.tps = [tp]
         if sequence_parallel not in SP_MODES:
             raise SpecError(f"sequence_parallel must be one of {', '.join(SP_MODES)}, got {sequence_parallel!r}")
@@ -133,6 +142,11 @@ class Planner:
         self._ctx: dict = {}
         self.evaluated = 0
 
+    def pp_degrees(self) -> list[int]:
+        """Pipeline degrees: divisors of the world size, at most one block per stage (uneven
+        block counts per stage are fine: BMW splits them)."""
+        return [P for P in divisors(self.N) if P <= self.L]
+
     # -- contexts ---------------------------------------------------------------------
     def ctx(self, P, m, B_m, strats) -> Context:
         key = (P, m, B_m, tuple(strats))
@@ -142,8 +156,9 @@ class Planner:
 
     def combos(self, pps=None, tps=None, zeros=None):
         """(P, t, d, zero, m, B_m) of the executable space: DeepSpeed's pipeline engine takes
-        ZeRO 0/1 only with P > 1 (integration.md §1.3); micro-batch per GPU a power of two."""
-        for P in pps or self.pps or pow2(min(self.N, self.L)):
+        ZeRO 0/1 only with P > 1 (integration.md §1.3); any micro-batch per GPU dividing the
+        batch share of a data-parallel rank."""
+        for P in pps or self.pps or self.pp_degrees():
             n = self.N // P
             for t in tps or self.tps:
                 if n % t:
@@ -152,8 +167,10 @@ class Planner:
                 for z in zeros or self.allow_zero:
                     if (P > 1 and z > 1) or (d == 1 and z > 0):
                         continue
-                    for b in pow2(self.B):
-                        if self.B % (b * d):
+                    if self.B % d or self.fix.get("dp", d) != d:
+                        continue
+                    for b in divisors(self.B // d):
+                        if self.fix.get("mbs", b) != b:
                             continue
                         m = self.B // (b * d)
                         if P > 1 and m < P:
@@ -182,10 +199,12 @@ class Planner:
         return m * float(cns.sum()) / P
 
     # -- evaluation of one executable config ------------------------------------------
-    def evaluate(self, P, t, d, z, m, B_m, *, partitioner=None, schedules=None, ckpt="dp",
+    def evaluate(self, P, t, d, z, m, B_m, *, partitioner=None, schedules=None, ckpt=None,
                  name="plan", keep_sim=False, bound: float = INF) -> Candidate:
-        """ckpt: 'dp' (per-layer choice + stage-aware), 'none', 'full' (uniform, Megatron)."""
+        """ckpt: 'dp' (per-layer choice + stage-aware), 'none', 'full' (uniform, Megatron);
+        default: the --fix recompute ('dp' unless fixed)."""
         self.evaluated += 1
+        ckpt = ckpt or self.ckpt
         strats = self.exec_strats(t, d, z)
         if ckpt == "none":
             strats = strats[:1]
@@ -205,7 +224,7 @@ class Planner:
             e = stage_aware_recompute(full, "1f1b", parts, figs, [f["nblk"] for f in figs], keep_sim,
                                       max_rounds=0)
             return Candidate(name, P, t, d, z, m, B_m, e.time if e.fits else INF, "1f1b", parts,
-                             e.recompute, e.peak, "even", full, plan, e.sim)
+                             e.recompute, e.peak, "even", full, plan, e.sim, bubble=e.bubble)
         if pname == "bmw":
             T, parts, plan, base = part.bmw(ctx)
         elif pname == "even":
@@ -226,14 +245,14 @@ class Planner:
             plan = [0] * len(ctx.seq)
         full = self.ctx(P, m, B_m, self.exec_strats(t, d, z)) if ckpt == "none" else ctx
         scheds = schedules or self.schedules
-        evs = choose_schedule(full, parts, plan, scheds, keep_sim, bound)
+        evs = choose_schedule(full, parts, plan, scheds, keep_sim, bound, chunks=self.chunks)
         if ckpt == "none":
             evs = [e for e in evs if not any(e.recompute)]
         if not evs or not evs[0].ok:
             return Candidate(name, P, t, d, z, m, B_m, INF, "1f1b", parts, [], [], pname, ctx, plan)
         e: Eval = evs[0]
         c = Candidate(name, P, t, d, z, m, B_m, e.time, e.schedule, e.parts, e.recompute, e.peak,
-                      pname if e.schedule == "1f1b" else e.partitioner, full, plan, e.sim)
+                      pname if e.schedule == "1f1b" else e.partitioner, full, plan, e.sim, bubble=e.bubble)
         c.alts = evs
         return c
 
@@ -247,8 +266,9 @@ class Planner:
         except ImportError:   # pragma: no cover
             return None
 
-    def estimate(self, P, t, d, z, m, B_m, partitioner=None, ckpt="dp"):
+    def estimate(self, P, t, d, z, m, B_m, partitioner=None, ckpt=None):
         """Eq. 9 time (1F1B, no simulation) of the partitioner's plan: the cheap ranking key."""
+        ckpt = ckpt or self.ckpt
         strats = self.exec_strats(t, d, z)
         if ckpt == "none":
             strats = strats[:1]
@@ -306,7 +326,11 @@ class Planner:
     def best_of(self, name, combos, **kw) -> Candidate | None:
         """Best config of a restricted space: ranked by Eq. 9, the winner costed in full."""
         ek = {k: v for k, v in kw.items() if k in ("partitioner", "ckpt")}
-        ranked = sorted(((self.estimate(*c, **ek), c) for c in combos), key=lambda x: x[0])
+        ranked = []
+        for lb, c in sorted((self.lower_bound(*c), c) for c in combos):
+            if len(ranked) >= 2 and lb >= ranked[1][0]:     # no later config ranks in the top 2
+                break
+            ranked = sorted(ranked + [(self.estimate(*c, **ek), c)], key=lambda x: x[0])[:2]
         best = None
         for est, c in ranked[:2]:
             if not math.isfinite(est):
@@ -335,29 +359,48 @@ class Planner:
                                                  partitioner="even", schedules=["1f1b"])
         return out
 
-    def search_wide(self, bmw: bool = True, pps=None) -> dict:
-        """Galvatron-BMW in its own (wide, per-layer hetero) space with Eq. 9 and 1F1B;
-        (P, m) pairs in order of Eq. 9's balanced-stage lower bound, branch and bound."""
-        best = {"bmw": None, "base": None}
+    def wide_strategies(self, n: int) -> list[Strategy]:
+        """Galvatron-BMW's per-layer set for a stage group of ``n`` devices (decision trees,
+        CKPT) plus ZeRO-1 and ZeRO-2 data parallelism (Galvatron's DP is ZeRO-2) where the
+        user allows them: the executable data-parallel layouts are all in it."""
+        out = []
+        for s in wide_strategies(n, max_tp=max(self.tps)):
+            if s.tp not in self.tps:
+                continue
+            zs = [z for z in (1, 2) if z in self.allow_zero] if s.dp > 1 and s.zero == 0 else []
+            out += [s] + [s._replace(zero=z) for z in zs]
+        return out
+
+    def search_wide(self, incumbent: Candidate | None = None, bmw: bool = True, pps=None,
+                    max_pairs: int = 12) -> dict:
+        """Galvatron-BMW in the wide space (per-layer mixtures of :meth:`wide_strategies`,
+        ``self.units`` memory units), each (P, m) plan costed like the executable ones: its
+        1F1B schedule simulated (``simulate_layers``).  The executable space is inside the
+        wide one (uniform layouts, any schedule), so ``incumbent`` (the executable plan)
+        seeds the branch and bound on Eq. 9's balanced-stage lower bound: the wide result
+        is never slower than the narrow one.  At most ``max_pairs`` (P, m) pairs are searched
+        (the bound ignores memory, so it is loose where only memory-lean mixtures fit)."""
+        best = {"bmw": self._wide_entry(incumbent) if incumbent is not None and incumbent.ok else None,
+                "base": None}
         cands = []
-        for P in pps or pow2(min(self.N, self.L)):
-            S = wide_strategies(self.N // P, max_tp=max(self.tps))
-            for B_m in pow2(self.B):          # micro-batch (whole stage group): a power of two
+        seq = np.concatenate([[0], self.cm.block_types, [1]])
+        for P in pps or self.pp_degrees():
+            S = self.wide_strategies(self.N // P)
+            for B_m in divisors(self.B):      # micro-batch of the whole stage group
                 m = self.B // B_m
-                if self.B % B_m or (P > 1 and m < P):
+                if P > 1 and m < P:
                     continue
                 tab = self.cm.tables(S, B_m)
                 if not tab.allowed[2:].any():
                     continue
-                seq = np.concatenate([[0], self.cm.block_types, [1]])
                 cns = np.where(tab.allowed, tab.c_ns, INF)[seq].min(axis=1)
-                # Eq. 9 >= (m-1) sum/P + sum: perfectly balanced stages, no re-layout
+                # the simulated 1F1B >= (m-1) max + sum >= (m+P-1) sum/P: balanced, no re-layout
                 cands.append(((m + P - 1) * float(cns.sum()) / P, P, m, S))
         cands.sort(key=lambda x: x[0])
-        for lb, P, m, S in cands:
+        for lb, P, m, S in cands[:max_pairs]:
             if best["bmw"] is not None and lb >= best["bmw"]["time"]:
                 break
-            ctx = Context(self.cm, S, P, m, self.B // m, self.E, min(self.units, 128))
+            ctx = Context(self.cm, S, P, m, self.B // m, self.E, self.units)
             if bmw:
                 T, parts, plan, base = part.bmw(ctx, max_iters=2 * P)
             else:
@@ -365,11 +408,37 @@ class Planner:
                 T, plan = ctx.search(parts)
                 base = (T, parts, plan)
             for key, (tt, pp_, pl) in (("bmw", (T, parts, plan)), ("base", base)):
-                if pl is not None and math.isfinite(tt) and (best[key] is None or tt < best[key]["time"]):
+                if pl is None or not math.isfinite(tt):
+                    continue
+                if P > 1:
+                    e = simulate_layers(ctx, tuple(pp_), pl)
+                    if not e.ok:
+                        continue
+                    tt = e.time
+                if best[key] is None or tt < best[key]["time"]:
                     best[key] = {"time": tt, "pp": P, "num_microbatches": m, "layers_per_stage": list(pp_),
-                                 "strategies": [S[i].label() for i in pl],
+                                 "strategies": [S[i].label() for i in pl], "schedule": "1f1b",
+                                 "source": "per-layer search",
                                  "throughput_tokens_per_s": self.B * self.model.seq_len / tt}
         return best
+
+    def _wide_entry(self, c: Candidate) -> dict:
+        """An executable plan as a point of the wide space."""
+        return {"time": c.time, "pp": c.P, "num_microbatches": c.m, "layers_per_stage": list(c.parts),
+                "strategies": layer_labels(c), "schedule": c.schedule, "source": "executable plan",
+                "throughput_tokens_per_s": self.B * self.model.seq_len / c.time}
+
+    def admits(self, c: Candidate) -> bool:
+        """``c`` lies in the space the user restricted (--pp/--tp/--sequence-parallel/--fix)."""
+        want = dict(pp=c.P, tp=c.tp, dp=c.dp, zero=c.zero, mbs=c.B_m // c.dp, schedule=c.schedule,
+                    v=len(c.parts) // c.P if c.schedule == "interleaved" else None)
+        if any(self.fix.get(k, x) != x for k, x in want.items()):
+            return False
+        if self.pps and c.P not in self.pps or c.tp not in self.tps:
+            return False
+        if self.ckpt == "none":
+            return not any(c.recompute)
+        return self.ckpt == "dp" or list(c.recompute) == list(c.parts)
 
     def min_memory(self) -> float:
         """Least per-device memory of any executable config (max pipeline stage, all CKPT,
@@ -388,6 +457,13 @@ class Planner:
         return best
 
 
+def _merge_fix(fx: dict, key: str, value):
+    """A degree given both as --KEY and in --fix must agree."""
+    if key in fx and value is not None and value != fx[key]:
+        raise SpecError(f"--{key} {value} contradicts --fix {key}={fx[key]}")
+    return fx.get(key, value)
+
+
 def _validate(model: ModelSpec, cluster: ClusterSpec, B: int, world_size: int | None):
     if not isinstance(B, int) or B <= 0:
         raise SpecError(f"global batch must be a positive integer, got {B!r}")
@@ -395,8 +471,6 @@ def _validate(model: ModelSpec, cluster: ClusterSpec, B: int, world_size: int | 
     if world_size is not None and world_size != N:
         raise SpecError(f"world size {world_size} does not match cluster {cluster.name!r} "
                         f"({cluster.num_nodes} nodes x {cluster.gpus_per_node} devices = {N})")
-    if N & (N - 1):
-        raise SpecError(f"cluster {cluster.name!r} has {N} devices; the planner needs a power of two")
 
 
 def _is_model_profile(path: str) -> bool:
@@ -410,11 +484,15 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
            wide: bool = True, baselines: bool = True, progress: bool = False,
            world_size: int | None = None, profile: str | None = None, units: int = 512,
            max_tp: int | None = None, keep_sim: bool = True, pp: int | None = None,
-           tp: int | None = None, sequence_parallel: str = "auto") -> SearchResult:
+           tp: int | None = None, sequence_parallel: str = "auto", fix=None,
+           runtime: str = "any", headroom_gb: float | None = None) -> SearchResult:
     """Plan ``model`` on ``cluster`` for ``global_batch``: the executable plan (never worse than
     the baselines on the same cost model), the baselines, the wide Galvatron-BMW result and
     the partitioner comparison.  ``pp``/``tp`` restrict the search to one degree;
-    ``sequence_parallel``: 'auto' (on whenever tp > 1), 'on' (tp > 1 only) or 'off'."""
+    ``sequence_parallel``: 'auto' (on whenever tp > 1), 'on' (tp > 1 only) or 'off'; ``fix``:
+    the user's configuration, as restrictions (:func:`ds_autoplan.search.fix.parse_fix`);
+    ``runtime``: whose memory accounting the plan must fit ('any', 'megatron', 'deepspeed');
+    ``headroom_gb``: memory kept free below the budget (cost/memory.py usable_budget)."""
     t0 = time.perf_counter()
     if profile and _is_model_profile(profile):
         # a model profile (ds-autoplan profile MODEL --out profile.json): measured per-layer
@@ -429,8 +507,13 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
     _validate(model, cluster, global_batch, world_size)
     pl = Planner(model, cluster, global_batch, precision=precision, budget_gb=budget_gb,
                  partitioner=partitioner, schedules=schedules, progress=progress, units=units,
-                 max_tp=max_tp, pp=pp, tp=tp, sequence_parallel=sequence_parallel)
+                 max_tp=max_tp, pp=pp, tp=tp, sequence_parallel=sequence_parallel, fix=fix,
+                 runtime=runtime, headroom_gb=headroom_gb)
     if next(pl.combos(), None) is None:
+        if pl.fix:
+            raise SpecError(f"--fix {pl.fix}: no layout of {cluster.world_size} devices and global "
+                            f"batch {global_batch} has these values (pp x tp x dp = devices, "
+                            f"micro-batch x micro-batches x dp = batch, micro-batches >= pp)")
         raise SpecError(f"global batch {global_batch} is not divisible into micro-batches for "
                         f"{cluster.world_size} devices: no pipeline/tensor/data layout gives "
                         f"global_batch = micro_batch x micro-batches x dp with micro-batches >= pp; "
@@ -443,10 +526,7 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
     bl = pl.baselines() if baselines else {}
     phases["baselines"] = time.perf_counter() - tp0
     for c in bl.values():              # the plan is never worse than a baseline
-        if c is None or pp is not None and c.P != pp or tp is not None and c.tp != tp \
-                or sequence_parallel == "on" and c.tp == 1:
-            continue
-        if c is not None and c.ok and (best is None or c.time < best.time * (1 - 1e-12)):
+        if c is not None and c.ok and pl.admits(c) and (best is None or c.time < best.time * (1 - 1e-12)):
             best = c
     if best is None or not best.ok:
         need = pl.min_memory()
@@ -468,7 +548,7 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
             parts_cmp[pn] = pl.evaluate(best.P, best.tp, best.dp, best.zero, best.m, best.B_m,
                                         partitioner=pn, schedules=[], name=pn)
     tp0 = time.perf_counter()
-    wd = pl.search_wide() if wide else {}
+    wd = pl.search_wide(best) if wide else {}
     phases["wide"] = time.perf_counter() - tp0
     dt = time.perf_counter() - t0
     phases["total"] = dt
@@ -488,7 +568,8 @@ def to_plan(c: Candidate, model, cluster, B, precision, pl: Planner, bl: dict, w
     pred = {"iteration_time_s": c.time, "throughput_tokens_per_s": tok,
             "samples_per_s": B / c.time, "mfu": mfu,
             "peak_memory_gb_per_stage": [round(x / GB, 3) for x in c.peak],
-            "memory_budget_gb": round(pl.E / GB, 3), "search_time_s": dt,
+            "memory_budget_gb": round(pl.E / GB, 3), "memory_headroom_gb": round(pl.headroom_gb, 3),
+            "memory_runtime": pl.cm.runtime, "search_time_s": dt,
             "baselines": {k: (v.summary(B, seq) if v is not None else None) for k, v in bl.items()},
             "wide": wd,
             "candidates_evaluated": pl.evaluated}
@@ -507,20 +588,23 @@ def to_plan(c: Candidate, model, cluster, B, precision, pl: Planner, bl: dict, w
                                 "fits": e.fits, "layers_per_stage": list(e.parts),
                                 "recompute_layers": list(e.recompute),
                                 "peak_memory_gb": [round(x / GB, 3) for x in e.peak]} for e in alts]
-    # per-unit strategy labels (embedding, blocks, head); recomputed blocks are the first ones
-    # of their stage (Megatron's 'block' method)
-    base = Strategy(c.tp, c.dp, c.zero, sp=c.sp).label()
-    strategies = [base]
-    for n, r in zip(nblk, c.recompute or [0] * len(nblk)):
-        strategies += [base + "+CKPT"] * int(r) + [base] * (n - int(r))
-    strategies.append(base)
     return Plan(pp=c.P, tp=c.tp, dp=c.dp, zero_stage=c.zero, micro_batch_size=c.B_m // c.dp,
                 num_microbatches=c.m, global_batch_size=B, precision=precision, schedule=c.schedule,
-                schedule_options=schedule_options(c.schedule), layers_per_stage=nblk,
+                schedule_options=schedule_options(c.schedule, len(nblk) // c.P), layers_per_stage=nblk,
                 recompute_per_stage=[round(x, 6) for x in rec], model=model.name, cluster=cluster.name,
                 seq_len=seq, num_layers=model.num_layers, world_size=cluster.world_size,
-                sequence_parallel=c.sp, partitioner=c.partitioner, layer_strategies=strategies, predicted=pred,
+                sequence_parallel=c.sp, partitioner=c.partitioner, layer_strategies=layer_labels(c), predicted=pred,
                 notes=[c.note] if c.note else [])
+
+
+def layer_labels(c: Candidate) -> list[str]:
+    """Per-unit strategy labels (embedding, blocks in schedule-stage order, head); recomputed
+    blocks are the first ones of their stage (Megatron's 'block' method)."""
+    base = Strategy(c.tp, c.dp, c.zero, sp=c.sp).label()
+    out = [base]
+    for n, r in zip(c.parts, c.recompute or [0] * len(c.parts)):
+        out += [base + "+CKPT"] * int(r) + [base] * (n - int(r))
+    return out + [base]
 
 
 def plan_model(model, cluster, global_batch: int, seq: int | None = None, **opts) -> Plan:
