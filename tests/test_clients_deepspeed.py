@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from ds_autoplan.cli import patch_cmd  # noqa: E402
-from ds_autoplan.runtime.deepspeed.spawn import free_port  # noqa: E402
+from ds_autoplan.runtime.launch import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT = Path("/work/shared/clients") if Path("/work/shared/clients").is_dir() else ROOT.parent / "shared" / "clients"
