@@ -271,7 +271,7 @@ class Profiler:
         from ds_autoplan.models import resolve_model
         from ds_autoplan.profile import auto_leaf_classes, build_chain, profile_model, trace
         self.timing, self.inflight = timing, inflight
-        self.prof = profile_model(MODEL, batch_size=mbs, repeats=3, warmup=1, timing=timing)
+        self.prof = profile_model(resolve_model(MODEL), batch_size=mbs, repeats=3, warmup=1, timing=timing)
         e = resolve_model(MODEL)
         leaves = auto_leaf_classes(e.model)
         self.inputs = e.make_inputs(mbs)
