@@ -218,7 +218,7 @@ def _plan(schedule, layers, **kw):
                                  pipeline_model_parallel_layout="Ett|tt|tt|ttL"), "drop --pipeline"),
 ])
 def test_check_args(schedule, layers, args, expect):
-    from ds_autoplan.runtime.megatron.megatron_lm import check_args
+    from ds_autoplan.clients.megatron_lm import check_args
     plan = _plan(schedule, layers)
     problems = check_args(_args(**args), plan, plan.build_schedule())
     if expect is None:

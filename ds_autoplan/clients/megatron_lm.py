@@ -25,8 +25,8 @@ import sys
 
 import torch
 
-from ...errors import UserError
-from ...schedule import Schedule
+from ..errors import UserError
+from ..schedule import Schedule
 
 ENV = "DS_AUTOPLAN_PLAN"
 
@@ -37,7 +37,7 @@ class MegatronLMPlanError(UserError):
 
 def install_from_env() -> None:
     """What the patched ``pretrain_gpt.py`` calls: install the plan named by ``$DS_AUTOPLAN_PLAN``."""
-    from ...plan import Plan
+    from ..plan import Plan
     path = os.environ[ENV]
     try:
         plan = Plan.load(path)
@@ -52,7 +52,7 @@ def install_megatron_lm(plan) -> Schedule | None:
     import megatron.training.initialize as mi
     import megatron.training.training as mt
 
-    from . import install
+    from ..runtime.megatron import install
 
     if plan.pp < 2:
         return None     # no pipeline: Megatron's own no-pipelining function is the plan's
@@ -138,7 +138,7 @@ def _megatron_counts(args, num_stages: int) -> list[int] | None:
 
 
 def _v_layout(plan, sched: Schedule):
-    from .setup import StageLayerLayout, stage_layer_lists
+    from ..runtime.megatron.setup import StageLayerLayout, stage_layer_lists
     return StageLayerLayout(stage_layer_lists(plan.layers_per_stage), sched.placement)
 
 
@@ -200,7 +200,7 @@ def _hook_get_model(mt, plan, sched: Schedule) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.utils import unwrap_model
 
-    from .setup import MegatronSetup, plan_overrides
+    from ..runtime.megatron.setup import MegatronSetup, plan_overrides
     over, rec_layers, layout = plan_overrides(plan, sched)
     v, last_stage = sched.placement_kind == "v", sched.num_stages - 1
     get_model = mt.get_model
