@@ -22,11 +22,33 @@ def spec(schedule, pp=2, dp=1, zero=0):
     return {"schedule": schedule, "pp": pp, "dp": dp, "zero": zero}
 
 
-def _run(world, cases, tmp, timeout):
-    path = tmp / f"cases{world}.json"
-    path.write_text(json.dumps(cases))
-    rows = results([WORKER, str(path)], world, timeout=timeout)
+def cases(ckpt, world, tag):
+    """The A -> B cases of one process group; ``tag`` keeps each framework's folders apart.
+    The 4-rank group loads the pp2 dp1 checkpoint the 2-rank group wrote."""
+    def d(name):
+        return str(ckpt / f"{tag}-{name}")
+    if world == 2:
+        return [dict(name="v-half->1f1b", dir=d("vhalf"), a=spec("v-half"), b=spec("1f1b")),
+                dict(name="1f1b->v-zb", dir=d("pp2dp1"), a=spec("1f1b"), b=spec("v-zb"))]
+    return [dict(name="pp2 dp1->pp2 dp2", dir=d("pp2dp1"), b=spec("1f1b", dp=2)),
+            dict(name="pp2->pp4", dir=d("pp2dp1"), b=spec("1f1b", pp=4)),
+            # Megatron: ZeRO-1 = its DistributedOptimizer
+            dict(name="ZeRO-0->ZeRO-1", dir=d("zero0"), a=spec("1f1b", dp=2), b=spec("1f1b", dp=2, zero=1)),
+            dict(name="pp2 ZeRO-1->pp4 ZeRO-0", dir=d("zero1"), a=spec("v-half", dp=2, zero=1),
+                 b=spec("1f1b", pp=4))]
+
+
+def _deepspeed(ckpt, world):
+    path = ckpt / f"cases{world}.json"
+    path.write_text(json.dumps(cases(ckpt, world, "ds")))
+    rows = results([WORKER, str(path)], world, timeout=300 * world)
     return {(r["name"], r["rank"]): r for r in rows}
+
+
+def _megatron(ckpt, world):
+    pytest.importorskip("megatron.core")
+    todo = [dict(c, fn=MEGATRON_CASE) for c in cases(ckpt, world, "m")]
+    return {(r["name"], r["rank"]): r for rows in launch(world, todo, timeout=300 * world) for r in rows}
 
 
 @pytest.fixture(scope="module")
@@ -36,44 +58,22 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_ranks(ckpt):
-    cases = [dict(name="v-half->1f1b", dir=str(ckpt / "vhalf"), a=spec("v-half"), b=spec("1f1b")),
-             dict(name="1f1b->v-zb", dir=str(ckpt / "pp2dp1"), a=spec("1f1b"), b=spec("v-zb"))]
-    return _run(2, cases, ckpt, 600)
+    return _deepspeed(ckpt, 2)
 
 
 @pytest.fixture(scope="module")
 def four_ranks(ckpt, two_ranks):
-    pp2dp1 = str(ckpt / "pp2dp1")        # written by the 2-rank group
-    cases = [dict(name="pp2 dp1->pp2 dp2", dir=pp2dp1, b=spec("1f1b", dp=2)),
-             dict(name="pp2->pp4", dir=pp2dp1, b=spec("1f1b", pp=4)),
-             dict(name="ZeRO-0->ZeRO-1", dir=str(ckpt / "zero0"), a=spec("1f1b", dp=2),
-                  b=spec("1f1b", dp=2, zero=1)),
-             dict(name="pp2 ZeRO-1->pp4 ZeRO-0", dir=str(ckpt / "zero1"),
-                  a=spec("v-half", dp=2, zero=1), b=spec("1f1b", pp=4))]
-    return _run(4, cases, ckpt, 900)
+    return _deepspeed(ckpt, 4)
 
 
 @pytest.fixture(scope="module")
 def megatron_two_ranks(ckpt):
-    pytest.importorskip("megatron.core")
-    cases = [dict(fn=MEGATRON_CASE, name=n, dir=str(ckpt / d), a=a, b=b) for n, d, a, b in (
-        ("v-half->1f1b", "m-vhalf", spec("v-half"), spec("1f1b")),
-        ("1f1b->v-zb", "m-pp2dp1", spec("1f1b"), spec("v-zb")))]
-    return {(r["name"], r["rank"]): r for rows in launch(2, cases, timeout=600) for r in rows}
+    return _megatron(ckpt, 2)
 
 
 @pytest.fixture(scope="module")
 def megatron_four_ranks(ckpt, megatron_two_ranks):
-    pp2dp1 = str(ckpt / "m-pp2dp1")      # written by the 2-rank group
-    cases = [dict(name="pp2 dp1->pp2 dp2", dir=pp2dp1, b=spec("1f1b", dp=2)),
-             dict(name="pp2->pp4", dir=pp2dp1, b=spec("1f1b", pp=4)),
-             # ZeRO-1 = Megatron's DistributedOptimizer
-             dict(name="ZeRO-0->ZeRO-1", dir=str(ckpt / "m-zero0"), a=spec("1f1b", dp=2),
-                  b=spec("1f1b", dp=2, zero=1)),
-             dict(name="pp2 ZeRO-1->pp4 ZeRO-0", dir=str(ckpt / "m-zero1"),
-                  a=spec("v-half", dp=2, zero=1), b=spec("1f1b", pp=4))]
-    cases = [dict(c, fn=MEGATRON_CASE) for c in cases]
-    return {(r["name"], r["rank"]): r for rows in launch(4, cases, timeout=900) for r in rows}
+    return _megatron(ckpt, 4)
 
 
 def _close(a, b):
@@ -112,11 +112,11 @@ def test_resume_across_zero_stages(request, group, name):
 
 def test_checkpoint_info_names_the_plan(two_ranks, ckpt, capsys):
     from ds_autoplan.cli import main
-    assert main(["checkpoint", "info", str(ckpt / "vhalf")]) == 0
+    assert main(["checkpoint", "info", str(ckpt / "ds-vhalf")]) == 0
     out = capsys.readouterr().out
     assert "deepspeed, step 3, 8 layers" in out
     assert "schedule v-half" in out and "pp 2 tp 1 dp 1, ZeRO 0, fp32" in out
-    assert main(["checkpoint", "info", "--json", str(ckpt / "vhalf")]) == 0
+    assert main(["checkpoint", "info", "--json", str(ckpt / "ds-vhalf")]) == 0
     meta = json.loads(capsys.readouterr().out)
     assert meta["plan"]["layers_per_stage"] == [2, 2, 1, 1] and meta["optimizer"]["class"] == "Adam"
 
@@ -130,9 +130,9 @@ def test_not_a_checkpoint_is_one_clear_error(tmp_path, capsys):
 def test_wrong_framework_or_model_is_refused(two_ranks, ckpt):
     from ds_autoplan.runtime.checkpoint import CheckpointError, read_meta
     with pytest.raises(CheckpointError, match="saved by the deepspeed runtime"):
-        read_meta(ckpt / "vhalf", framework="megatron")
+        read_meta(ckpt / "ds-vhalf", framework="megatron")
     with pytest.raises(CheckpointError, match="8 layers, this model has 10"):
-        read_meta(ckpt / "vhalf", framework="deepspeed", num_layers=10)
+        read_meta(ckpt / "ds-vhalf", framework="deepspeed", num_layers=10)
 
 
 @pytest.mark.parametrize("name", ["v-half->1f1b", "1f1b->v-zb"])
