@@ -4,7 +4,11 @@ Memory model (schedules.md §0, §8 decision 2): F allocates ``mem_f``; B change
 ``mem_b`` (<= 0) and W by ``mem_w`` (<= 0), with mem_f + mem_b + mem_w = 0; a fused BW
 frees ``mem_b + mem_w``.  The paper's analysis uses (1, 0, -1)·m: everything is held until W.
 With recomputation (an R action for that stage/mb), F keeps only ``keep_ckpt`` (the
-boundary input) and R allocates the rest again.
+input of the recomputed prefix and what the layers after it save; schedule/passes.py) and R
+allocates the rest again.  ``rise_b`` (>= 0): how far memory rises above its level at the
+start of a B or BW before it falls (a split layer's B stashes its output gradient for W
+before the saved inputs are freed); allocations happen at the start of an action, frees at
+its end.
 """
 from __future__ import annotations
 
@@ -46,11 +50,12 @@ class Costs:
     p2p: float = 0.0            # latency of one cross-rank transfer
     send: float = 0.0           # time a rank spends issuing a SEND (lowered lists only)
     num_ranks: int | None = None  # for the "units of 1/d of the model" scale
+    rise_b: np.ndarray | None = None  # transient rise inside B/BW (None: 0)
 
     @classmethod
     def per_stage(cls, num_stages: int, n: int, f, b, w, *, r=None, mem_f=1.0, mem_b=None,
                   mem_w=None, keep_ckpt=0.0, p2p: float = 0.0, send: float = 0.0,
-                  num_ranks: int | None = None) -> "Costs":
+                  num_ranks: int | None = None, rise_b=0.0) -> "Costs":
         """Costs given per stage (scalar, list of S, or [S, n] array each)."""
         S = num_stages
         F, Bt, Wt = (_grid(x, S, n, nm) for x, nm in ((f, "f"), (b, "b"), (w, "w")))
@@ -65,8 +70,11 @@ class Costs:
         mw = -(mf + mb_) if mem_w is None else _grid(mem_w, S, n, "mem_w")
         if not np.allclose(mf + mb_ + mw, 0.0, atol=1e-9 * max(1.0, float(np.abs(mf).max()))):
             raise ScheduleError("memory deltas must balance: mem_f + mem_b + mem_w = 0")
+        rb = _grid(rise_b, S, n, "rise_b")
+        if np.any(rb < 0):
+            raise ScheduleError("rise_b must be non-negative")
         return cls(F, Bt, Wt, R, mf, mb_, mw, _grid(keep_ckpt, S, n, "keep_ckpt"),
-                   float(p2p), float(send), num_ranks)
+                   float(p2p), float(send), num_ranks, rb)
 
     @classmethod
     def uniform(cls, sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0, *,
@@ -121,6 +129,12 @@ class Costs:
         if kind == Kind.BW:
             return self.mem_b[s, m] + self.mem_w[s, m]
         return 0.0
+
+    def mem_rise(self, kind: Kind, s: int, m: int) -> float:
+        """Transient rise above the start level during the action (B and BW only)."""
+        if self.rise_b is None or kind not in (Kind.B, Kind.BW):
+            return 0.0
+        return self.rise_b[s, m]
 
     def unit(self, num_ranks: int) -> float:
         """One micro-batch's activation for 1/d of the model (the scale of `peak_units`)."""

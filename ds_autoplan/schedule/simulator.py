@@ -169,9 +169,12 @@ def simulate(sched: Schedule, costs: Costs, *, blocking: bool = False,
                 if a.kind.is_compute:
                     busy[rank] += dur
                     delta = float(costs.mem_delta(a.kind, a.stage, a.mb, (a.stage, a.mb) in dep.rec))
-                    if delta:
-                        # allocations happen at start, frees at end (conservative peak)
-                        events[rank].append((st if delta > 0 else en, 1 if delta > 0 else 0, delta))
+                    rise = max(delta, float(costs.mem_rise(a.kind, a.stage, a.mb)), 0.0)
+                    # allocations (and a B's transient rise) at start, frees at end
+                    if rise:
+                        events[rank].append((st, 1, rise))
+                    if delta - rise:
+                        events[rank].append((en, 0, delta - rise))
         if not progressed:
             _raise_deadlock(sched, idx, owner, dep, end)
 
