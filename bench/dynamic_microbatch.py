@@ -38,7 +38,7 @@ from ds_autoplan.dynamic.cost import CostModel
 from ds_autoplan.dynamic.lengths import LengthSampler
 from ds_autoplan.dynamic.microbatch import fixed_split, token_split
 from ds_autoplan.dynamic.planner import IterationPlanner, Prefetcher
-from ds_autoplan.dynamic.replay import run_threads, sleep_overhead
+from ds_autoplan.dynamic.replay import run_threads
 
 
 def planners(cost: CostModel, S: int, max_len: int, mem_cap: float, device_mem: float,
@@ -71,34 +71,12 @@ def _plan_job(job):
     return planner(lengths, step=step)
 
 
-class _CostSleep:
-    """torch.autograd.Function factory: y = x·p; forward and backward sleep the cost model's
+def _cost_sleep(cost: CostModel, scale: float):
+    """A sleep layer (``models.sleep``) whose forward and backward sleep the cost model's
     time of a [mbs, padded len, 1] input (one pipeline stage), ``scale`` ms per ms."""
-
-    def __new__(cls, cost: CostModel, scale: float):
-        import torch
-
-        class Fn(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x, p):
-                time.sleep(float(cost.fwd(x.shape[0], x.shape[1])) * scale / 1e3)
-                ctx.save_for_backward(x, p)
-                return x * p
-
-            @staticmethod
-            def backward(ctx, g):
-                x, p = ctx.saved_tensors
-                time.sleep(float(cost.bwd(x.shape[0], x.shape[1])) * scale / 1e3)
-                return g * p, (g * x).sum().reshape(1)
-
-        class Layer(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.p = torch.nn.Parameter(torch.ones(1))
-
-            def forward(self, x):
-                return Fn.apply(x, self.p)
-        return Layer()
+    from ds_autoplan.models.sleep import SleepLayer
+    return SleepLayer(lambda sh: float(cost.fwd(sh[0], sh[1])) * scale / 1e3,
+                      lambda sh: float(cost.bwd(sh[0], sh[1])) * scale / 1e3)
 
 
 def _multiproc_worker(args, cost, batches, methods, scale) -> None:
@@ -118,7 +96,7 @@ def _multiproc_worker(args, cost, batches, methods, scale) -> None:
         return True, [(torch.float32, (int(shape[0]), int(shape[1]), 1))]
     for name, pl in methods.items():
         plans = [pl(b, step=i) for i, b in enumerate(batches)]
-        engine, *_ = initialize([_CostSleep(cost, scale) for _ in range(d)], static_plan(d),
+        engine, *_ = initialize([_cost_sleep(cost, scale) for _ in range(d)], static_plan(d),
                                 loss_fn=F.mse_loss, config=cfg,
                                 optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
         times = []
@@ -202,7 +180,6 @@ def main(argv=None) -> int:
         real_mode = ("threads: one per pipeline rank in one process, calibrated sleep per "
                      f"action, queue transfers in the planned order, background planner "
                      f"{args.planner_worker}")
-        ov = sleep_overhead()
         for name, pl in methods.items():
             pf = Prefetcher(_plan_job, [(pl, i, b) for i, b in enumerate(batches)], depth=1,
                             kind=args.planner_worker)
@@ -210,7 +187,7 @@ def main(argv=None) -> int:
             for plan in pf:  # per iteration: wait for its plan (if not ready) + execute it
                 waits.append(pf.waited - before)
                 t0 = time.perf_counter()
-                run_threads(plan.lowered, plan.costs, scale, overhead=ov)
+                run_threads(plan.lowered, plan.costs, scale)
                 runs.append(time.perf_counter() - t0)
                 before = pf.waited
             # the first plan cannot overlap anything (worker start-up): warm-up, excluded

@@ -2,9 +2,17 @@
 DeepSpeed's TrainSchedule (1F1B) and DualPipeVSchedule and of ds_autoplan's V-Min, V-Half,
 V-ZB and adaptive (with a memory cap) run in DeepSpeed's PipelineEngine, on 4 CPU ranks
 with calibrated-sleep layers (F:B:W = 1:1:1 and 1:1.2:0.8), next to the simulator's
-predictions (issue 4).  Ratios are to TrainSchedule from the same run.
+predictions (issue 4).  Ratios are to TrainSchedule, per round of the same run: every
+round times one iteration of every schedule (after a warm-up round), figures are medians
+with their min-max spread (``bench/_measure.py``).
 
-    python bench/engine_deepspeed.py [--quick] [--n 8] [--unit-ms 10]
+The simulator gets the runtime's own overheads, measured once per runtime before the timed
+rounds (issue 14): the one-way p2p time of an activation, the once-per-iteration work
+(gradient reduction and optimizer step, timed inside the engine) and the dispatch time per
+compute action, fitted so that a null-model iteration (zero-sleep layers) of the runtime's
+1F1B schedule is reproduced -- once for DeepSpeed's own schedules, once for ds_autoplan's.
+
+    python bench/engine_deepspeed.py [--quick] [--n 8] [--unit-ms 25] [--iters 5]
 
 The last line is one JSON object.
 """
@@ -13,139 +21,154 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _measure as M  # noqa: E402
 
 SCHEDULES = ["ds-train", "ds-dualpipev", "v-min", "v-half", "v-zb", "adaptive"]
 RATIOS = {"1:1:1": (1.0, 1.0, 1.0), "1:1.2:0.8": (1.0, 1.2, 0.8)}
 INNER = 15          # a layer keeps 1 + INNER copies of its input; the loss stage 2 more
+NULL = {"ds": "ds-train", "ours": "1f1b"}   # per runtime: the schedule its overheads are fitted on
+_STEP_INSTR = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
 
 
 # ----------------------------------------------------------------------------- worker side
-def _sleep_layer_cls():
-    import torch
-
-    from ds_autoplan.runtime.splitgrad import defer
-
-    def weight_pass(x, inner, s, layer):
-        time.sleep(layer.tw)           # the deferred weight-gradient work
-        return [(layer.p, s)]
-
-    class _Sleep(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, p, layer):
-            time.sleep(layer.tf)
-            inner = x.repeat(1, 1, INNER)     # stands for a layer's internal activations
-            ctx.save_for_backward(x, p, inner)
-            ctx.layer = layer
-            return x * p
-
-        @staticmethod
-        def backward(ctx, go):
-            x, p, inner = ctx.saved_tensors
-            layer = ctx.layer
-            time.sleep(layer.tb)
-            s = (go * x).sum().reshape(1)
-            # W keeps the activations until it runs (the paper's memory model: a_B = 0)
-            if defer(weight_pass, x, inner, s, layer=layer):
-                return go * p, None, None
-            time.sleep(layer.tw)
-            return go * p, s, None
-
-    class SleepLayer(torch.nn.Module):
-        """y = p * x; F, B (input grad) and W (weight grad) sleep tf, tb, tw seconds."""
-
-        def __init__(self, tf, tb, tw):
-            super().__init__()
-            self.p = torch.nn.Parameter(torch.ones(1))
-            self.tf, self.tb, self.tw = tf, tb, tw
-
-        def forward(self, x):
-            return _Sleep.apply(x, self.p, self)
-    return SleepLayer
-
-
-def worker(args):
+def _engine(name, d, n, fbw, unit, cfg):
+    """(engine, memory tracker) of one schedule; ``fbw`` x ``unit`` per 1F1B stage."""
     import deepspeed
     import torch
     import torch.nn.functional as F
 
+    from ds_autoplan.models.sleep import SleepLayer
     from ds_autoplan.runtime.deepspeed.api import initialize
     from ds_autoplan.runtime.memtrack import MemTracker
     from ds_autoplan.schedule import build
+
+    def opt(params):
+        return torch.optim.SGD(params, lr=1e-3)
+    f, b, w = fbw
+    L = 2 * d
+    # a stage of the 1F1B model holds 2 layers (d ranks, 2d layers); V stages hold 1
+    layers = [SleepLayer(f * unit / 2, b * unit / 2, w * unit / 2, inner=INNER) for _ in range(L)]
+    if name.startswith("ds-"):
+        from deepspeed.pipe import PipelineModule
+        from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+        cls = DualPipeVModule if name == "ds-dualpipev" else PipelineModule
+        mod = cls(layers=layers, num_stages=d, loss_fn=F.mse_loss, partition_method="uniform")
+        engine, *_ = deepspeed.initialize(model=mod, config=cfg, optimizer=opt,
+                                          model_parameters=list(mod.parameters()))
+        return engine, MemTracker(exclude=list(mod.parameters()))
+    opts = {"mem_cap": 0.75 * d, "f": f, "b": b, "w": w} if name == "adaptive" else {}
+    sched = build(name, d, n, **opts)
+    S = sched.num_stages
+    plan = {"pp": d, "dp": 1, "micro_batch_size": 2, "num_microbatches": n,
+            "global_batch_size": 2 * n, "precision": "fp32", "schedule": name,
+            "schedule_options": opts, "layers_per_stage": [L // S] * S,
+            "recompute_per_stage": [0.0] * S}
+    engine, *_ = initialize(layers, plan, schedule=sched, loss_fn=F.mse_loss, optimizer=opt,
+                            config=cfg, track_memory=True)
+    return engine, None
+
+
+def _step_timer(engine) -> list:
+    """Time the engine's once-per-iteration instructions (gradient reductions, optimizer
+    step); returns the list whose first item accumulates their seconds."""
+    acc = [0.0]
+
+    def wrap(fn):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[0] += time.perf_counter() - t0
+        return timed
+    engine._INSTRUCTION_MAP = {k: wrap(f) if k.__name__ in _STEP_INSTR else f
+                               for k, f in type(engine)._INSTRUCTION_MAP.items()}
+    return acc
+
+
+def _stepper(engine, tracker, data):
+    def step():
+        if tracker is None:                 # ds_autoplan's adapter tracks by itself
+            engine.train_batch(iter(data))
+            return
+        tracker.reset_peak()
+        with tracker.track():
+            engine.train_batch(iter(data))
+    return step
+
+
+def worker(args):
+    import torch
+
     from ds_autoplan.runtime.deepspeed.dist import init_distributed
     torch.set_num_threads(1)
     init_distributed()
     d, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    SleepLayer = _sleep_layer_cls()
-    L, n, unit = 2 * d, args.n, args.unit_ms / 1000.0
+    n, unit = args.n, args.unit_ms / 1000.0
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(2, 16, 64, generator=g), torch.randn(2, 16, 64, generator=g)) for _ in range(n)]
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": n,
            "train_batch_size": 2 * n, "steps_per_print": 10 ** 9, "gradient_clipping": 0.0,
            "zero_allow_untested_optimizer": True}
+    barrier = torch.distributed.barrier
 
-    def opt(params):
-        return torch.optim.SGD(params, lr=1e-3)
+    def emit(**row):
+        print("BENCH " + json.dumps({"rank": rank, **row}), flush=True)
 
+    # the runtimes' own overheads, once each: null-model iterations and a ping
+    emit(kind="p2p", seconds=M.ping(data[0][0].clone()))
+    for rt, name in NULL.items():
+        engine, tracker = _engine(name, d, n, (0.0, 0.0, 0.0), unit, cfg)
+        acc, steps = _step_timer(engine), []
+        run = _stepper(engine, tracker, data)
+
+        def null_step():
+            acc[0] = 0.0
+            run()
+            steps.append(acc[0])
+        times = M.timed(null_step, max(args.iters, 5), sync=barrier)
+        emit(kind="null", runtime=rt, times=times, step=statistics.median(steps[M.WARMUP:]))
+        del engine
     for rname in args.ratios.split(","):
-        f, b, w = RATIOS[rname]
-        for name in SCHEDULES:
-            # a stage of the 1F1B model holds 2 layers (d ranks, 2d layers); V stages hold 1
-            layers = [SleepLayer(f * unit / 2, b * unit / 2, w * unit / 2) for _ in range(L)]
-            if name.startswith("ds-"):
-                from deepspeed.pipe import PipelineModule
-                from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
-                cls = DualPipeVModule if name == "ds-dualpipev" else PipelineModule
-                mod = cls(layers=layers, num_stages=d, loss_fn=F.mse_loss, partition_method="uniform")
-                engine, *_ = deepspeed.initialize(model=mod, config=cfg, optimizer=opt,
-                                                  model_parameters=list(mod.parameters()))
-                tracker = MemTracker(exclude=list(mod.parameters()))
-            else:
-                opts = {"mem_cap": 0.75 * d, "f": f, "b": b, "w": w} if name == "adaptive" else {}
-                sched = build(name, d, n, **opts)
-                S = sched.num_stages
-                plan = {"pp": d, "dp": 1, "micro_batch_size": 2, "num_microbatches": n,
-                        "global_batch_size": 2 * n, "precision": "fp32", "schedule": name,
-                        "schedule_options": opts, "layers_per_stage": [L // S] * S,
-                        "recompute_per_stage": [0.0] * S}
-                engine, *_ = initialize(layers, plan, schedule=sched, loss_fn=F.mse_loss,
-                                        optimizer=opt, config=cfg, track_memory=True)
-                tracker = engine.memtracker
-            times, peaks = [], []
-            warm = 0 if args.quick else 1
-            for it in range(args.iters + warm):
-                torch.distributed.barrier()
-                t0 = time.perf_counter()
-                if name.startswith("ds-"):
-                    tracker.reset_peak()
-                    with tracker.track():
-                        engine.train_batch(iter(data))
-                else:
-                    engine.train_batch(iter(data))
-                times.append(time.perf_counter() - t0)
-                peaks.append(tracker.peak)
-            res = {"ratio": rname, "schedule": name, "rank": rank,
-                   "iter_time": min(times[warm:]), "peak": max(peaks[warm:]),
-                   "act_bytes": data[0][0].numel() * 4}
-            print("BENCH " + json.dumps(res), flush=True)
-            del engine
-    torch.distributed.barrier()
+        built = {nm: _engine(nm, d, n, RATIOS[rname], unit, cfg) for nm in SCHEDULES}
+        times = {nm: [] for nm in SCHEDULES}
+        peaks = {nm: 0 for nm in SCHEDULES}
+        for r in range(M.WARMUP + args.iters):       # rounds: every schedule once per round
+            for nm, (engine, tracker) in built.items():
+                t = M.timed(_stepper(engine, tracker, data), 1, warmup=0, sync=barrier)
+                if r >= M.WARMUP:
+                    times[nm] += t
+                    peaks[nm] = max(peaks[nm], (tracker or engine.memtracker).peak)
+        for nm in SCHEDULES:
+            emit(kind="run", ratio=rname, schedule=nm, times=times[nm], peak=peaks[nm],
+                 act_bytes=data[0][0].numel() * 4)
+        del built
+    barrier()
     torch.distributed.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- driver side
-def predict(name, d, n, fbw, unit, act):
-    """Simulated (iteration seconds, peak activation bytes per rank); None for DualPipeV."""
-    from ds_autoplan.schedule import Costs, build, simulate
+def _sched(name, d, n, fbw):
+    from ds_autoplan.schedule import build
+    if name in ("ds-train", "1f1b"):
+        return build("1f1b", d, n)
+    opts = {"mem_cap": 0.75 * d, "f": fbw[0], "b": fbw[1], "w": fbw[2]} if name == "adaptive" else {}
+    return build(name, d, n, **opts)
+
+
+def predict(name, d, n, fbw, unit, act, overheads=None):
+    """Simulated (iteration seconds, peak activation bytes per rank) with the runtime's
+    ``overheads``; None for DualPipeV (no builder of ours)."""
+    from ds_autoplan.schedule import Costs, simulate
     if name == "ds-dualpipev":
         return None
     f, b, w = fbw
-    if name == "ds-train":
-        sched = build("1f1b", d, n)
-    else:
-        opts = {"mem_cap": 0.75 * d, "f": f, "b": b, "w": w} if name == "adaptive" else {}
-        sched = build(name, d, n, **opts)
+    sched = _sched(name, d, n, fbw)
     S, L = sched.num_stages, 2 * d
     lay = L // S
     # the loss stage also keeps the loss input and the target until its backward
@@ -153,23 +176,38 @@ def predict(name, d, n, fbw, unit, act):
     mem_b = [-2 * act if s == S - 1 else 0.0 for s in range(S)]
     costs = Costs.per_stage(S, n, f * unit * lay / 2, b * unit * lay / 2, w * unit * lay / 2,
                             mem_f=mem_f, mem_b=mem_b)
-    res = simulate(sched, costs)
+    res = simulate(sched, costs.with_overheads(overheads) if overheads else costs)
     return res.makespan, res.peak_memory
+
+
+def overheads(rows, d, n) -> dict:
+    """Per runtime: p2p and step measured, dispatch fitted to its null-model iteration."""
+    from ds_autoplan.schedule import Costs, Overheads
+    p2p = max(r["seconds"] for r in rows if r["kind"] == "p2p")
+    out = {}
+    for rt, name in NULL.items():
+        per = [r for r in rows if r["kind"] == "null" and r["runtime"] == rt]
+        t_null = statistics.median(max(ts) for ts in zip(*(r["times"] for r in per)))
+        base = Overheads(p2p=p2p, step=max(r["step"] for r in per))
+        sched = _sched(name, d, n, (1, 1, 1))
+        dispatch = M.fit_dispatch(sched, Costs.uniform(sched, 0.0, 0.0, 0.0), t_null, base)
+        out[rt] = (Overheads(dispatch=dispatch, p2p=p2p, step=base.step), t_null)
+    return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1:1:1 only, 2 timed iterations (< 60 s)")
+    ap.add_argument("--quick", action="store_true", help="1:1:1 only, 3 timed rounds (< 60 s)")
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--unit-ms", type=float, default=None,
                     help="sleep of one pass (F, B or W) of one 1F1B stage, ms")
-    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=None, help="timed rounds (>= 3)")
     ap.add_argument("--ratios", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.unit_ms = args.unit_ms or (25.0 if args.quick else 30.0)
-    args.iters = args.iters or (2 if args.quick else 4)
+    args.iters = M.plan_iters(args.quick, args.iters)
     args.ratios = args.ratios or ("1:1:1" if args.quick else ",".join(RATIOS))
     if args.worker:
         return worker(args)
@@ -177,47 +215,65 @@ def main(argv=None):
     from ds_autoplan.runtime.deepspeed.spawn import spawn
     t0 = time.time()
     outs = spawn([os.path.abspath(__file__), "--worker", *(["--quick"] if args.quick else []),
-                  "--n", str(args.n), "--unit-ms", str(args.unit_ms), "--iters", str(args.iters), "--ratios", args.ratios],
-                 args.ranks, timeout=600)
-    rows = {}
+                  "--n", str(args.n), "--unit-ms", str(args.unit_ms), "--iters", str(args.iters),
+                  "--ratios", args.ratios], args.ranks, timeout=600)
+    rows = []
     for rc, out in outs:
         if rc != 0:
             print(out[-3000:], file=sys.stderr)
             raise SystemExit(f"a benchmark rank failed (rc {rc})")
-        for line in out.splitlines():
-            if line.startswith("BENCH "):
-                r = json.loads(line[6:])
-                rows.setdefault((r["ratio"], r["schedule"]), {})[r["rank"]] = r
-    d, unit = args.ranks, args.unit_ms / 1000.0
-    summary, errs = {}, []
-    print(f"{'F:B:W':10} {'schedule':14} {'iter s':>8} {'sim s':>8} {'thr x':>6} "
-          f"{'peak B':>9} {'sim B':>9} {'mem x':>6}")
+        rows += [json.loads(ln[6:]) for ln in out.splitlines() if ln.startswith("BENCH ")]
+    d, n, unit = args.ranks, args.n, args.unit_ms / 1000.0
+    ovs = overheads(rows, d, n)
+    runs = {}
+    for r in rows:
+        if r["kind"] == "run":
+            runs.setdefault((r["ratio"], r["schedule"]), []).append(r)
+    rep = M.Report(args.iters)
+    print(f"{'F:B:W':10} {'schedule':14} {'iter s':>8} {'spread':>13} {'sim s':>8} {'ideal':>7} "
+          f"{'thr x':>6} {'peak B':>9} {'sim B':>9} {'mem x':>6}")
+    keys = {"v-zb": "v_zb_throughput_vs_trainschedule", "ds-dualpipev":
+            "dualpipev_throughput_vs_trainschedule", "adaptive": "adaptive_throughput_vs_trainschedule"}
+    mkeys = {"v-half": "v_half_mem_vs_trainschedule", "v-min": "v_min_mem_vs_trainschedule"}
     for rname in args.ratios.split(","):
-        base = rows[(rname, "ds-train")]
-        t_base = max(r["iter_time"] for r in base.values())
-        m_base = max(r["peak"] for r in base.values())
-        for name in SCHEDULES:
-            rr = rows[(rname, name)]
-            t = max(r["iter_time"] for r in rr.values())
-            m = max(r["peak"] for r in rr.values())
-            act = next(iter(rr.values()))["act_bytes"]
-            pred = predict(name, d, args.n, RATIOS[rname], unit, act)
-            st, sm = (pred[0], max(pred[1])) if pred else (float("nan"), float("nan"))
-            if pred:
-                errs += [abs(t - st) / st, abs(m - sm) / sm]
-            summary[(rname, name)] = {"thr": t_base / t, "mem": m / m_base}
-            print(f"{rname:10} {name:14} {t:8.3f} {st:8.3f} {t_base / t:6.2f} {m:9d} {sm:9.0f} "
-                  f"{m / m_base:6.2f}")
-    out = {"v_zb_throughput_vs_trainschedule": round(summary[("1:1:1", "v-zb")]["thr"], 3),
-           "v_half_mem_vs_trainschedule": round(summary[("1:1:1", "v-half")]["mem"], 3),
-           "v_min_mem_vs_trainschedule": round(summary[("1:1:1", "v-min")]["mem"], 3),
-           "dualpipev_throughput_vs_trainschedule": round(summary[("1:1:1", "ds-dualpipev")]["thr"], 3),
-           "adaptive_throughput_vs_trainschedule": round(summary[("1:1:1", "adaptive")]["thr"], 3),
-           "max_sim_error": round(max(errs), 3), "ranks": d, "n": args.n,
-           "unit_ms": args.unit_ms, "wall_s": round(time.time() - t0, 1)}
-    if "1:1.2:0.8" in args.ratios:
-        out["v_zb_throughput_vs_trainschedule_1_1.2_0.8"] = round(summary[("1:1.2:0.8", "v-zb")]["thr"], 3)
-    print(json.dumps(out))
+        fbw, sfx = RATIOS[rname], "" if rname == "1:1:1" else "_" + rname.replace(":", "_")
+        per_round = {nm: [max(ts) for ts in zip(*(r["times"] for r in runs[(rname, nm)]))]
+                     for nm in SCHEDULES}
+        peak = {nm: max(r["peak"] for r in runs[(rname, nm)]) for nm in SCHEDULES}
+        act = runs[(rname, "ds-train")][0]["act_bytes"]
+        pred = {nm: predict(nm, d, n, fbw, unit, act, ovs["ds" if nm.startswith("ds-") else "ours"][0])
+                for nm in SCHEDULES}
+        ideal = {nm: predict(nm, d, n, fbw, unit, act) for nm in SCHEDULES}
+        for nm in SCHEDULES:
+            ts, p, i = per_round[nm], pred[nm], ideal[nm]
+            thr = M.ratio(per_round["ds-train"], ts, paired=True)
+            mem = peak[nm] / peak["ds-train"]
+            if p:
+                rep.sim_error(f"{rname} {nm} time", ts, p[0])
+                rep.errors[f"{rname} {nm} memory"] = round(abs(peak[nm] - max(p[1])) / max(p[1]), 3)
+            ceil = (max(i[0] and ideal["ds-train"][0] / i[0], pred["ds-train"][0] / p[0])
+                    if p else None)
+            if nm in keys and (sfx == "" or nm == "v-zb"):
+                rep.add(keys[nm] + sfx, thr, (None, ceil) if ceil else None)
+            if nm in mkeys and sfx == "":
+                floor = min(max(i[1]) / max(ideal["ds-train"][1]), max(p[1]) / max(pred["ds-train"][1]))
+                rep.add(mkeys[nm], (mem, mem, mem), (floor, None))
+            med, lo, hi = M.figure(ts)
+            print(f"{rname:10} {nm:14} {med:8.3f} {lo:6.3f}-{hi:6.3f} "
+                  f"{p[0] if p else float('nan'):8.3f} {i[0] if i else float('nan'):7.3f} "
+                  f"{thr[0]:6.2f} {peak[nm]:9d} {max(p[1]) if p else float('nan'):9.0f} {mem:6.2f}")
+    o = rep.out
+    goals = {"max_sim_error<=0.10": max(rep.errors.values()) <= 0.10,
+             "v_zb_throughput>=1.2": o["v_zb_throughput_vs_trainschedule"] >= 1.2,
+             "v_half_mem<=0.8": o["v_half_mem_vs_trainschedule"] <= 0.8,
+             "v_min_mem<=0.55": o["v_min_mem_vs_trainschedule"] <= 0.55}
+    print("runtime overheads (ms): " + "; ".join(
+        f"{rt}: " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in ov.to_dict().items())
+        + f" (null 1F1B iteration {t * 1e3:.1f})" for rt, (ov, t) in ovs.items()))
+    print(json.dumps(rep.finish(goals, ranks=d, n=n, unit_ms=args.unit_ms,
+                                overheads_ms={rt: {k: round(v * 1e3, 3) for k, v in ov.to_dict().items()}
+                                              for rt, (ov, _) in ovs.items()},
+                                wall_s=round(time.time() - t0, 1))))
 
 
 if __name__ == "__main__":

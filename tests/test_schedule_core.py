@@ -189,3 +189,34 @@ def test_cli_simulate_json_and_errors(tmp_path, capsys):
                 ["--file", str(tmp_path / "missing.json")]):
         assert main(["simulate", *bad]) == 2
         assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("d,n", [(2, 2), (4, 8), (3, 7)])
+def test_runtime_overheads_follow_the_1f1b_formula(d, n):
+    # issue 14: dispatch per compute action, step once per iteration; 1F1B's makespan is
+    # (n + d - 1)(F + BW) (schedules.md §3.4) with F -> F + δ and BW -> B + W + δ, plus step
+    from ds_autoplan.schedule import Overheads
+    s = build("1f1b", d, n)
+    ov = Overheads(dispatch=0.25, step=3.0)
+    res = simulate(s, Costs.uniform(s, 1, 1, 1, per="stage").with_overheads(ov))
+    assert res.makespan == pytest.approx((n + d - 1) * (1 + 2 + 2 * 0.25) + 3.0)
+    assert simulate(s, Costs.uniform(s, 1, 1, 1, per="stage")).makespan == (n + d - 1) * 3
+
+
+def test_dispatch_is_paid_per_action_so_split_schedules_pay_more():
+    # V-ZB runs F, B and W as separate actions (3 per stage and micro-batch) where 1F1B
+    # runs F and a fused BW (2): the same dispatch costs V-ZB more per micro-batch
+    from ds_autoplan.schedule import Overheads
+    d, n, delta = 4, 8, 0.1
+    grow = {}
+    for name in ("1f1b", "v-zb"):
+        s = build(name, d, n)
+        c = Costs.uniform(s, 1, 1, 1)
+        grow[name] = (simulate(s, c.with_overheads(Overheads(dispatch=delta))).makespan
+                      - simulate(s, c).makespan)
+        busy = simulate(s, c.with_overheads(Overheads(dispatch=delta))).busy
+        per_rank = sum(1 for a in s.ranks[0] if a.kind.is_compute)
+        assert busy[0] == pytest.approx(simulate(s, c).busy[0] + per_rank * delta)
+    assert grow["v-zb"] > grow["1f1b"] > 0
+    with pytest.raises(ScheduleError):
+        Overheads(dispatch=-1.0)

@@ -10,7 +10,7 @@ import sys
 from ..errors import UserError  # noqa: F401  (re-exported: ds_autoplan.cli.UserError)
 
 # sub-command name -> module (modules that are missing are skipped)
-COMMANDS = ["simulate", "plan", "profile", "launch", "patch"]
+COMMANDS = ["simulate", "plan", "cost", "profile", "launch", "patch", "checkpoint"]
 
 
 def _user_errors() -> tuple[type, ...]:

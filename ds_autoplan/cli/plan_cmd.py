@@ -14,32 +14,42 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="plan hybrid-parallel training (Galvatron-BMW search)",
                        description="Search the parallel plan for MODEL on CLUSTER and emit "
                                    "DeepSpeed and Megatron configuration.")
-    p.add_argument("--model", required=True, help="preset name, model YAML, or HF config.json")
-    p.add_argument("--cluster", required=True, help="preset name or cluster YAML")
-    p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    add_problem_args(p)
     p.add_argument("--out", default=None, help="output directory (written atomically)")
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     p.add_argument("--emit", choices=["megatron-args", "ds-config"], default=None,
                    help="print only Megatron-LM's pretrain_gpt.py flags (one line, to append to "
                         "its command) or the ds_config.json on stdout")
-    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
-    p.add_argument("--memory-budget-gb", type=float, default=None,
-                   help="per-device budget (default: device memory minus the preset's reserve)")
     p.add_argument("--partitioner", default="bmw", choices=["bmw", "even", "dawnpiper", "merak"])
     p.add_argument("--schedules", default=None,
                    help="comma-separated candidate schedules (default 1f1b,interleaved,v-half,v-min,v-zb)")
-    p.add_argument("--world-size", type=int, default=None, help="expected number of devices (checked)")
-    p.add_argument("--profile", default=None, help="YAML/JSON of measured cluster overrides")
     p.add_argument("--pp", type=int, default=None, help="restrict the search to this pipeline degree")
     p.add_argument("--tp", type=int, default=None, help="restrict the search to this tensor degree")
     p.add_argument("--sequence-parallel", choices=["auto", "on", "off"], default="auto",
                    help="Megatron sequence parallelism: auto = on whenever the plan has tp > 1 "
                         "(never slower, less activation memory); on = search tp > 1 only "
                         "(an error with --tp 1); off = never")
+    p.add_argument("--fix", default=None, metavar="K=V,...",
+                   help="restrict the search to your configuration, e.g. tp=8,pp=8,mbs=1,zero=1,"
+                        "schedule=interleaved,v=3,recompute=full,sp=on (see `ds-autoplan cost`)")
     p.add_argument("--no-wide", action="store_true", help="skip the wide Galvatron-BMW mode")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
+
+
+def add_problem_args(p) -> None:
+    """What is planned: model, cluster, batch, precision, budget (plan and cost)."""
+    p.add_argument("--model", required=True, help="preset name, model YAML, or HF config.json")
+    p.add_argument("--cluster", required=True, help="preset name or cluster YAML")
+    p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
+    p.add_argument("--seq", type=int, default=None,
+                   help="sequence length (default: the preset's; for a Hugging Face config.json its "
+                        "context, capped at 4096 tokens)")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--memory-budget-gb", type=float, default=None,
+                   help="per-device budget (default: device memory minus the preset's reserve)")
+    p.add_argument("--world-size", type=int, default=None, help="expected number of devices (checked)")
+    p.add_argument("--profile", default=None, help="YAML/JSON of measured cluster overrides")
 
 
 def summary(plan) -> dict:
@@ -47,6 +57,7 @@ def summary(plan) -> dict:
     return {"throughput_tokens_per_s": pr["throughput_tokens_per_s"],
             "iteration_time_s": pr["iteration_time_s"], "pp": plan.pp, "tp": plan.tp, "dp": plan.dp,
             "zero_stage": plan.zero_stage, "sequence_parallel": plan.sequence_parallel,
+            "seq_len": plan.seq_len,
             "schedule": plan.schedule,
             "micro_batch_size": plan.micro_batch_size,
             "peak_memory_gb_per_stage": pr["peak_memory_gb_per_stage"],
@@ -54,6 +65,13 @@ def summary(plan) -> dict:
             "layers_per_stage": plan.layers_per_stage, "recompute_per_stage": plan.recompute_per_stage,
             "mfu": pr["mfu"], "ratio_vs_best_baseline": pr.get("ratio_vs_best_baseline"),
             "wide_gain": pr.get("wide_gain")}
+
+
+def seq_line(plan, model, seq_arg) -> str:
+    """The sequence length planned for, and where it came from."""
+    if seq_arg is not None:
+        return f"sequence length {plan.seq_len} (--seq)"
+    return model.config.get("seq_note") or f"sequence length {plan.seq_len} (the model's; --seq to change)"
 
 
 def quoted_flags(plan, model=None) -> list[str]:
@@ -117,7 +135,7 @@ def run(args) -> int:
                  budget_gb=args.memory_budget_gb, partitioner=args.partitioner, schedules=scheds,
                  wide=not args.no_wide, progress=not args.quiet and sys.stderr.isatty(),
                  world_size=args.world_size, profile=args.profile, keep_sim=bool(args.out),
-                 pp=args.pp, tp=args.tp, sequence_parallel=args.sequence_parallel)
+                 pp=args.pp, tp=args.tp, sequence_parallel=args.sequence_parallel, fix=args.fix)
     files = write_outputs(res, args.out) if args.out else []
     plan = res.plan
     if args.emit == "megatron-args":
@@ -133,6 +151,7 @@ def run(args) -> int:
               f"{' (sequence parallel)' if plan.sequence_parallel else ''} dp={plan.dp} "
               f"ZeRO-{plan.zero_stage} schedule={plan.schedule} micro-batch={plan.micro_batch_size} "
               f"x {plan.num_microbatches}")
+        print(seq_line(plan, res.model, args.seq))
         print(f"layers per stage {plan.layers_per_stage}, recompute {plan.recompute_per_stage}")
         print(f"predicted {pr['iteration_time_s']:.4g} s/iteration, "
               f"{pr['throughput_tokens_per_s']:.6g} tokens/s, MFU {pr['mfu']:.1%}, "

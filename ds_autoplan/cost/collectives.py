@@ -7,35 +7,58 @@ from ..spec.cluster import ClusterSpec
 
 
 class Network:
-    """Bandwidth/latency of a group of ``g`` ranks spaced ``stride`` apart (consecutive ranks
-    share a node).  A group spanning nodes shares each node's NIC with the other groups of
-    the same shape, so its bus bandwidth is the node bandwidth times its members per node
-    over the GPUs per node [decision, §6 #18]."""
+    """Collective times of a group of ``g`` ranks spaced ``stride`` apart over a node-major rank
+    layout (consecutive ranks share a node) with a two-level bandwidth hierarchy: NVLink
+    inside a node (``intra_node_GBps``, bus bandwidth) and one inter-node link per GPU
+    (``ClusterSpec.rail_GBps``, a rail-optimised fabric).  A group with ``k`` members on each of
+    ``n`` nodes runs hierarchically [decision, the two-level ring of NCCL's tree/ring
+    algorithms]: its ``k`` node-local members reduce-scatter over NVLink, each member then
+    reduces its 1/k shard with its peers on the other nodes over its own rail, and they gather
+    back inside the node.  So a group strided across nodes (k = 1) pays the whole tensor on one
+    rail while a node-contiguous one splits it over k rails, and groups inside a node never
+    touch the fabric."""
 
     def __init__(self, cluster: ClusterSpec):
         self.c = cluster
 
     @lru_cache(maxsize=None)
-    def link(self, g: int, stride: int = 1) -> tuple[float, float]:
-        c, G = self.c, self.c.gpus_per_node
+    def layout(self, g: int, stride: int = 1) -> tuple[int, int]:
+        """(members per node k, nodes spanned n) of the group."""
+        G = self.c.gpus_per_node
         if g * stride <= G:
-            return c.intra_node_GBps * 1e9, c.intra_latency_us * 1e-6
-        per_node = max(1, min(g, G // stride))
-        return c.inter_node_GBps * 1e9 * per_node / G, c.inter_latency_us * 1e-6
+            return g, 1
+        k = max(1, min(g, G // stride))
+        return k, -(-g // k)
+
+    def _phases(self, X: float, g: int, stride: int, factor: float) -> float:
+        """factor 2: all-reduce; 1: all-gather / reduce-scatter (X = the full tensor)."""
+        if g <= 1 or X <= 0:
+            return 0.0
+        c = self.c
+        k, n = self.layout(g, stride)
+        t = 0.0
+        if k > 1:
+            t += factor * (k - 1) / k * X / (c.intra_node_GBps * 1e9) + c.intra_latency_us * 1e-6
+        if n > 1:
+            t += factor * (n - 1) / n * (X / k) / (c.rail_GBps * 1e9) + c.inter_latency_us * 1e-6
+        return t
+
+    def link(self, g: int, stride: int = 1) -> tuple[float, float]:
+        """Effective (bus bandwidth B/s, latency s) of the group: t_AG(X) = (g-1)/g X/bw + lat."""
+        if g <= 1:
+            return self.c.intra_node_GBps * 1e9, self.c.intra_latency_us * 1e-6
+        k, n = self.layout(g, stride)
+        lat = (self.c.intra_latency_us if k > 1 else 0.0) + (self.c.inter_latency_us if n > 1 else 0.0)
+        t = self._phases(1.0, g, stride, 1.0) - lat * 1e-6
+        return (g - 1) / g / t, lat * 1e-6
 
     def all_reduce(self, X: float, g: int, stride: int = 1) -> float:
-        """t_AR(X, g) = 2(g-1)/g * X / BW + lat."""
-        if g <= 1 or X <= 0:
-            return 0.0
-        bw, lat = self.link(g, stride)
-        return 2 * (g - 1) / g * X / bw + lat
+        """t_AR(X, g) = 2(g-1)/g * X / BW + lat per level of the hierarchy."""
+        return self._phases(X, g, stride, 2.0)
 
     def all_gather(self, X: float, g: int, stride: int = 1) -> float:
-        """t_AG(X, g) = (g-1)/g * X / BW + lat, X = gathered size (reduce-scatter alike)."""
-        if g <= 1 or X <= 0:
-            return 0.0
-        bw, lat = self.link(g, stride)
-        return (g - 1) / g * X / bw + lat
+        """t_AG(X, g) = (g-1)/g * X / BW + lat per level, X = gathered size (reduce-scatter alike)."""
+        return self._phases(X, g, stride, 1.0)
 
     reduce_scatter = all_gather
 
@@ -48,7 +71,7 @@ class Network:
         if c.p2p_GBps:
             bw, lat = c.p2p_GBps * 1e9, c.inter_latency_us * 1e-6
         elif n >= G and c.num_nodes > 1:
-            bw, lat = c.inter_node_GBps * 1e9 / G, c.inter_latency_us * 1e-6
+            bw, lat = c.rail_GBps * 1e9, c.inter_latency_us * 1e-6
         else:
             bw, lat = c.intra_node_GBps * 1e9, c.intra_latency_us * 1e-6
         return X / bw + lat

@@ -12,9 +12,10 @@ import numpy as np
 from ..spec.cluster import ClusterSpec
 from ..spec.model import LayerSpec, ModelSpec
 from .collectives import Network
+from .compute import Dims, UnitTimes, attention_score_bytes, get_gpu, unit_times
+from .memory import OPT_STEP_BYTES, RUNTIMES, local_optimizer_fraction, state_bytes
 
-# bytes per parameter of (param, grad, optimizer) under Adam (§2.1: beta_ms = 16)
-STATE_BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}
+PRECISIONS = ("bf16", "fp16", "fp32")
 ACT_SCALE = {"bf16": 1.0, "fp16": 1.0, "fp32": 2.0}   # activations are specified at 2 bytes
 
 
@@ -27,6 +28,7 @@ class Strategy(NamedTuple):
     tp_outer: bool = False   # True: TP is the outer tree level (strided TP groups)
     ckpt: bool = False
     sp: bool = False         # Megatron sequence parallelism (Korthikanti et al. 2022 §4.2.2); needs tp > 1
+    sel: bool = False        # selective recompute of the attention core (Korthikanti et al. §5); ckpt wins
 
     @property
     def n(self) -> int:
@@ -43,7 +45,8 @@ class Strategy(NamedTuple):
         tp = f"TP{self.tp}" if self.tp > 1 else ""
         parts = [tp, data] if self.tp_outer else [data, tp]
         s = "+".join(p for p in parts if p) or "1 device"
-        return s + ("+SP" if self.sp and self.tp > 1 else "") + ("+CKPT" if self.ckpt else "")
+        return s + ("+SP" if self.sp and self.tp > 1 else "") + ("+CKPT" if self.ckpt else
+                                                                 "+SEL" if self.sel else "")
 
     def tp_stride(self) -> int:
         return self.dp if self.tp_outer else 1
@@ -82,11 +85,26 @@ class LayerTables:
 
 
 class CostModel:
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str = "bf16"):
-        if precision not in STATE_BYTES:
-            from ..spec import SpecError
-            raise SpecError(f"precision must be one of {', '.join(STATE_BYTES)}, got {precision!r}")
+    """``runtime``: whose memory accounting holds ('any' = the larger of Megatron's and
+    DeepSpeed's, see cost/memory.py).  ``overlap_grad_reduce``: the data-parallel gradient
+    reduction overlaps the last micro-batch's backward (Galvatron §2.4, DeepSpeed's
+    overlap_comm, Megatron's --overlap-grad-reduce); False: it follows the backward (Megatron-LM
+    2021).  The optimizer step and ZeRO's parameter all-gather after it are never hidden.
+    ``overlap_tp_comm``: the backward TP all-reduce of the column-parallel input gradient runs
+    beside their weight-gradient GEMMs (Megatron since its 2022 releases; False: Megatron-LM 2021)."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str = "bf16",
+                 runtime: str = "any", overlap_grad_reduce: bool = True, overlap_tp_comm: bool = True):
+        from ..spec import SpecError
+        if precision not in PRECISIONS:
+            raise SpecError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if runtime not in RUNTIMES:
+            raise SpecError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
         self.model, self.cluster, self.precision = model, cluster, precision
+        self.runtime, self.overlap_grad_reduce = runtime, overlap_grad_reduce
+        self.overlap_tp_comm = overlap_tp_comm
+        self.gpu = get_gpu(cluster.gpu)
+        self.dims = Dims.of(model) if self.gpu is not None else None
         self.net = Network(cluster)
         self.gamma = cluster.overlap_slowdown
         # unit types: 0 = pre, 1 = post, 2.. distinct blocks
@@ -107,7 +125,6 @@ class CostModel:
         key = (tuple(strategies), B_m)
         if key in self._cache:
             return self._cache[key]
-        pb, gb, obytes = STATE_BYTES[self.precision]
         cb = 4 if self.precision == "fp32" else 2
         ab = ACT_SCALE[self.precision]
         T, S = len(self.units), len(strategies)
@@ -115,46 +132,54 @@ class CostModel:
         ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p = (np.zeros(shape) for _ in range(8))
         allowed = np.ones(shape, dtype=bool)
         R = np.zeros((T, S, S))
-        net, flops = self.net, self.cluster.flops
+        net = self.net
         for j, s in enumerate(strategies):
             t, d, z = s.tp, s.dp, s.zero
             b = B_m / d
             if B_m % d:
                 allowed[:, j] = False
-            state = {0: pb + gb + obytes, 1: pb + gb + obytes / d, 2: pb + (gb + obytes) / d,
-                     3: (pb + gb + obytes) / d}[z]
+            pb, gb, obytes = state_bytes(self.precision, z, d, self.runtime)
+            opt_share = local_optimizer_fraction(z, d, self.precision, self.runtime)
             # sequence parallelism (Korthikanti et al. 2022 §4.2.2): the activations TP keeps
             # replicated (LayerNorm/dropout inputs, residuals), the layer input kept by CKPT and
             # the pipeline send ([s/t, b, h]) are split along the sequence over the t ranks
             q = t if s.sp and t > 1 else 1
             for i, u in enumerate(self.units):
                 W = u.params / t
-                act = (u.act_rep / q + u.act_tp / t) * ab
+                sel = s.sel and not s.ckpt and u.checkpointable
+                act = (u.act_rep / q + (u.act_tp - (attention_score_bytes(self.dims, u) if sel else 0.0)) / t) * ab
                 x = u.boundary * ab / q
                 ck = s.ckpt and u.checkpointable
                 if s.ckpt and not u.checkpointable:
                     allowed[i, j] = False
-                ms[i, j] = W * state
+                ms[i, j] = W * (pb + gb + obytes)
                 f1[i, j] = b * (x if ck else act)
-                ob[i, j] = (b * act if ck else 0.0) + (W * (pb + gb) if z == 3 else 0.0)
-                F = b * u.flops / (t * flops)
+                ob[i, j] = (b * act if ck else 0.0) + (W * 2 * cb if z == 3 else 0.0)
+                k = self.unit_times(u, b, t, s.sp)
                 # with SP each all-reduce is a reduce-scatter + all-gather of the same tensor
                 # (§4.2.2): 2 (t-1)/t X / BW, a ring all-reduce's own two phases, so t_AR stands
                 A_tp = u.tp_allreduces * net.all_reduce(b * u.boundary * ab, t, s.tp_stride()) if t > 1 else 0.0
                 ds = s.dp_stride()
-                g_f = net.all_gather(W * cb, d, ds) if z == 3 else 0.0
-                g_b = (net.all_gather(W * cb, d, ds) + net.reduce_scatter(W * cb, d, ds)) if z == 3 else \
-                    (net.reduce_scatter(W * cb, d, ds) if z == 2 else 0.0)
-                g_sync = {0: net.all_reduce(W * cb, d, ds),
-                          1: net.reduce_scatter(W * cb, d, ds) + net.all_gather(W * cb, d, ds),
-                          2: net.all_gather(W * cb, d, ds), 3: 0.0}[z]
-                k_comp = 2 * F + (F if ck else 0.0)          # CKPT recomputes the forward
-                k_tp = A_tp * (2 if ck else 1)                # ... and its TP all-reduces
-                fwd[i, j] = F + A_tp + g_f
-                bwd[i, j] = self.ov(k_comp, g_sync + g_b) + k_tp
-                bwd_ns[i, j] = self.ov(k_comp, g_b) + k_tp
-                wg[i, j] = F
-                p2p[i, j] = net.p2p(b * x, s.n)
+                X = W * cb
+                g_f = net.all_gather(X, d, ds) if z == 3 else 0.0
+                g_b = (net.all_gather(X, d, ds) + net.reduce_scatter(X, d, ds)) if z == 3 else \
+                    (net.reduce_scatter(X, d, ds) if z == 2 else 0.0)
+                g_sync = {0: net.all_reduce(X, d, ds), 1: net.reduce_scatter(X, d, ds), 2: 0.0, 3: 0.0}[z]
+                # after the step: ZeRO-1/2 gather the updated parameters; the Adam step itself
+                # streams the rank's optimizer shard through HBM (memory-bound)
+                tail = (net.all_gather(X, d, ds) if z in (1, 2) else 0.0) + self.step_time(W * opt_share)
+                k_comp = k.bwd + (k.fwd if ck else k.attn if sel else 0.0)   # recompute replays
+                # Megatron overlaps the backward TP all-reduce of the column-parallel input
+                # gradient with their weight-gradient GEMMs; CKPT repeats the forward's
+                k_tp = (self.ov(A_tp, k.wcol) - k.wcol if k.wcol and self.overlap_tp_comm else A_tp) + \
+                    (A_tp if ck else 0.0)
+                base = self.ov(k_comp, g_b) + k_tp
+                fwd[i, j] = k.fwd + A_tp + g_f
+                bwd_ns[i, j] = base
+                bwd[i, j] = (self.ov(k_comp, g_sync + g_b) + k_tp if self.overlap_grad_reduce
+                             else base + g_sync) + tail
+                wg[i, j] = k.wgrad
+                p2p[i, j] = self.p2p_time(b * u.boundary * ab, t, q, s)
         # re-layout before each layer type (§2.5): activations only
         shape_key = tuple(strategies)
         if shape_key not in self._relayout:
@@ -171,6 +196,33 @@ class CostModel:
         res = LayerTables(list(strategies), ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, R, allowed)
         self._cache[key] = res
         return res
+
+    def unit_times(self, u: LayerSpec, b: float, t: int, sp: bool) -> UnitTimes:
+        """Compute seconds of unit ``u`` for ``b`` samples at TP ``t``: from the work's shape on
+        a known GPU kind (cost/compute.py); otherwise (profiled models, GPU kinds without data)
+        FLOPs at the cluster's constant rate with a 2x backward (planner-galvatron.md §2.1)."""
+        if self.dims is not None:
+            k = unit_times(self.gpu, self.dims, u, b, t, sp)
+            if k is not None:
+                return k
+            F = b * u.flops / (t * self.gpu.mamf_tflops * self.gpu.sustained * 1e12)
+        else:
+            F = b * u.flops / (t * self.cluster.flops)
+        return UnitTimes(F, 2 * F, F, 0.0)
+
+    def p2p_time(self, X: float, t: int, q: int, s: Strategy) -> float:
+        """Send of one micro-batch's boundary tensor (X bytes unsplit) to the next stage.  With
+        SP each TP rank holds and sends X/t.  Without it, Megatron's scatter/gather (Narayanan et
+        al. 2021 §4.1) sends X/t per rank and all-gathers it over NVLink on arrival; DeepSpeed's
+        pipeline engine sends the whole X from every TP rank ('any' keeps that bound)."""
+        if q > 1 or t == 1 or self.runtime != "megatron":
+            return self.net.p2p(X / q, s.n)
+        return self.net.p2p(X / t, s.n) + self.net.all_gather(X, t, s.tp_stride())
+
+    def step_time(self, n_params: float) -> float:
+        """Adam step over ``n_params`` locally updated parameters: HBM-bound (0 where the
+        cluster names no GPU kind with a memory bandwidth)."""
+        return self.gpu.stream(n_params * OPT_STEP_BYTES[self.precision]) if self.gpu else 0.0
 
     @staticmethod
     def relayout_shape(sp: Strategy, s: Strategy) -> tuple[float, int]:

@@ -1,6 +1,6 @@
 """Execute a lowered schedule for real on CPU: one thread per pipeline rank, compute
-replaced by a calibrated sleep of its cost-model time, transfers through per-rank-pair
-FIFO queues.
+replaced by a calibrated sleep (``models.sleep``) of its cost-model time, transfers through
+per-rank-pair FIFO queues.
 
 This is a multi-rank execution of the per-rank action and send/recv lists (threads in one
 process, not processes): a SEND enqueues (non-blocking, like ``isend``), a RECV blocks until
@@ -13,29 +13,18 @@ import queue
 import threading
 import time
 
+from ..models.sleep import sleep
 from ..schedule import Costs, Kind, Schedule, ScheduleError
 
 
-def sleep_overhead(samples: int = 20, dt: float = 0.002) -> float:
-    """Mean oversleep of ``time.sleep(dt)`` on this machine (subtracted from every sleep)."""
-    over = []
-    for _ in range(samples):
-        t = time.perf_counter()
-        time.sleep(dt)
-        over.append(time.perf_counter() - t - dt)
-    over.sort()
-    return max(0.0, over[len(over) // 2])
-
-
 def run_threads(low: Schedule, costs: Costs, ms_per_unit: float = 1.0, *,
-                overhead: float | None = None, timeout: float = 60.0) -> dict:
+                timeout: float = 60.0) -> dict:
     """Run ``low`` (a lowered schedule) with one thread per rank; a compute action sleeps
     ``duration · ms_per_unit`` milliseconds.  Returns wall seconds and per-rank busy seconds;
     raises ScheduleError on a message-order mismatch or a receive timeout."""
     if not low.has_comm() and low.num_ranks > 1 and any(
             low.placement[s] != low.placement[s + 1] for s in range(low.num_stages - 1)):
         raise ScheduleError("run_threads needs a lowered schedule (ds_autoplan.schedule.lower)")
-    ov = sleep_overhead() if overhead is None else overhead
     d = low.num_ranks
     chans = {(a, b): queue.Queue() for a in range(d) for b in range(d) if a != b}
     busy = [0.0] * d
@@ -62,8 +51,7 @@ def run_threads(low: Schedule, costs: Costs, ms_per_unit: float = 1.0, *,
                 else:
                     dur = float(costs.duration(a.kind, a.stage, a.mb)) * ms_per_unit / 1e3
                     t = time.perf_counter()
-                    if dur > ov:
-                        time.sleep(dur - ov)
+                    sleep(dur)
                     busy[r] += time.perf_counter() - t
         except BaseException as e:  # noqa: BLE001 - reported to the caller
             errors.append(e)

@@ -57,7 +57,7 @@ def megatron_config(plan: Plan, model=None) -> dict:
                     "num_query_groups": int(m.config.get("kv_heads", m.heads)),
                     "ffn_hidden_size": int(m.config.get("ffn", 4 * m.hidden)),
                     "seq_length": m.seq_len, "vocab_size": m.vocab,
-                    "gated_linear_unit": m.arch == "llama"})
+                    "gated_linear_unit": m.arch == "llama", **_architecture(m)})
     counts = megatron_stage_counts(plan)
     if plan.pp > 1 and counts is not None:
         cfg["pipeline_model_parallel_layout"] = layout_string(counts)
@@ -87,6 +87,43 @@ def megatron_config(plan: Plan, model=None) -> dict:
     return cfg
 
 
+def _architecture(m) -> dict:
+    """Embedding tying, biases, positions, norm epsilon and experts of model ``m``, named as
+    megatron-core's TransformerConfig fields (plus GPTModel's
+    ``share_embeddings_and_output_weights``); unset values keep Megatron's defaults."""
+    from ..spec.model import tied_embeddings
+    c, rope = m.config, m.arch == "llama"
+    lin = bool(c.get("linear_bias", not rope))
+    out = {"share_embeddings_and_output_weights": tied_embeddings(c), "add_bias_linear": lin,
+           "add_qkv_bias": lin or bool(c.get("qkv_bias")),
+           "position_embedding_type": "rope" if rope else "learned_absolute",
+           "rotary_base": int(c.get("rope_base", 10000)) if rope else None,
+           "rope_scaling_factor": c.get("rope_scaling_factor") if rope else None,
+           "layernorm_epsilon": c.get("norm_eps"),
+           "num_moe_experts": c.get("num_experts"), "moe_router_topk": c.get("moe_topk")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _architecture_args(c: dict) -> list[str]:
+    """Megatron-LM flags for :func:`_architecture`'s keys (arguments.py of core_v0.16.1)."""
+    a = []
+    if not c.get("share_embeddings_and_output_weights", True):
+        a.append("--untie-embeddings-and-output-weights")
+    if not c.get("add_bias_linear", True):
+        a.append("--disable-bias-linear")
+        if c.get("add_qkv_bias"):
+            a.append("--add-qkv-bias")
+    if c.get("rotary_base") is not None:
+        a.append(f"--rotary-base {c['rotary_base']}")
+    if c.get("rope_scaling_factor"):
+        a += ["--use-rope-scaling", f"--rope-scaling-factor {c['rope_scaling_factor']}"]
+    if c.get("layernorm_epsilon") is not None:
+        a.append(f"--norm-epsilon {c['layernorm_epsilon']}")
+    if c.get("num_moe_experts"):
+        a += [f"--num-experts {c['num_moe_experts']}", f"--moe-router-topk {c['moe_router_topk']}"]
+    return a
+
+
 def layers_per_rank(plan: Plan) -> list[list[int]]:
     """Stage layer counts grouped by pipeline rank (schedule placement)."""
     sched = _schedule(plan)
@@ -110,8 +147,8 @@ def megatron_args(plan: Plan, model=None) -> list[str]:
         if c["num_query_groups"] != c["num_attention_heads"]:
             a += ["--group-query-attention", f"--num-query-groups {c['num_query_groups']}"]
         if c["gated_linear_unit"]:
-            a += ["--swiglu", "--normalization RMSNorm", "--position-embedding-type rope",
-                  "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+            a += ["--swiglu", "--normalization RMSNorm", "--position-embedding-type rope"]
+        a += _architecture_args(c)
     if c.get("pipeline_model_parallel_layout"):
         a.append(f"--pipeline-model-parallel-layout {c['pipeline_model_parallel_layout']}")
     if c.get("microbatch_group_size_per_vp_stage"):

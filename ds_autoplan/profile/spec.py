@@ -84,7 +84,8 @@ def to_model_spec(profile: Profile, flops_ref: float | None = None, average_bloc
                      num_layers=len(layers),
                      vocab=int(cfg.get("vocab_size") or (last[-1] if last else 0)),
                      layers=tuple(layers), pre=pre, post=post,
-                     config={"name": p.model, "profile": {"model_fingerprint": p.model_fingerprint,
-                                                          "device": p.device, "flops_ref": ref,
-                                                          "batch_size": p.batch_size,
-                                                          "granularity": p.granularity}})
+                     config={"name": p.model, "tie_embeddings": False,   # params as measured
+                             "profile": {"model_fingerprint": p.model_fingerprint,
+                                         "device": p.device, "flops_ref": ref,
+                                         "batch_size": p.batch_size,
+                                         "granularity": p.granularity}})

@@ -9,10 +9,17 @@ allocates the rest again.  ``rise_b`` (>= 0): how far memory rises above its lev
 start of a B or BW before it falls (a split layer's B stashes its output gradient for W
 before the saved inputs are freed); allocations happen at the start of an action, frees at
 its end.
+
+Runtime overheads (issue 14): a real engine also spends time the per-layer costs leave out.
+:class:`Overheads` holds what one runtime measured once (``bench/_measure.py``): ``dispatch``
+per compute action (instruction launch, bookkeeping, autograd entry), ``p2p`` latency and
+``send`` (the sender's time) per message, and ``step`` once per iteration (gradient
+reduction and optimizer step after the last action).  ``Costs.with_overheads`` adds them;
+all default to 0, which is the schedules.md §3 model unchanged.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -50,6 +57,8 @@ class Costs:
     p2p: float = 0.0            # latency of one cross-rank transfer
     send: float = 0.0           # time a rank spends issuing a SEND (lowered lists only)
     num_ranks: int | None = None  # for the "units of 1/d of the model" scale
+    dispatch: float = 0.0       # a runtime's own time per compute action (issue 14)
+    step: float = 0.0           # once per iteration after the last action (issue 14)
     rise_b: np.ndarray | None = None  # transient rise inside B/BW (None: 0)
 
     @classmethod
@@ -74,7 +83,7 @@ class Costs:
         if np.any(rb < 0):
             raise ScheduleError("rise_b must be non-negative")
         return cls(F, Bt, Wt, R, mf, mb_, mw, _grid(keep_ckpt, S, n, "keep_ckpt"),
-                   float(p2p), float(send), num_ranks, rb)
+                   float(p2p), float(send), num_ranks, rise_b=rb)
 
     @classmethod
     def uniform(cls, sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0, *,
@@ -102,17 +111,21 @@ class Costs:
                                 f"micro-batches; schedule has {sched.num_stages} x "
                                 f"{sched.num_microbatches}")
 
+    def with_overheads(self, ov: "Overheads") -> "Costs":
+        """These costs plus a runtime's measured overheads (replacing p2p and send)."""
+        return replace(self, p2p=ov.p2p, send=ov.send, dispatch=ov.dispatch, step=ov.step)
+
     def duration(self, kind: Kind, s: int, m: int) -> float:
         if kind == Kind.F:
-            return self.f[s, m]
+            return self.f[s, m] + self.dispatch
         if kind == Kind.B:
-            return self.b[s, m]
+            return self.b[s, m] + self.dispatch
         if kind == Kind.W:
-            return self.w[s, m]
+            return self.w[s, m] + self.dispatch
         if kind == Kind.BW:
-            return self.b[s, m] + self.w[s, m]
+            return self.b[s, m] + self.w[s, m] + self.dispatch
         if kind == Kind.R:
-            return self.r[s, m]
+            return self.r[s, m] + self.dispatch
         if kind in (Kind.SEND_F, Kind.SEND_B):
             return self.send
         return 0.0
@@ -140,3 +153,23 @@ class Costs:
         """One micro-batch's activation for 1/d of the model (the scale of `peak_units`)."""
         d = self.num_ranks or num_ranks
         return float(self.mem_f.mean(axis=1).sum()) / d
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """A runtime's own time per compute action, per message and per iteration, seconds
+    (measured once per runtime; see the module docstring)."""
+
+    dispatch: float = 0.0
+    p2p: float = 0.0
+    send: float = 0.0
+    step: float = 0.0
+
+    def __post_init__(self):
+        for k in ("dispatch", "p2p", "send", "step"):
+            v = getattr(self, k)
+            if not (v >= 0.0 and v < float("inf")):
+                raise ScheduleError(f"overhead {k} must be finite and non-negative, got {v}")
+
+    def to_dict(self) -> dict:
+        return {"dispatch": self.dispatch, "p2p": self.p2p, "send": self.send, "step": self.step}

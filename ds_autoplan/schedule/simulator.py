@@ -190,7 +190,8 @@ def simulate(sched: Schedule, costs: Costs, *, blocking: bool = False,
         curves.append(curve)
     unit = costs.unit(d) or 1.0
     first = min(start_of.values()) if start_of else 0.0
-    makespan = (max(end.values()) - first) if end else 0.0
+    # + the runtime's once-per-iteration work after the last action (Costs.step)
+    makespan = (max(end.values()) - first + costs.step) if end else 0.0
     by_action = {owner[k]: v for k, v in start_of.items()}
     end_by_action = {owner[k]: v for k, v in end.items()}
     return SimResult(makespan, by_action, end_by_action, busy, peaks,

@@ -121,6 +121,10 @@ class Context:
         key = (K, rle)
         if key in self._solved:
             return self._solved[key]
+        if self._two_level:
+            out = self._solve_ckpt_count(types, K)
+            self._solved[key] = out
+            return out
         D, args = self._table(rle, K)
         t = self.tab
         b_up = float(np.max(np.where(t.allowed[list(types)], t.ob[list(types)], 0.0)))
@@ -146,6 +150,31 @@ class Context:
                 break
         self._solved[key] = out
         return out
+
+    @property
+    def _two_level(self) -> bool:
+        """An executable strategy set: one layout without and with CKPT (no re-layout)."""
+        st = self.strategies
+        return len(st) == 2 and not st[0].ckpt and st[1] == st[0]._replace(ckpt=True) and self._r_zero.all()
+
+    def _solve_ckpt_count(self, types: tuple, K: int) -> StagePlan | None:
+        """The DP's answer for the two-level set in closed form: the first k checkpointable
+        units recomputed (Megatron's 'block' order keeps the running peak lowest), all k at
+        once with exact Eq. 2 peaks; the cheapest k that fits."""
+        t, n = self.tab, len(types)
+        ty = np.asarray(types)
+        ck = t.allowed[ty, 1]
+        rank = np.cumsum(ck) - 1                               # order among checkpointable units
+        k = np.arange(int(ck.sum()) + 1)[:, None]
+        sel = ck[None, :] & (rank[None, :] < k)                # [k, unit]: recomputed
+        pick = lambda a: np.where(sel, a[ty, 1][None, :], a[ty, 0][None, :])   # noqa: E731
+        f1, ob, ms, cost = pick(t.f1), pick(t.ob), pick(t.ms), pick(self.cost)
+        peak = (K - 1) * f1.sum(1) + (np.cumsum(f1, 1) + ob).max(1) + ms.sum(1)
+        total = np.where(peak <= self.E, cost.sum(1), INF)
+        i = int(np.argmin(total))
+        if not np.isfinite(total[i]):
+            return None
+        return StagePlan([int(x) for x in sel[i]], float(peak[i]))
 
     # -- whole pipeline ----------------------------------------------------------------
     def stage_types(self, parts: tuple) -> list[tuple]:

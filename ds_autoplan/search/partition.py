@@ -45,18 +45,28 @@ def _stage_matrices(ctx: Context, plan: list, objective: str):
     L, P = len(ctx.seq) - 2, ctx.P
     a = np.arange(L)[:, None]
     b = np.arange(L)[None, :]
+    terms = {}
+
+    def shape(first: bool, last: bool):
+        """Stage-position-independent terms (the middle stages share one set)."""
+        key = (first, last)
+        if key not in terms:
+            lo = np.zeros_like(a) if first else a + 1
+            hi = np.minimum((b + 3) if last else (b + 2), L + 2)
+            valid = (a <= b) & ((b == L - 1) if last else True)
+            if objective == "time":
+                p2p = 0.0 if last else 2 * A["p2p"][np.minimum(hi - 1, L + 1)]
+                terms[key] = (valid, pcn[hi] - pcn[lo] + p2p, None)
+            else:
+                rest = run[np.broadcast_to(lo, (L, L)), hi - 1] - pf[lo] + pm[hi] - pm[lo]
+                terms[key] = (valid, rest, pf[hi] - pf[lo])
+        return terms[key]
+
     out = []
     for i in range(P):
-        lo = np.zeros_like(a) if i == 0 else a + 1
-        hi = (b + 3) if i == P - 1 else (b + 2)
-        hi = np.minimum(hi, L + 2)
-        valid = (a <= b) & ((b == L - 1) if i == P - 1 else True)
-        if objective == "time":
-            p2p = 0.0 if i == P - 1 else 2 * A["p2p"][np.minimum(hi - 1, L + 1)]
-            seg = pcn[hi] - pcn[lo] + p2p
-        else:
-            f1 = pf[hi] - pf[lo]
-            seg = (ctx.K(i) - 1) * f1 + run[np.broadcast_to(lo, (L, L)), hi - 1] - pf[lo] + pm[hi] - pm[lo]
+        valid, seg, f1 = shape(i == 0, i == P - 1)
+        if f1 is not None:
+            seg = (ctx.K(i) - 1) * f1 + seg
         out.append(np.where(valid, seg, INF))
     return out
 

@@ -9,6 +9,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from . import fastsim
 from .dp import INF, Context
 from .partition import minmax_partition, stage_matrices
 
@@ -27,13 +28,19 @@ def available(names) -> list[str]:
     return [s for s in names if s in have]
 
 
-def schedule_options(name: str) -> dict:
-    return {"v": 2} if name == "interleaved" else {}
+def schedule_options(name: str, v: int = 2) -> dict:
+    """Builder options: the interleaved schedule's model chunks per rank ``v``."""
+    return {"v": v} if name == "interleaved" else {}
 
 
-def num_stages(name: str, P: int) -> int:
+def options_of(name: str, parts: tuple, P: int) -> tuple:
+    """Builder options of a costed partition (interleaved: v = stages / P), as a sorted tuple."""
+    return tuple(sorted(schedule_options(name, max(1, len(parts) // P)).items()))
+
+
+def num_stages(name: str, P: int, v: int = 2) -> int:
     if name == "interleaved":
-        return 2 * P
+        return v * P
     if name.startswith("v-") or name == "adaptive":
         return 2 * P
     return P
@@ -85,7 +92,7 @@ def simulate_plan(ctx: Context, name: str, parts: tuple, rec: list, figs: list, 
     affine in m and the peak constant) [decision]; ``keep_sim`` keeps the larger run for plots."""
     from ..schedule import Costs, simulate
     P, m = ctx.P, ctx.m
-    opts = tuple(sorted(schedule_options(name).items()))
+    opts = options_of(name, parts, P)
     S = len(parts)
     f = np.array([g["f"] for g in figs])
     k = np.array(rec, dtype=float)
@@ -96,6 +103,11 @@ def simulate_plan(ctx: Context, name: str, parts: tuple, rec: list, figs: list, 
 
     def run(n):
         sched = _build(name, P, n, opts)
+        c = None if keep_sim else fastsim.compiled(name, P, n, opts)
+        if c is not None:          # the simulator's figures without its event loop
+            b_ = bw - w if c.split else bw
+            return sched, None, fastsim.run(c, f, b_, w if c.split else np.zeros(S), act,
+                                            np.zeros(S), -act, p2p)
         split = any(a.kind.name == "W" for r in sched.ranks for a in r)
         costs = Costs.per_stage(S, n, f=f, b=bw - w if split else bw, w=w if split else np.zeros(S),
                                 mem_f=act, mem_b=np.zeros(S), mem_w=-act, p2p=p2p, num_ranks=P)
@@ -143,10 +155,10 @@ def _evaluate(ctx: Context, name: str, parts: tuple, rec, figs: list, keep_sim=F
     return Eval(name, T, tuple(parts), list(rec), list(peak), bool(np.all(peak <= ctx.E)), bub, sim, ctx, figs)
 
 
-def _placement(ctx: Context, name: str) -> tuple | None:
+def _placement(ctx: Context, name: str, parts: tuple) -> tuple | None:
     from ..schedule import ScheduleError
     try:
-        return _build(name, ctx.P, min(ctx.m, 2 * ctx.P), tuple(sorted(schedule_options(name).items()))).placement
+        return _build(name, ctx.P, min(ctx.m, 2 * ctx.P), options_of(name, parts, ctx.P)).placement
     except ScheduleError:
         return None
 
@@ -161,7 +173,7 @@ def stage_aware_recompute(ctx: Context, name: str, parts: tuple, figs: list, rec
     S = len(parts)
     rec = list(rec0) if rec0 is not None else [0] * S
     full = [g["nblk"] for g in figs]
-    place = _placement(ctx, name)
+    place = _placement(ctx, name, parts)
     if place is None:
         return Eval(name, INF, parts, rec, fits=False)
 
@@ -220,7 +232,7 @@ def rank_balance(ctx: Context, name: str, e0: Eval, figs_of, keep_sim=False, bou
     stop when none is faster, no recompute is left, or after ``rounds`` rounds.  Skipped when
     e0's time without recompute (a lower bound on any move [decision]) is not below ``bound``.
     ``figs_of(q)`` gives the stage figures of partition q."""
-    place = _placement(ctx, name)
+    place = _placement(ctx, name, e0.parts)
     S, best, seen = len(e0.parts), e0, {tuple(e0.parts)}
     if place is None or not (e0.ok and any(e0.recompute)) \
             or _evaluate(ctx, name, e0.parts, [0] * S, e0.figs, keep_sim).time >= bound:
@@ -247,17 +259,17 @@ def rank_balance(ctx: Context, name: str, e0: Eval, figs_of, keep_sim=False, bou
 
 
 def choose_schedule(ctx: Context, parts: tuple, plan: list, schedules, keep_sim=False,
-                    bound: float = INF) -> list[Eval]:
+                    bound: float = INF, chunks: int | None = None) -> list[Eval]:
     """Cost every schedule for a uniform executable config (strategies [s, s+CKPT]):
     1F1B on the given (BMW) partition with the DP's CKPT counts and with stage-aware
     recompute; the others on a time-balanced split into their stage count, adjusted per rank
-    by ``rank_balance`` when that split needs recompute.  Sorted, best first."""
+    by ``rank_balance`` when that split needs recompute; ``chunks`` fixes the interleaved
+    schedule's v (default: 2, 3, ... while faster).  Sorted, best first."""
     nock = lambda c: [0] * len(c.seq)   # noqa: E731  strategy 0 = no CKPT
     ck = lambda c: [1 if c.cm.units[u].checkpointable else 0 for u in c.seq]   # noqa: E731
     evals, adjust = [], []
     P = ctx.P
     for name in schedules:
-        S = num_stages(name, P)
         if name == "1f1b":
             figs = stage_figures(ctx, parts, nock(ctx), ck(ctx))
             dp_rec = []
@@ -266,13 +278,20 @@ def choose_schedule(ctx: Context, parts: tuple, plan: list, schedules, keep_sim=
             evals.append(stage_aware_recompute(ctx, name, parts, figs, dp_rec, keep_sim, bound=bound))
             evals.append(stage_aware_recompute(ctx, name, parts, figs, None, keep_sim, bound=bound))
             continue
-        sp = time_partition(ctx, S, nock)
-        if sp is None:
-            continue
-        sub = Context(ctx.cm, ctx.strategies, S, ctx.m, ctx.B_m, ctx.E, ctx.units)
-        figs_of = lambda q, sub=sub: stage_figures(sub, q, nock(sub), ck(sub))   # noqa: E731
-        evals.append(stage_aware_recompute(ctx, name, sp, figs_of(sp), None, keep_sim, bound=bound))
-        adjust.append((len(evals) - 1, figs_of))
+        # interleaved: v = 2, 3, ... chunks per rank while each chunk keeps a block and the
+        # time improves (the bubble shrinks as 1/v, Narayanan et al. 2021 §2.2, while p2p grows)
+        vs = range(2, (len(ctx.seq) - 2) // P + 1) if name == "interleaved" and not chunks else (chunks or 2,)
+        for v in vs:
+            sp = time_partition(ctx, num_stages(name, P, v), nock)
+            if sp is None:
+                break
+            sub = Context(ctx.cm, ctx.strategies, len(sp), ctx.m, ctx.B_m, ctx.E, ctx.units)
+            figs_of = lambda q, sub=sub: stage_figures(sub, q, nock(sub), ck(sub))   # noqa: E731
+            e = stage_aware_recompute(ctx, name, sp, figs_of(sp), None, keep_sim, bound=bound)
+            if v > 2 and not (e.ok and e.time < (evals[-1].time if evals[-1].ok else INF)):
+                break
+            evals.append(e)
+            adjust.append((len(evals) - 1, figs_of))
     # BMW per rank (rank_balance), bounded by the best time so far: it only pays where the
     # recompute overhead of a time-balanced split is what separates it from the best
     for i, figs_of in adjust:

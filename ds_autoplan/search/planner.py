@@ -19,18 +19,11 @@ from . import partition as part
 from .dp import INF, Context
 from .pipeline import DEFAULT_SCHEDULES, Eval, available, choose_schedule, schedule_options, \
     stage_aware_recompute, stage_figures
-from .space import strategies as wide_strategies
+from .fix import RECOMPUTE, parse_fix
+from .space import divisors, strategies as wide_strategies
 
 
 SP_MODES = ("auto", "on", "off")
-
-
-def pow2(n: int) -> list[int]:
-    out, x = [], 1
-    while x <= n:
-        out.append(x)
-        x *= 2
-    return out
 
 
 @dataclass
@@ -53,6 +46,7 @@ class Candidate:
     plan: list | None = field(default=None, repr=False)
     sim: object = field(default=None, repr=False)
     note: str = ""
+    bubble: float = 0.0
     alts: list = field(default_factory=list, repr=False)   # schedules costed (Eval), best first
     estimate: float = INF                                  # Eq. 9 ranking key
 
@@ -69,6 +63,8 @@ class Candidate:
         return {"name": self.name, "pp": self.P, "tp": self.tp, "dp": self.dp, "zero_stage": self.zero,
                 "micro_batch_size": self.B_m // self.dp if self.dp else 0, "num_microbatches": self.m,
                 "sequence_parallel": self.sp, "schedule": self.schedule, "partitioner": self.partitioner,
+                "chunks": len(self.parts) // self.P if self.schedule == "interleaved" else 1,
+                "bubble": self.bubble,
                 "iteration_time_s": self.time if self.ok else None,
                 "throughput_tokens_per_s": B * seq / self.time if self.ok else 0.0,
                 "layers_per_stage": list(self.parts), "recompute_layers": list(self.recompute),
@@ -94,12 +90,25 @@ class Planner:
                  precision: str = "bf16", budget_gb: float | None = None, units: int = 512,
                  schedules=None, partitioner: str = "bmw", max_tp: int | None = None,
                  allow_zero: tuple = (0, 1, 2, 3), progress: bool = False,
-                 pp: int | None = None, tp: int | None = None, sequence_parallel: str = "auto"):
+                 pp: int | None = None, tp: int | None = None, sequence_parallel: str = "auto",
+                 fix: dict | str | None = None, runtime: str = "any"):
+        self.fix = fx = parse_fix(fix)
+        pp, tp = _merge_fix(fx, "pp", pp), _merge_fix(fx, "tp", tp)
+        sequence_parallel = fx.get("sp", sequence_parallel)
+        if "zero" in fx:
+            allow_zero = (fx["zero"],)
+        if "schedule" in fx:
+            if not available([fx["schedule"]]):
+                from ..schedule import names
+                raise SpecError(f"--fix: unknown schedule {fx['schedule']!r}; choose from {', '.join(names())}")
+            schedules = [fx["schedule"]]
+        self.ckpt = RECOMPUTE[fx.get("recompute", "auto")]
+        self.chunks = fx.get("v")
         if budget_gb is not None and budget_gb <= 0:
             raise SpecError(f"memory budget must be positive, got {budget_gb} GB")
         self.model, self.cluster, self.B = model, cluster, int(global_batch)
         self.E = budget_gb * GB if budget_gb else cluster.budget_bytes
-        self.cm = CostModel(model, cluster, precision)
+        self.cm = CostModel(model, cluster, precision, runtime)
         self.precision, self.units = precision, units
         self.schedules = available(schedules or DEFAULT_SCHEDULES)
         if partitioner not in part.PARTITIONERS:
@@ -109,18 +118,19 @@ class Planner:
         self.L = model.num_layers
         kv = int(model.config.get("kv_heads", model.heads))
         G = cluster.gpus_per_node
-        self.tps = [t for t in pow2(min(max_tp or G, G)) if model.heads % t == 0 and kv % t == 0]
+        self.tps = [t for t in divisors(G) if t <= (max_tp or G) and model.heads % t == 0 and kv % t == 0]
         self.allow_zero = allow_zero
         self.progress = progress
         self.pps = None
         if pp is not None:
-            if pp < 1 or pp & (pp - 1) or pp > min(self.N, self.L):
-                raise SpecError(f"pp={pp} must be a power of two <= min(devices {self.N}, layers {self.L})")
+            if pp < 1 or self.N % pp or pp > self.L:
+                raise SpecError(f"pp={pp} must divide the {self.N} devices and be at most the "
+                                f"{self.L} layers; choose from {self.pp_degrees()}")
             self.pps = [pp]
         if tp is not None:
             if tp not in self.tps:
                 raise SpecError(f"tp={tp} is not possible here; choose from {self.tps} (divides the "
-                                f"heads, at most one node)")
+                                f"heads and the devices of a node)")
             self.tps = [tp]
         if sequence_parallel not in SP_MODES:
             raise SpecError(f"sequence_parallel must be one of {', '.join(SP_MODES)}, got {sequence_parallel!r}")
@@ -133,6 +143,11 @@ class Planner:
         self._ctx: dict = {}
         self.evaluated = 0
 
+    def pp_degrees(self) -> list[int]:
+        """Pipeline degrees: divisors of the world size, at most one block per stage (uneven
+        block counts per stage are fine: BMW splits them)."""
+        return [P for P in divisors(self.N) if P <= self.L]
+
     # -- contexts ---------------------------------------------------------------------
     def ctx(self, P, m, B_m, strats) -> Context:
         key = (P, m, B_m, tuple(strats))
@@ -142,8 +157,9 @@ class Planner:
 
     def combos(self, pps=None, tps=None, zeros=None):
         """(P, t, d, zero, m, B_m) of the executable space: DeepSpeed's pipeline engine takes
-        ZeRO 0/1 only with P > 1 (integration.md §1.3); micro-batch per GPU a power of two."""
-        for P in pps or self.pps or pow2(min(self.N, self.L)):
+        ZeRO 0/1 only with P > 1 (integration.md §1.3); any micro-batch per GPU dividing the
+        batch share of a data-parallel rank."""
+        for P in pps or self.pps or self.pp_degrees():
             n = self.N // P
             for t in tps or self.tps:
                 if n % t:
@@ -152,8 +168,10 @@ class Planner:
                 for z in zeros or self.allow_zero:
                     if (P > 1 and z > 1) or (d == 1 and z > 0):
                         continue
-                    for b in pow2(self.B):
-                        if self.B % (b * d):
+                    if self.B % d or self.fix.get("dp", d) != d:
+                        continue
+                    for b in divisors(self.B // d):
+                        if self.fix.get("mbs", b) != b:
                             continue
                         m = self.B // (b * d)
                         if P > 1 and m < P:
@@ -182,10 +200,12 @@ class Planner:
         return m * float(cns.sum()) / P
 
     # -- evaluation of one executable config ------------------------------------------
-    def evaluate(self, P, t, d, z, m, B_m, *, partitioner=None, schedules=None, ckpt="dp",
+    def evaluate(self, P, t, d, z, m, B_m, *, partitioner=None, schedules=None, ckpt=None,
                  name="plan", keep_sim=False, bound: float = INF) -> Candidate:
-        """ckpt: 'dp' (per-layer choice + stage-aware), 'none', 'full' (uniform, Megatron)."""
+        """ckpt: 'dp' (per-layer choice + stage-aware), 'none', 'full' (uniform, Megatron);
+        default: the --fix recompute ('dp' unless fixed)."""
         self.evaluated += 1
+        ckpt = ckpt or self.ckpt
         strats = self.exec_strats(t, d, z)
         if ckpt == "none":
             strats = strats[:1]
@@ -205,7 +225,7 @@ class Planner:
             e = stage_aware_recompute(full, "1f1b", parts, figs, [f["nblk"] for f in figs], keep_sim,
                                       max_rounds=0)
             return Candidate(name, P, t, d, z, m, B_m, e.time if e.fits else INF, "1f1b", parts,
-                             e.recompute, e.peak, "even", full, plan, e.sim)
+                             e.recompute, e.peak, "even", full, plan, e.sim, bubble=e.bubble)
         if pname == "bmw":
             T, parts, plan, base = part.bmw(ctx)
         elif pname == "even":
@@ -226,14 +246,14 @@ class Planner:
             plan = [0] * len(ctx.seq)
         full = self.ctx(P, m, B_m, self.exec_strats(t, d, z)) if ckpt == "none" else ctx
         scheds = schedules or self.schedules
-        evs = choose_schedule(full, parts, plan, scheds, keep_sim, bound)
+        evs = choose_schedule(full, parts, plan, scheds, keep_sim, bound, chunks=self.chunks)
         if ckpt == "none":
             evs = [e for e in evs if not any(e.recompute)]
         if not evs or not evs[0].ok:
             return Candidate(name, P, t, d, z, m, B_m, INF, "1f1b", parts, [], [], pname, ctx, plan)
         e: Eval = evs[0]
         c = Candidate(name, P, t, d, z, m, B_m, e.time, e.schedule, e.parts, e.recompute, e.peak,
-                      pname if e.schedule == "1f1b" else e.partitioner, full, plan, e.sim)
+                      pname if e.schedule == "1f1b" else e.partitioner, full, plan, e.sim, bubble=e.bubble)
         c.alts = evs
         return c
 
@@ -247,8 +267,9 @@ class Planner:
         except ImportError:   # pragma: no cover
             return None
 
-    def estimate(self, P, t, d, z, m, B_m, partitioner=None, ckpt="dp"):
+    def estimate(self, P, t, d, z, m, B_m, partitioner=None, ckpt=None):
         """Eq. 9 time (1F1B, no simulation) of the partitioner's plan: the cheap ranking key."""
+        ckpt = ckpt or self.ckpt
         strats = self.exec_strats(t, d, z)
         if ckpt == "none":
             strats = strats[:1]
@@ -306,7 +327,11 @@ class Planner:
     def best_of(self, name, combos, **kw) -> Candidate | None:
         """Best config of a restricted space: ranked by Eq. 9, the winner costed in full."""
         ek = {k: v for k, v in kw.items() if k in ("partitioner", "ckpt")}
-        ranked = sorted(((self.estimate(*c, **ek), c) for c in combos), key=lambda x: x[0])
+        ranked = []
+        for lb, c in sorted((self.lower_bound(*c), c) for c in combos):
+            if len(ranked) >= 2 and lb >= ranked[1][0]:     # no later config ranks in the top 2
+                break
+            ranked = sorted(ranked + [(self.estimate(*c, **ek), c)], key=lambda x: x[0])[:2]
         best = None
         for est, c in ranked[:2]:
             if not math.isfinite(est):
@@ -340,11 +365,11 @@ class Planner:
         (P, m) pairs in order of Eq. 9's balanced-stage lower bound, branch and bound."""
         best = {"bmw": None, "base": None}
         cands = []
-        for P in pps or pow2(min(self.N, self.L)):
-            S = wide_strategies(self.N // P, max_tp=max(self.tps))
-            for B_m in pow2(self.B):          # micro-batch (whole stage group): a power of two
+        for P in pps or self.pp_degrees():
+            S = [s for s in wide_strategies(self.N // P, max_tp=max(self.tps)) if s.tp in self.tps]
+            for B_m in divisors(self.B):      # micro-batch of the whole stage group
                 m = self.B // B_m
-                if self.B % B_m or (P > 1 and m < P):
+                if P > 1 and m < P:
                     continue
                 tab = self.cm.tables(S, B_m)
                 if not tab.allowed[2:].any():
@@ -371,6 +396,18 @@ class Planner:
                                  "throughput_tokens_per_s": self.B * self.model.seq_len / tt}
         return best
 
+    def admits(self, c: Candidate) -> bool:
+        """``c`` lies in the space the user restricted (--pp/--tp/--sequence-parallel/--fix)."""
+        want = dict(pp=c.P, tp=c.tp, dp=c.dp, zero=c.zero, mbs=c.B_m // c.dp, schedule=c.schedule,
+                    v=len(c.parts) // c.P if c.schedule == "interleaved" else None)
+        if any(self.fix.get(k, x) != x for k, x in want.items()):
+            return False
+        if self.pps and c.P not in self.pps or c.tp not in self.tps:
+            return False
+        if self.ckpt == "none":
+            return not any(c.recompute)
+        return self.ckpt == "dp" or list(c.recompute) == list(c.parts)
+
     def min_memory(self) -> float:
         """Least per-device memory of any executable config (max pipeline stage, all CKPT,
         memory-balanced split, micro-batch 1) for the 'cannot fit' message."""
@@ -388,6 +425,13 @@ class Planner:
         return best
 
 
+def _merge_fix(fx: dict, key: str, value):
+    """A degree given both as --KEY and in --fix must agree."""
+    if key in fx and value is not None and value != fx[key]:
+        raise SpecError(f"--{key} {value} contradicts --fix {key}={fx[key]}")
+    return fx.get(key, value)
+
+
 def _validate(model: ModelSpec, cluster: ClusterSpec, B: int, world_size: int | None):
     if not isinstance(B, int) or B <= 0:
         raise SpecError(f"global batch must be a positive integer, got {B!r}")
@@ -395,8 +439,6 @@ def _validate(model: ModelSpec, cluster: ClusterSpec, B: int, world_size: int | 
     if world_size is not None and world_size != N:
         raise SpecError(f"world size {world_size} does not match cluster {cluster.name!r} "
                         f"({cluster.num_nodes} nodes x {cluster.gpus_per_node} devices = {N})")
-    if N & (N - 1):
-        raise SpecError(f"cluster {cluster.name!r} has {N} devices; the planner needs a power of two")
 
 
 def _is_model_profile(path: str) -> bool:
@@ -410,11 +452,14 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
            wide: bool = True, baselines: bool = True, progress: bool = False,
            world_size: int | None = None, profile: str | None = None, units: int = 512,
            max_tp: int | None = None, keep_sim: bool = True, pp: int | None = None,
-           tp: int | None = None, sequence_parallel: str = "auto") -> SearchResult:
+           tp: int | None = None, sequence_parallel: str = "auto", fix=None,
+           runtime: str = "any") -> SearchResult:
     """Plan ``model`` on ``cluster`` for ``global_batch``: the executable plan (never worse than
     the baselines on the same cost model), the baselines, the wide Galvatron-BMW result and
     the partitioner comparison.  ``pp``/``tp`` restrict the search to one degree;
-    ``sequence_parallel``: 'auto' (on whenever tp > 1), 'on' (tp > 1 only) or 'off'."""
+    ``sequence_parallel``: 'auto' (on whenever tp > 1), 'on' (tp > 1 only) or 'off'; ``fix``:
+    the user's configuration, as restrictions (:func:`ds_autoplan.search.fix.parse_fix`);
+    ``runtime``: whose memory accounting the plan must fit ('any', 'megatron', 'deepspeed')."""
     t0 = time.perf_counter()
     if profile and _is_model_profile(profile):
         # a model profile (ds-autoplan profile MODEL --out profile.json): measured per-layer
@@ -429,8 +474,13 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
     _validate(model, cluster, global_batch, world_size)
     pl = Planner(model, cluster, global_batch, precision=precision, budget_gb=budget_gb,
                  partitioner=partitioner, schedules=schedules, progress=progress, units=units,
-                 max_tp=max_tp, pp=pp, tp=tp, sequence_parallel=sequence_parallel)
+                 max_tp=max_tp, pp=pp, tp=tp, sequence_parallel=sequence_parallel, fix=fix,
+                 runtime=runtime)
     if next(pl.combos(), None) is None:
+        if pl.fix:
+            raise SpecError(f"--fix {pl.fix}: no layout of {cluster.world_size} devices and global "
+                            f"batch {global_batch} has these values (pp x tp x dp = devices, "
+                            f"micro-batch x micro-batches x dp = batch, micro-batches >= pp)")
         raise SpecError(f"global batch {global_batch} is not divisible into micro-batches for "
                         f"{cluster.world_size} devices: no pipeline/tensor/data layout gives "
                         f"global_batch = micro_batch x micro-batches x dp with micro-batches >= pp; "
@@ -443,10 +493,7 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
     bl = pl.baselines() if baselines else {}
     phases["baselines"] = time.perf_counter() - tp0
     for c in bl.values():              # the plan is never worse than a baseline
-        if c is None or pp is not None and c.P != pp or tp is not None and c.tp != tp \
-                or sequence_parallel == "on" and c.tp == 1:
-            continue
-        if c is not None and c.ok and (best is None or c.time < best.time * (1 - 1e-12)):
+        if c is not None and c.ok and pl.admits(c) and (best is None or c.time < best.time * (1 - 1e-12)):
             best = c
     if best is None or not best.ok:
         need = pl.min_memory()
@@ -516,7 +563,7 @@ def to_plan(c: Candidate, model, cluster, B, precision, pl: Planner, bl: dict, w
     strategies.append(base)
     return Plan(pp=c.P, tp=c.tp, dp=c.dp, zero_stage=c.zero, micro_batch_size=c.B_m // c.dp,
                 num_microbatches=c.m, global_batch_size=B, precision=precision, schedule=c.schedule,
-                schedule_options=schedule_options(c.schedule), layers_per_stage=nblk,
+                schedule_options=schedule_options(c.schedule, len(nblk) // c.P), layers_per_stage=nblk,
                 recompute_per_stage=[round(x, 6) for x in rec], model=model.name, cluster=cluster.name,
                 seq_len=seq, num_layers=model.num_layers, world_size=cluster.world_size,
                 sequence_parallel=c.sp, partitioner=c.partitioner, layer_strategies=strategies, predicted=pred,

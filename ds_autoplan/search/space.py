@@ -9,16 +9,17 @@ from ..cost.model import Strategy
 PARADIGMS = ("DP", "SDP", "TP")
 
 
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n``, ascending (world sizes, degrees and batches need not be
+    powers of two: BLOOM-176B ran pp=12 on 384 GPUs)."""
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
 def ordered_factorizations(n: int, h: int) -> list[tuple]:
-    """Ordered tuples of ``h`` powers of two >= 2 whose product is ``n``."""
+    """Ordered tuples of ``h`` factors >= 2 whose product is ``n``."""
     if h == 0:
         return [()] if n == 1 else []
-    out, f = [], 2
-    while f <= n:
-        if n % f == 0:
-            out += [(f,) + rest for rest in ordered_factorizations(n // f, h - 1)]
-        f *= 2
-    return out
+    return [(f,) + rest for f in divisors(n)[1:] for rest in ordered_factorizations(n // f, h - 1)]
 
 
 def decision_trees(n: int, prune_dp_sdp: bool = True) -> list[tuple]:
@@ -42,11 +43,7 @@ def enumerate_trees(n: int, prune_dp_sdp: bool = True, with_ckpt: bool = True) -
 
 def count_candidates(N: int, prune_dp_sdp: bool = True, with_ckpt: bool = True) -> int:
     """Total candidates over all PP degrees P = N/n (the paper's 68/44/22 for N = 8, §1.5)."""
-    total, n = 0, N
-    while n >= 1:
-        total += len(enumerate_trees(n, prune_dp_sdp, with_ckpt))
-        n //= 2
-    return total
+    return sum(len(enumerate_trees(N // P, prune_dp_sdp, with_ckpt)) for P in divisors(N))
 
 
 def tree_to_strategy(tree: tuple, ckpt: bool) -> Strategy:

@@ -24,6 +24,8 @@ class ClusterSpec:
     inter_latency_us: float = 20.0
     overlap_slowdown: float = 1.3       # gamma, Galvatron-BMW §IV (measured 1.3)
     p2p_GBps: float | None = None
+    gpu: str | None = None              # GPU kind in ds_autoplan/data/gpus.yaml: shape-aware compute
+    nic_GBps: float | None = None       # one GPU's own inter-node link (rail); default inter/gpus_per_node
 
     @property
     def world_size(self) -> int:
@@ -35,8 +37,14 @@ class ClusterSpec:
         return (self.memory_gb - self.reserve_gb) * GB
 
     @property
+    def rail_GBps(self) -> float:
+        """Inter-node bandwidth of one GPU's own link (its NIC on a rail-optimised fabric)."""
+        return self.nic_GBps or self.inter_node_GBps / self.gpus_per_node
+
+    @property
     def flops(self) -> float:
-        """Achieved FLOP/s of one device on transformer matmuls."""
+        """Achieved FLOP/s of one device on transformer matmuls where the GPU kind has no
+        shape-aware model (cost/compute.py), and for profiled models."""
         return self.peak_tflops * 1e12 * self.compute_efficiency
 
     def with_budget(self, budget_gb: float) -> "ClusterSpec":
@@ -63,11 +71,16 @@ class ClusterSpec:
                 intra_latency_us=float(d.get("intra_latency_us", 10.0)),
                 inter_latency_us=float(d.get("inter_latency_us", 20.0)),
                 overlap_slowdown=need(d, "overlap_slowdown", float, src, 1.3),
-                p2p_GBps=float(d["p2p_GBps"]) if d.get("p2p_GBps") else None)
+                p2p_GBps=float(d["p2p_GBps"]) if d.get("p2p_GBps") else None,
+                gpu=str(d["gpu"]) if d.get("gpu") else None,
+                nic_GBps=float(d["nic_GBps"]) if d.get("nic_GBps") else None)
         if c.reserve_gb < 0 or c.reserve_gb >= c.memory_gb:
             raise SpecError(f"{src}: reserve_gb must lie in [0, memory_gb)")
         if not 0 < c.compute_efficiency <= 1:
             raise SpecError(f"{src}: compute_efficiency must lie in (0, 1]")
+        if c.gpu:
+            from ..cost.compute import get_gpu
+            get_gpu(c.gpu)
         return c
 
 
@@ -85,5 +98,7 @@ def load_cluster(cluster: "str | ClusterSpec | dict", profile: str | None = None
         over = read_mapping(profile)
         over = over.get("cluster", over)
         fields = {k: v for k, v in over.items() if k in ClusterSpec.__dataclass_fields__}
+        if {"peak_tflops", "compute_efficiency"} & set(fields) and "gpu" not in fields:
+            fields["gpu"] = None         # a measured matmul rate replaces the GPU kind's model
         c = ClusterSpec.from_dict({**c.__dict__, **fields}, profile)
     return c

@@ -4,7 +4,8 @@
 engine and module it installs.  Imports are lazy so that importing the package needs no
 DeepSpeed."""
 
-__all__ = ["initialize", "build_module", "AutoplanEngine", "AutoplanPipelineModule"]
+__all__ = ["initialize", "build_module", "AutoplanEngine", "AutoplanPipelineModule",
+           "load_checkpoint", "save_checkpoint"]
 
 
 def __getattr__(name):
@@ -14,6 +15,9 @@ def __getattr__(name):
     if name in ("AutoplanEngine", "PipelineRankError"):
         from . import engine
         return getattr(engine, name)
+    if name in ("save_checkpoint", "load_checkpoint"):
+        from . import checkpoint
+        return getattr(checkpoint, name)
     if name == "AutoplanPipelineModule":
         from .module import AutoplanPipelineModule
         return AutoplanPipelineModule

@@ -11,6 +11,7 @@ import torch
 
 from ...schedule import Schedule, build
 from ...schedule.passes import single_stage
+from ..watchdog import startup_watchdog
 
 
 def as_plan(plan):
@@ -132,13 +133,14 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
     if any(x > 0 for x in plan.recompute_per_stage):
         # stage-aware recomputation is ours, per stage; DeepSpeed's switch is global
         cfg["pipeline"]["activation_checkpoint_interval"] = 0
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend=ds_kwargs.pop("dist_backend", None))
-    module = build_module(model_or_layers, plan, schedule=schedule, loss_fn=loss_fn,
-                          track_memory=track_memory, **(module_kwargs or {}))
-    ds_kwargs.setdefault("model_parameters", [p for p in module.parameters() if p.requires_grad])
-    with _engine_installed():
-        out = deepspeed.initialize(model=module, config=cfg, **ds_kwargs)
+    with startup_watchdog("DeepSpeed initialisation"):
+        if not torch.distributed.is_initialized():
+            deepspeed.init_distributed(dist_backend=ds_kwargs.pop("dist_backend", None))
+        module = build_module(model_or_layers, plan, schedule=schedule, loss_fn=loss_fn,
+                              track_memory=track_memory, **(module_kwargs or {}))
+        ds_kwargs.setdefault("model_parameters", [p for p in module.parameters() if p.requires_grad])
+        with _engine_installed():
+            out = deepspeed.initialize(model=module, config=cfg, **ds_kwargs)
     if swap:
         out[0].set_swap_policy(swap)
     return out

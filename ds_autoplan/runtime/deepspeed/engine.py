@@ -90,6 +90,13 @@ def _detached_leaf(x):
     return one(x) if torch.is_tensor(x) else tuple(one(t) for t in x)
 
 
+def _cloned(x):
+    """What a stage's layers see of a received or handed-over input: a clone, as DeepSpeed's
+    ``_exec_forward_pass`` does, so a first layer that works in place (``nn.ReLU(inplace=True)``)
+    never writes into the leaf whose gradient is sent back."""
+    return x.clone() if torch.is_tensor(x) else tuple(t.clone() for t in x)
+
+
 class _Slot:
     """State of one (stage, micro-batch) between its F and its W."""
     __slots__ = ("inp", "out", "loss", "grad", "recv", "h", "h2", "rng", "ckpt", "store")
@@ -395,12 +402,13 @@ class AutoplanEngine(PipelineEngine):
 
     def _exec_forward_pass(self, buffer_id, stage=None):
         mb, slot = buffer_id, self._slot(stage, buffer_id)
-        slot.inp = x = self._stage_input(stage, mb, slot)
+        slot.inp = self._stage_input(stage, mb, slot)
+        x = _cloned(slot.inp)
         k = self._recompute[stage] if (stage, mb) in self._recomputed and torch.is_grad_enabled() else 0
         if k:
             # stage-aware recomputation: the first k layers keep only their input (checkpoint)
             slot.rng = RngState()      # R replays this forward's dropout
-            slot.ckpt = [hold(self.memtracker, t) for t in _as_list(x)]
+            slot.ckpt = [hold(self.memtracker, t) for t in _as_list(slot.inp)]
             with torch.no_grad(), self.module.activated(stage, 0, k):
                 h = self.module(x)
             slot.h = x = _detached_leaf(h)
@@ -441,7 +449,7 @@ class AutoplanEngine(PipelineEngine):
                                f"a recompute checkpoint, or it was recomputed already")
         k = self._recompute[stage]
         with slot.rng.replay(), torch.enable_grad(), self.module.activated(stage, 0, k):
-            slot.h2 = self.module(slot.inp)
+            slot.h2 = self.module(_cloned(slot.inp))
         slot.ckpt = None
         self._trace("R", stage, buffer_id)
 

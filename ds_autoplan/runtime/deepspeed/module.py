@@ -168,6 +168,11 @@ class AutoplanPipelineModule(PipelineModule):
         self.activation_checkpoint_interval = interval
         self._activate(0, 0, None)
 
+    def local_layers(self):
+        """``(global layer index, layer)`` for every layer this rank holds, in layer order."""
+        return sorted((lo + i, f) for (lo, _), fs in zip(self.chunk_bounds, self.chunk_funcs)
+                      for i, f in enumerate(fs))
+
     def _each_chunk(self, fn, *args, **kwargs):
         for c in range(len(self.chunk_funcs)):
             self._activate(c, 0, None)

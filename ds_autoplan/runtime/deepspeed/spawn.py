@@ -18,9 +18,14 @@ def free_port() -> int:
 
 
 def spawn(argv: list[str], world: int, timeout: float = 300.0, grace: float = 60.0,
-          env: dict | None = None) -> list[tuple[int, str]]:
+          env: dict | None = None, prebuild: bool = True) -> list[tuple[int, str]]:
     """Run ``python <argv>`` on ``world`` ranks; return ``[(returncode, output)]`` per rank.
-    A rank still running at the deadline is killed (returncode -9)."""
+    A rank still running at the deadline is killed (returncode -9), but never while a torch
+    extension builds (a killed build leaves a lock that hangs later runs); with ``prebuild``
+    the DeepSpeed ops the ranks would JIT-build are built here first, without a deadline."""
+    from ..watchdog import build_in_progress
+    if prebuild:
+        prebuild_ops({**os.environ, **(env or {})})
     port = free_port()
     procs, logs = [], []
     for r in range(world):
@@ -36,7 +41,8 @@ def spawn(argv: list[str], world: int, timeout: float = 300.0, grace: float = 60
         now = time.time()
         if first_fail is None and any(p.poll() not in (None, 0) for p in procs):
             first_fail = now
-        if now > deadline or (first_fail is not None and now > first_fail + grace):
+        if (now > deadline or (first_fail is not None and now > first_fail + grace)) \
+                and not build_in_progress():
             for p in procs:
                 if p.poll() is None:
                     p.kill()
@@ -49,6 +55,14 @@ def spawn(argv: list[str], world: int, timeout: float = 300.0, grace: float = 60
         out.append((rc, f.read()))
         f.close()
     return out
+
+
+def prebuild_ops(env) -> None:
+    """Build DeepSpeed's CPU shared-memory comm op once, in this process, when the ranks would
+    build it (``DS_AUTOPLAN_SHM=1``, see :mod:`.dist`)."""
+    if env.get("DS_AUTOPLAN_SHM") == "1":
+        from deepspeed.comm.torch import build_shm_op
+        build_shm_op()
 
 
 RESULT = "AUTOPLAN_RESULT "

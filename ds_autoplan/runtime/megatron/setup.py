@@ -25,6 +25,7 @@ from megatron.core.transformer.pipeline_parallel_layer_layout import PipelinePar
 from ...emit.megatron import layout_string
 from ...emit.megatron import megatron_args as emit_megatron_args
 from ...schedule import Schedule, ScheduleError
+from ..watchdog import startup_watchdog
 
 
 def stage_layer_lists(layers_per_stage) -> list[list[str]]:
@@ -157,10 +158,11 @@ def initialize(plan, schedule: Schedule | None = None, **model_parallel_kwargs) 
     if sched.placement_kind == "v":
         # embedding and output layer both live on pp rank 0 in a V placement
         model_parallel_kwargs.setdefault("get_embedding_ranks", lambda pp_ranks, *a: [pp_ranks[0]])
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=sched.num_ranks,
-        virtual_pipeline_model_parallel_size=over["virtual_pipeline_model_parallel_size"],
-        **model_parallel_kwargs)
+    with startup_watchdog("Megatron model-parallel initialisation"):
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=sched.num_ranks,
+            virtual_pipeline_model_parallel_size=over["virtual_pipeline_model_parallel_size"],
+            **model_parallel_kwargs)
     rank = parallel_state.get_pipeline_model_parallel_rank()
     return MegatronSetup(sched, rank, over, sched.stages_of(rank), rec_layers, layout)
 

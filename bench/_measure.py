@@ -1,0 +1,154 @@
+"""The measurement helper every benchmark uses (issue 14).
+
+* :func:`plan_iters`: warm-up, then at least 5 timed iterations (3 with ``--quick``).
+* :func:`figure` / :func:`ratio`: the median of the samples and their min-max spread; a
+  ratio of two schedules timed in the same rounds is taken per round (paired), otherwise
+  the spread is the widest the samples allow.
+* :func:`fit_dispatch` and :func:`ping`: a runtime's own overheads, measured once per
+  runtime and fed to the simulator (``schedule.Overheads``).
+* :class:`Report`: the JSON line -- each figure's median, ``"spread"`` per figure, the
+  simulator's ``"bounds"``, ``"flags"`` for a figure beyond its physical bound (which fails
+  the benchmark's own ``goals_met``) and ``"max_sim_error"``.
+
+The compute stand-in (calibrated sleep layers) is :mod:`ds_autoplan.models.sleep`.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+WARMUP = 1
+SLACK = 0.05       # a measured ratio may pass the simulator's bound by this much (noise)
+
+
+def plan_iters(quick: bool, iters: int | None = None) -> int:
+    """Timed iterations: ``iters`` if given (at least 3), else 3 with --quick, 5 otherwise."""
+    n = iters if iters is not None else (3 if quick else 5)
+    if n < 3:
+        raise SystemExit("error: at least 3 timed iterations are needed for a median and a spread")
+    return n
+
+
+def timed(step: Callable[[], None], iters: int, warmup: int = WARMUP,
+          sync: Callable[[], None] | None = None) -> list[float]:
+    """Run ``step`` ``warmup + iters`` times; the wall seconds of the timed ones (``sync``,
+    e.g. a barrier, runs before each start)."""
+    out = []
+    for i in range(warmup + iters):
+        if sync:
+            sync()
+        t0 = time.perf_counter()
+        step()
+        if i >= warmup:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def figure(samples: Sequence[float]) -> tuple[float, float, float]:
+    """(median, min, max) of a figure's samples."""
+    if not samples:
+        raise ValueError("no samples")
+    return statistics.median(samples), min(samples), max(samples)
+
+
+def ratio(num: Sequence[float], den: Sequence[float], paired: bool = False):
+    """num/den as (median, min, max).  Paired (the same rounds): per-round ratios; else the
+    ratio of medians with the extreme ratios the samples allow as spread."""
+    if paired:
+        if len(num) != len(den):
+            raise ValueError("paired ratios need as many samples on both sides")
+        return figure([a / b for a, b in zip(num, den)])
+    return statistics.median(num) / statistics.median(den), min(num) / max(den), max(num) / min(den)
+
+
+def sim_error(samples: Sequence[float], predicted: float) -> float:
+    """Relative error of the simulator's prediction against the measured median."""
+    return abs(statistics.median(samples) - predicted) / predicted
+
+
+# ----------------------------------------------------------------------------- overheads
+def fit_dispatch(sched, costs, measured: float, overheads=None, tol: float = 1e-6) -> float:
+    """The per-compute-action time ``dispatch`` for which the simulator reproduces
+    ``measured`` seconds for ``sched`` with ``costs`` and the other ``overheads`` (p2p,
+    send, step) -- a runtime's launch cost, measured on its reference schedule.  The
+    makespan grows monotonically with ``dispatch``: bisection."""
+    from dataclasses import replace
+
+    from ds_autoplan.schedule import Overheads, simulate
+    ov = overheads or Overheads()
+
+    def span(dispatch):
+        return simulate(sched, costs.with_overheads(replace(ov, dispatch=dispatch)),
+                        check=False).makespan
+    lo, hi = 0.0, max(measured, tol)
+    if span(lo) >= measured:
+        return 0.0
+    while hi - lo > tol * max(1.0, measured):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if span(mid) < measured else (lo, mid)
+    return (lo + hi) / 2
+
+
+def ping(tensor, a: int = 0, b: int = 1, k: int = 10) -> float:
+    """One-way seconds of ``tensor`` between ranks ``a`` and ``b`` (round trip / 2, median
+    of ``k``); every rank of the default group must call it."""
+    import torch.distributed as dist
+    rank, out = dist.get_rank(), []
+    dist.barrier()
+    for _ in range(k + 1):
+        t0 = time.perf_counter()
+        if rank == a:
+            dist.send(tensor, b)
+            dist.recv(tensor, b)
+        elif rank == b:
+            dist.recv(tensor, a)
+            dist.send(tensor, a)
+        out.append((time.perf_counter() - t0) / 2)
+    dist.barrier()
+    return statistics.median(out[1:])
+
+
+# ----------------------------------------------------------------------------- report
+class Report:
+    """Figures of one benchmark run, as the last line's JSON object."""
+
+    def __init__(self, iters: int):
+        self.out: dict = {"iters": iters}
+        self.spread: dict = {}
+        self.bounds: dict = {}
+        self.flags: list[str] = []
+        self.errors: dict = {}
+
+    def add(self, key: str, fig, bound: tuple | None = None, digits: int = 3) -> float:
+        """A figure (median, min, max); ``bound`` = (lo, hi) the simulator allows (None for
+        an open side): a median beyond it by more than SLACK is flagged."""
+        med, lo, hi = fig
+        self.out[key] = round(med, digits)
+        self.spread[key] = [round(lo, digits), round(hi, digits)]
+        if bound is not None:
+            b_lo, b_hi = bound
+            self.bounds[key] = [None if b_lo is None else round(b_lo, digits),
+                                None if b_hi is None else round(b_hi, digits)]
+            if b_hi is not None and med > b_hi * (1 + SLACK):
+                self.flags.append(f"{key} {med:.3f} above the simulator's ceiling {b_hi:.3f}")
+            if b_lo is not None and med < b_lo * (1 - SLACK):
+                self.flags.append(f"{key} {med:.3f} below the simulator's floor {b_lo:.3f}")
+        return med
+
+    def sim_error(self, label: str, samples: Sequence[float], predicted: float) -> float:
+        e = sim_error(samples, predicted)
+        self.errors[label] = round(e, 3)
+        return e
+
+    def finish(self, goals: dict[str, bool], **extra) -> dict:
+        """The JSON object: figures, spread, bounds, flags, sim errors, goals_met."""
+        out = dict(self.out)
+        if self.errors:
+            out["max_sim_error"] = max(self.errors.values())
+            out["sim_error"] = self.errors
+        out.update(extra)
+        out["spread"], out["bounds"], out["flags"] = self.spread, self.bounds, self.flags
+        out["goals"] = {k: bool(v) for k, v in goals.items()}
+        out["goals_met"] = all(goals.values()) and not self.flags
+        return out

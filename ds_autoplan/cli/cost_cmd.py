@@ -1,0 +1,69 @@
+"""`ds-autoplan cost`: what does MY configuration cost?  Costs the user's configuration
+(--config tp=8,pp=8,mbs=1,recompute=full,schedule=1f1b,...; what it leaves open is searched)
+on the planner's cost model and prints it beside the planner's free choice, with the reasons
+the faster one wins."""
+from __future__ import annotations
+
+import json
+
+from .plan_cmd import add_problem_args
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("cost", help="cost your own configuration beside the planner's choice",
+                       description=__doc__.splitlines()[0])
+    add_problem_args(p)
+    p.add_argument("--config", required=True, metavar="K=V,...",
+                   help="keys tp, pp, dp, mbs, zero, schedule, v (interleaved chunks), "
+                        "recompute (auto|none|full), sp (on|off)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(func=run)
+
+
+def _costed(args, fix):
+    from ..search import search
+    return search(args.model, args.cluster, args.global_batch, args.seq, precision=args.precision,
+                  budget_gb=args.memory_budget_gb, world_size=args.world_size, profile=args.profile,
+                  wide=False, keep_sim=False, fix=fix)
+
+
+def _line(res) -> dict:
+    s = res.best.summary(res.plan.global_batch_size, res.model.seq_len)
+    pr = res.plan.predicted
+    s.update(mfu=pr["mfu"], memory_budget_gb=pr["memory_budget_gb"])
+    return s
+
+
+def run(args) -> int:
+    from ..search.fix import describe, parse_fix, reasons
+    from ..spec import SpecError
+    fix = parse_fix(args.config)
+    free = _line(_costed(args, None))
+    try:
+        mine, why_not = _line(_costed(args, fix)), None
+    except SpecError as e:         # the configuration cannot run here: say why, show the plan
+        mine, why_not = None, str(e)
+    out = {"config": fix, "yours": mine, "planner": free, "error": why_not}
+    if mine is not None:
+        out["speedup"] = mine["iteration_time_s"] / free["iteration_time_s"]
+        out["reasons"] = reasons(mine, free) if out["speedup"] > 1 + 1e-9 else []
+    if args.json:
+        print(json.dumps(out, default=float))
+        return 0
+    for label, s in (("your configuration", mine), ("planner's choice", free)):
+        if s is None:
+            print(f"{label:<19}: cannot run: {why_not}")
+            continue
+        print(f"{label:<19}: {describe(s)}")
+        print(f"{'':<21}predicted {s['iteration_time_s']:.4g} s/iteration, "
+              f"{s['throughput_tokens_per_s']:.6g} tokens/s, MFU {s['mfu']:.1%}, peak memory "
+              f"{max(s['peak_memory_gb']):.2f} GB / {s['memory_budget_gb']:.1f} GB")
+    if mine is not None:
+        x = out["speedup"]
+        if x > 1 + 1e-9:
+            print(f"the planner's choice is {x:.3f}x faster: {'; '.join(out['reasons'])}")
+        else:
+            print("your configuration is the planner's choice" if x > 1 - 1e-9 else
+                  f"your configuration is {1 / x:.3f}x faster than the planner's choice (a search "
+                  f"heuristic missed it: please report)")
+    return 0

@@ -1,0 +1,208 @@
+"""Compute time from the work's shape, per GPU kind (issue 11, item 1).
+
+A block's forward and backward are costed kernel by kernel on the TP-split shapes the engines
+run (Megatron's column/row-parallel linears, Narayanan et al. 2021 §2.3; sequence parallelism
+shards the norm/dropout work, Korthikanti et al. 2022 §4.2.2):
+
+* GEMMs: tile and wave quantisation of the output over the GPU's SMs (NVIDIA Deep Learning
+  Performance Guide, "Matrix Multiplication Background"), at the measured maximum achievable
+  matmul rate, bounded below by the HBM traffic of the operands (roofline);
+* attention scores without flash attention: batched GEMMs over heads (same model) plus the
+  softmax/dropout traffic on the [s, s] scores; with flash attention: a fused kernel at the
+  GPU's published FlashAttention-2 fraction of peak;
+* norms, bias-GeLU/SwiGLU, bias-dropout-add: HBM traffic at the GPU's streaming bandwidth.
+
+One model per GPU kind (``ds_autoplan/data/gpus.yaml``); nothing is fitted per run.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import NamedTuple
+
+GPU_DATA = Path(__file__).resolve().parents[1] / "data" / "gpus.yaml"
+# backward traffic of a bandwidth-bound kernel over its forward's: it reads the saved input(s)
+# and the output gradient and writes the input gradient (norm, GeLU, softmax: 3 tensors where
+# the forward moved 2; dropout-add: 2 where the forward moved 2-3) [decision]
+BWD_TRAFFIC = 1.5
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    peak_tflops: float
+    mamf_tflops: float
+    sustained: float
+    sms: int
+    tile: tuple
+    hbm_GBps: float
+    stream_eff: float
+    flash_eff: float
+
+    def gemm(self, M: float, N: float, K: float, batch: float = 1) -> float:
+        """Seconds of a [M, K] x [K, N] GEMM (``batch`` of them): whole waves of output tiles
+        at the per-SM share of the sustained matmul rate, or the operands' HBM traffic."""
+        if min(M, N, K, batch) <= 0:
+            return 0.0
+        per_sm = self.mamf_tflops * self.sustained * 1e12 / self.sms
+        tm, tn = self.tile
+        waves = min(math.ceil(math.ceil(M / a) * math.ceil(N / b) * batch / self.sms)
+                    for a, b in ((tm, tn), (tn, tm)))
+        t_c = waves * 2.0 * tm * tn * K / per_sm
+        return max(t_c, self.stream(2.0 * batch * (M * K + K * N + M * N)))
+
+    def stream(self, nbytes: float) -> float:
+        """Seconds of a bandwidth-bound kernel moving ``nbytes`` through HBM."""
+        return nbytes / (self.hbm_GBps * 1e9 * self.stream_eff)
+
+    def fused_attention(self, flops: float) -> float:
+        return flops / (self.peak_tflops * 1e12 * self.flash_eff)
+
+
+@lru_cache(maxsize=None)
+def gpu_kinds() -> dict:
+    import yaml
+    data = yaml.safe_load(GPU_DATA.read_text())
+    return {k: GPU(k, float(v["peak_tflops"]), float(v["mamf_tflops"]), float(v["sustained"]), int(v["sms"]),
+                   tuple(int(x) for x in v["tile"]), float(v["hbm_GBps"]), float(v["stream_eff"]),
+                   float(v["flash_eff"])) for k, v in data.items()}
+
+
+def get_gpu(name: str | None) -> GPU | None:
+    if not name:
+        return None
+    kinds = gpu_kinds()
+    if name not in kinds:
+        from ..spec import SpecError
+        raise SpecError(f"unknown gpu kind {name!r}; known: {', '.join(sorted(kinds))} "
+                        f"(ds_autoplan/data/gpus.yaml)")
+    return kinds[name]
+
+
+class UnitTimes(NamedTuple):
+    """Seconds of one unit for one micro-batch on one device."""
+    fwd: float        # forward compute
+    bwd: float        # backward compute (input and weight gradients)
+    wgrad: float      # weight-gradient share of bwd (the W of B/W-split schedules)
+    attn: float       # forward of the attention core alone (what selective recompute replays)
+    wcol: float = 0.0  # weight gradients of the column-parallel linears: Megatron overlaps the
+                       # backward TP all-reduce (or SP reduce-scatter) of their input gradient with it
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The shapes of a built model that the kernels see."""
+    arch: str
+    s: int
+    h: int
+    heads: int
+    kv: int
+    f: int
+    vocab: int
+    gated: bool
+    flash: bool
+    dropout: bool
+    dec_s: int
+
+    @classmethod
+    def of(cls, model) -> "Dims | None":
+        c = model.config
+        if "num_layers" not in c:           # a profiled model: its measured times stand
+            return None
+        arch, h = model.arch, model.hidden
+        return cls(arch, model.seq_len, h, model.heads, int(c.get("kv_heads", model.heads)),
+                   int(c.get("ffn", 4 * h)), model.vocab, arch == "llama",
+                   bool(c.get("flash_attention", arch in ("gpt", "llama"))),
+                   bool(c.get("dropout", arch != "llama")), int(c.get("dec_seq_len", model.seq_len)))
+
+
+def _linears(g: GPU, lin: list) -> tuple[float, float, float]:
+    """(forward, backward, weight-gradient) seconds of Y[M,N] = X[M,K] W[K,N] GEMMs: the
+    backward is dX = dY W^T ([M,K] from N) and dW = X^T dY ([K,N] from M)."""
+    f = sum(g.gemm(M, N, K) for M, N, K in lin)
+    dx = sum(g.gemm(M, K, N) for M, N, K in lin)
+    dw = sum(g.gemm(K, N, M) for M, N, K in lin)
+    return f, dx + dw, dw
+
+
+def _attention_core(g: GPU, d: Dims, b: float, t: int, s: int, skv: int) -> tuple[float, float]:
+    """(forward, backward) seconds of softmax(Q K^T) V over the b*heads/t local heads."""
+    nh = b * d.heads / t
+    dh = d.h // d.heads
+    if d.flash:                    # fused kernel; its backward redoes QK^T (FA-2: 2.5x the flops)
+        fl = 4.0 * nh * s * skv * dh
+        return g.fused_attention(fl), g.fused_attention(2.5 * fl)
+    mm = g.gemm(s, skv, dh, nh) + g.gemm(s, dh, skv, nh)
+    # scale+mask+softmax (read and write the scores) and dropout (read, write, 1-byte mask)
+    sm = g.stream(nh * s * skv * (4 + (5 if d.dropout else 0)))
+    return mm + sm, 2 * mm + BWD_TRAFFIC * sm
+
+
+def block_times(g: GPU, d: Dims, b: float, t: int, sp: bool, decoder: bool = False) -> UnitTimes:
+    """One transformer block for ``b`` samples per device at TP degree ``t``."""
+    s = d.dec_s if decoder else d.s
+    T = b * s
+    q = t if sp and t > 1 else 1
+    hkv = d.h * d.kv // d.heads
+    lin = [(T, (d.h + 2 * hkv) / t, d.h), (T, d.h, d.h / t),
+           (T, (2 if d.gated else 1) * d.f / t, d.h), (T, d.h, d.f / t)]
+    n_norm, n_res = 2, 2
+    attn_f, attn_b = _attention_core(g, d, b, t, s, s)
+    if decoder:                    # cross-attention over the encoder output
+        Tc = b * d.s
+        lin += [(T, d.h / t, d.h), (Tc, 2 * d.h / t, d.h), (T, d.h, d.h / t)]
+        cf, cb = _attention_core(g, d, b, t, s, d.s)
+        attn_f, attn_b = attn_f + cf, attn_b + cb
+        n_norm, n_res = 3, 3
+    lf, lb, lw = _linears(g, lin)
+    col = [lin[0], lin[2]] + (lin[4:6] if decoder else [])
+    wcol = sum(g.gemm(K, N, M) for M, N, K in col)
+    # elementwise traffic per token, 2-byte activations: norm reads+writes h; bias-dropout-add
+    # reads 2h, writes h (+ a 1-byte mask); the activation reads its input(s) and writes f/t
+    res = 7 if d.dropout else 6
+    ew = T * (n_norm * 4 * d.h / q + n_res * res * d.h / q + (6 if d.gated else 4) * d.f / t)
+    ew_f = g.stream(ew)
+    return UnitTimes(lf + attn_f + ew_f, lb + attn_b + BWD_TRAFFIC * ew_f, lw, attn_f, wcol)
+
+
+def head_times(g: GPU, d: Dims, b: float, t: int, sp: bool) -> UnitTimes:
+    """Final norm, vocabulary-parallel logits and cross-entropy (Megatron computes it in fp32:
+    read bf16 logits, write fp32, softmax; backward writes the logit gradients)."""
+    s = d.dec_s if d.arch == "t5" else d.s
+    T = b * s
+    q = t if sp and t > 1 else 1
+    lf, lb, lw = _linears(g, [(T, d.vocab / t, d.h)])
+    nv = T * d.vocab / t
+    return UnitTimes(lf + g.stream(T * 4 * d.h / q + 10 * nv), lb + g.stream(T * 8 * d.h / q + 8 * nv),
+                     lw, 0.0)
+
+
+def embedding_times(g: GPU, d: Dims, b: float, t: int, sp: bool) -> UnitTimes:
+    """Lookup (+ position add and dropout) forward; gradient scatter into the table backward."""
+    T = b * d.s
+    x = T * d.h * 2
+    return UnitTimes(g.stream(3 * x), g.stream(3 * x), g.stream(x), 0.0)
+
+
+def unit_times(g: GPU, d: Dims, unit, b: float, t: int, sp: bool) -> UnitTimes | None:
+    """Times of a ModelSpec unit, or None where the shape model has no kernel list for it
+    (ViT patch embedding and classification head: those keep FLOPs at the matmul rate)."""
+    if unit.kind == "block":
+        return block_times(g, d, b, t, sp, decoder=unit.name == "dec_block")
+    if d.arch == "vit":
+        return None
+    if unit.kind == "post":
+        return head_times(g, d, b, t, sp)
+    return embedding_times(g, d, b, t, sp)
+
+
+def attention_score_bytes(d: Dims, unit) -> float:
+    """Activation bytes per sample of the attention scores, softmax output and dropout mask
+    (5 a s^2, Korthikanti et al. 2022 §4.1): what selective recompute does not keep; split by
+    TP like the rest of the attention.  Zero with flash attention."""
+    if d is None or d.flash or unit.kind != "block":
+        return 0.0
+    s = d.dec_s if unit.name == "dec_block" else d.s
+    return 5.0 * d.heads * s * s + (5.0 * d.heads * s * d.s if unit.name == "dec_block" else 0.0)

@@ -1,0 +1,99 @@
+"""Closed-form cost of one uniform configuration (every layer the same TP/DP/ZeRO/recompute),
+for configurations the search cannot express yet (any pipeline degree, interleaving with v
+chunks per rank, selective recompute) and for checking a plan's memory independently of the
+simulator.  Same per-layer tables as the search (CostModel.tables).
+
+Time (Narayanan et al. 2021 §2.2): the busiest rank's forward+backward per micro-batch t_mb,
+m micro-batches plus a bubble of (p-1)/v micro-batch times (§2.2.2: interleaving with v chunks
+divides the bubble by v), then the busiest rank's non-overlapped tail (gradient reduction,
+optimizer step, ZeRO parameter gather).
+Memory: model states + in-flight micro-batches' stashes + the largest backward transient;
+1F1B rank r keeps min(p - r, m) micro-batches (§2.2.1), Megatron's interleaved schedule keeps
+2(p - r - 1) + (v - 1) p + 1 chunk micro-batches in flight (its warm-up count + 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .model import CostModel, Strategy
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Config:
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    num_microbatches: int
+    zero: int = 0
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    chunks: int = 1                  # interleaved model chunks per rank (1 = plain 1F1B)
+
+    def strategy(self) -> Strategy:
+        return Strategy(self.tp, self.dp, self.zero, False, self.recompute == "full",
+                        self.sequence_parallel and self.tp > 1, self.recompute == "selective")
+
+
+@dataclass
+class ConfigCost:
+    time: float
+    peak: list = field(default_factory=list)       # bytes per pipeline rank
+    fits: bool = True
+    per_microbatch: float = 0.0
+    bubble: float = 0.0
+    tail: float = 0.0
+
+
+def split_layers(L: int, S: int) -> list[int]:
+    """L blocks into S chunks as evenly as possible (the later chunks take the remainder, as
+    the first carries the embedding and the last the head)."""
+    q, r = divmod(L, S)
+    return [q + (1 if i >= S - r else 0) for i in range(S)]
+
+
+def in_flight(pp: int, rank: int, m: int, v: int) -> float:
+    """Micro-batches of a whole stage's activations rank ``rank`` holds at its peak."""
+    if pp == 1:
+        return 1.0
+    if v == 1:
+        return float(min(pp - rank, m))
+    return min(2 * (pp - rank - 1) + (v - 1) * pp + 1, m * v) / v
+
+
+def config_cost(cm: CostModel, cfg: Config, budget: float | None = None) -> ConfigCost:
+    """Iteration seconds and per-rank peak bytes of ``cfg`` under ``cm``."""
+    s = cfg.strategy()
+    B_m = cfg.micro_batch * cfg.dp
+    tab = cm.tables([s], B_m)
+    seq = np.concatenate([[0], cm.block_types, [1]])
+    v, P, m = cfg.chunks, cfg.pp, cfg.num_microbatches
+    S = P * v
+    nblk = split_layers(len(cm.block_types), S)
+    col = lambda a: a[seq, 0]   # noqa: E731
+    fwd, bwd_ns, sync, f1, ob, ms, p2p = (col(tab.fwd), col(tab.bwd_ns), col(tab.bwd - tab.bwd_ns),
+                                           col(tab.f1), col(tab.ob), col(tab.ms), col(tab.p2p))
+    work, tail, peak = np.zeros(P), np.zeros(P), np.zeros(P)
+    act, trans = np.zeros(P), np.zeros(P)
+    lo = 0
+    for c, n in enumerate(nblk):
+        hi = lo + n + (1 if c == 0 else 0) + (1 if c == S - 1 else 0)
+        r = c % P
+        sl = slice(lo, hi)
+        work[r] += fwd[sl].sum() + bwd_ns[sl].sum() + (2 * p2p[hi - 1] if c < S - 1 else 0.0)
+        tail[r] += sync[sl].sum()
+        peak[r] += ms[sl].sum()
+        act[r] += f1[sl].sum()
+        trans[r] = max(trans[r], float(ob[sl].max()))
+        lo = hi
+    for r in range(P):
+        peak[r] += in_flight(P, r, m, v) * act[r] + trans[r]
+    t_mb = float(work.max())
+    bubble = (P - 1) / v * t_mb
+    T = m * t_mb + bubble + float(tail.max())
+    E = budget if budget is not None else cm.cluster.budget_bytes
+    return ConfigCost(T, list(peak), bool(np.all(peak <= E)), t_mb, bubble, float(tail.max()))

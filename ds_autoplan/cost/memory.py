@@ -1,0 +1,70 @@
+"""Model-state bytes as the engines hold them (issue 11, item 2), per runtime and precision.
+
+Bytes per parameter on one rank of a data-parallel group of ``d`` (ZeRO stage ``zero``):
+
+* Megatron-LM/-core with ``--bf16``/``--fp16`` keeps fp32 main gradients beside the 2-byte
+  parameters and the fp32 master copy + Adam moments: 2 + 4 + 12 = 18; the distributed optimizer
+  (our ZeRO-1) shards the 12 optimizer bytes: 6 + 12/d (megatron-core 0.16.1,
+  ``distributed/distributed_data_parallel.py``: the grad buffer is fp32 when
+  ``grad_reduce_in_fp32``/bf16; ``optimizer/distrib_optimizer.py``).
+* DeepSpeed 0.19.8 with bf16 (``runtime/engine.py``, ``_do_optimizer_sanity_check``): without
+  ZeRO and without pipelines the optimizer is ``FP16_UnfusedOptimizer`` on bf16 (DDP_BFLOAT16):
+  2-byte parameters and gradients, fp32 master and Adam moments, 2 + 2 + 12; with pipelines it
+  is ``BF16_Optimizer``, which shards the fp32 master and moments over the data-parallel group
+  (2 + 2 + 12/d) -- the tables do not know the pipeline degree, so the non-pipeline 16 is kept
+  [decision: the larger].  ZeRO-1 (``DeepSpeedZeroOptimizer``): 2 + 2 + 12/d, ZeRO-2 2 + 14/d,
+  ZeRO-3 16/d.  fp16 alike.
+* fp32: parameter + gradient + Adam moments, 4 + 4 + 8, sharded like the above.
+
+``runtime='any'`` (the default: a plan is emitted for both engines) takes the larger of the two.
+"""
+from __future__ import annotations
+
+RUNTIMES = ("any", "megatron", "deepspeed")
+
+# HBM traffic of the optimizer step per locally updated parameter (Megatron's step, the DeepSpeed
+# BF16/ZeRO optimizers alike): gradient-norm read of the fp32 gradient (4); Adam reads master,
+# gradient, m, v and writes master, m, v (28); the master is copied to the 2-byte model
+# parameter (4 + 2); the gradient buffer is zeroed (4).  fp32 training has no copy.
+OPT_STEP_BYTES = {"bf16": 42.0, "fp16": 42.0, "fp32": 36.0}
+
+
+def _deepspeed(precision: str, zero: int, d: int) -> tuple[float, float, float]:
+    if precision == "fp32":
+        p, g, o = 4.0, 4.0, 8.0
+    else:
+        p, g, o = 2.0, 2.0, 12.0
+    if zero == 0:
+        return p, g, o
+    if zero == 1:
+        return p, g, o / d
+    if zero == 2:
+        return p, g / d, o / d
+    return p / d, g / d, o / d
+
+
+def _megatron(precision: str, zero: int, d: int) -> tuple[float, float, float]:
+    if zero >= 2:                       # not executable in Megatron: DeepSpeed holds it
+        return _deepspeed(precision, zero, d)
+    p, g, o = (4.0, 4.0, 8.0) if precision == "fp32" else (2.0, 4.0, 12.0)
+    return p, g, (o / d if zero == 1 else o)
+
+
+def state_bytes(precision: str, zero: int, d: int, runtime: str = "any") -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer) bytes per model parameter on one rank."""
+    if runtime not in RUNTIMES:
+        from ..spec import SpecError
+        raise SpecError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    if runtime == "megatron":
+        return _megatron(precision, zero, d)
+    if runtime == "deepspeed":
+        return _deepspeed(precision, zero, d)
+    m, s = _megatron(precision, zero, d), _deepspeed(precision, zero, d)
+    return m if sum(m) >= sum(s) else s
+
+
+def local_optimizer_fraction(zero: int, d: int, precision: str, runtime: str = "any") -> float:
+    """Share of a rank's parameters whose optimizer state (and Adam step) lives on it."""
+    o = state_bytes(precision, zero, d, runtime)[2]
+    full = 8.0 if precision == "fp32" else 12.0
+    return o / full

@@ -1,0 +1,100 @@
+"""Calibrated sleep: the one stand-in for compute in every benchmark (issue 14).
+
+On a shared CPU machine a benchmark of *schedules* must not measure CPU contention, so each
+layer's forward, input-gradient (B) and weight-gradient (W) pass sleeps a set time instead
+of computing.  ``time.sleep`` overshoots by a roughly constant amount per call, which would
+penalise schedules with more, shorter actions; :func:`sleep` subtracts the overshoot
+measured once per process (:func:`oversleep`).
+
+:class:`SleepLayer` is ``y = p * x`` with a one-element weight ``p``; its backward joins the
+B/W split of zero-bubble schedules through ``runtime.splitgrad.defer``.  What it keeps for
+backward sets the benchmark's activation-memory model:
+
+* ``inner`` extra copies of the input stand for the layer's internal activations;
+* ``w_keeps='all'``: B keeps everything until W (the zero-bubble paper's a_B = 0);
+  ``w_keeps='grad'``: B frees the internals, W keeps the input and the output gradient
+  (per layer (a_F, a_B, a_W) = (1 + inner, 1 - inner, -2) in units of one input).
+
+Times are seconds, or a callable ``shape -> seconds`` (a cost model of the input's shape).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Union
+
+import torch
+
+Seconds = Union[float, Callable[[tuple], float]]
+_OVER: list = [None]      # this process's measured overshoot of time.sleep
+
+
+def oversleep(samples: int = 15, dt: float = 0.002) -> float:
+    """Median overshoot of ``time.sleep(dt)`` here, in seconds (measured, then cached)."""
+    over = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        time.sleep(dt)
+        over.append(time.perf_counter() - t0 - dt)
+    _OVER[0] = max(0.0, statistics.median(over))
+    return _OVER[0]
+
+
+def sleep(seconds: float) -> None:
+    """Sleep ``seconds`` of wall time, net of the measured overshoot (no spinning: a spin
+    would take a core from the other ranks)."""
+    if seconds <= 0:
+        return
+    over = _OVER[0] if _OVER[0] is not None else oversleep()
+    if seconds > over:
+        time.sleep(seconds - over)
+
+
+def _weight_pass(*held, layer):
+    """The deferred W: sleep, then the weight gradient (B's sum when W keeps everything,
+    else from the held input and output gradient)."""
+    sleep(layer.seconds(layer.tw, held[0].shape))
+    s = held[-1] if layer.w_keeps == "all" else (held[1] * held[0]).sum().reshape(1)
+    return [(layer.p, s)]
+
+
+class _SleepFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, p, layer):
+        sleep(layer.seconds(layer.tf, x.shape))
+        saved = (x, x.repeat(1, 1, layer.inner)) if layer.inner else (x,)
+        ctx.save_for_backward(*saved)
+        ctx.p, ctx.layer = p, layer
+        return x * p
+
+    @staticmethod
+    def backward(ctx, go):
+        from ..runtime.splitgrad import defer
+        x, *inner = ctx.saved_tensors
+        layer = ctx.layer
+        sleep(layer.seconds(layer.tb, x.shape))
+        s = (go * x).sum().reshape(1)
+        held = (x, *inner, s) if layer.w_keeps == "all" else (x, go)
+        if defer(_weight_pass, *held, layer=layer):
+            return go * ctx.p, None, None
+        sleep(layer.seconds(layer.tw, x.shape))
+        return go * ctx.p, s, None
+
+
+class SleepLayer(torch.nn.Module):
+    """``y = p * x``; F, B and W sleep ``tf``, ``tb``, ``tw`` (seconds or ``shape -> s``)."""
+
+    def __init__(self, tf: Seconds, tb: Seconds, tw: Seconds = 0.0, *, inner: int = 0,
+                 w_keeps: str = "all"):
+        super().__init__()
+        if w_keeps not in ("all", "grad"):
+            raise ValueError("w_keeps must be 'all' or 'grad'")
+        self.p = torch.nn.Parameter(torch.ones(1))
+        self.tf, self.tb, self.tw, self.inner, self.w_keeps = tf, tb, tw, int(inner), w_keeps
+
+    @staticmethod
+    def seconds(t: Seconds, shape) -> float:
+        return float(t(tuple(shape))) if callable(t) else float(t)
+
+    def forward(self, x):
+        return _SleepFn.apply(x, self.p, self)

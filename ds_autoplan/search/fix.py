@@ -1,0 +1,75 @@
+"""A user's own configuration (``--fix tp=8,pp=8,mbs=1,recompute=full,schedule=1f1b``):
+parsed into restrictions of the executable space, and compared with the free plan."""
+from __future__ import annotations
+
+from ..spec import SpecError
+
+RECOMPUTE = {"auto": "dp", "none": "none", "full": "full"}
+SP = {"on": "on", "off": "off", "auto": "auto", "true": "on", "false": "off", "1": "on", "0": "off"}
+INT_KEYS = {"tp", "pp", "dp", "mbs", "zero", "v"}
+KEYS = INT_KEYS | {"schedule", "recompute", "sp"}
+ALIASES = {"micro_batch_size": "mbs", "micro-batch": "mbs", "zero_stage": "zero", "chunks": "v",
+           "sequence_parallel": "sp"}
+
+
+def parse_fix(text: str | dict | None) -> dict:
+    """``'tp=8,pp=8,mbs=1,zero=1,schedule=interleaved,v=3,recompute=full,sp=on'`` -> dict.
+    recompute: auto (the planner's per-stage choice), none, full (every block, even split,
+    1F1B as Megatron's --recompute-granularity full)."""
+    if not text:
+        return {}
+    items = text.items() if isinstance(text, dict) else \
+        (kv.split("=", 1) if "=" in kv else (kv, None) for kv in str(text).split(",") if kv.strip())
+    out = {}
+    for k, v in items:
+        k = ALIASES.get(k.strip().lower(), k.strip().lower())
+        if k not in KEYS or v is None or str(v).strip() == "":
+            raise SpecError(f"--fix: expected key=value with key in {', '.join(sorted(KEYS))}; got {k!r}")
+        v = str(v).strip().lower()
+        if k in INT_KEYS:
+            if not v.isdigit() or int(v) < (0 if k == "zero" else 1):
+                raise SpecError(f"--fix: {k} must be a {'non-negative' if k == 'zero' else 'positive'} "
+                                f"integer, got {v!r}")
+            out[k] = int(v)
+        elif k == "recompute":
+            if v not in RECOMPUTE:
+                raise SpecError(f"--fix: recompute must be one of {', '.join(RECOMPUTE)}, got {v!r}")
+            out[k] = v
+        elif k == "sp":
+            if v not in SP:
+                raise SpecError(f"--fix: sp must be on, off or auto, got {v!r}")
+            out[k] = SP[v]
+        else:
+            out[k] = v
+    if out.get("recompute") == "full" and out.get("schedule", "1f1b") != "1f1b":
+        raise SpecError("--fix: recompute=full is costed with 1F1B (Megatron's uniform full "
+                        "recompute); use recompute=auto with other schedules")
+    if "v" in out and out.get("schedule") != "interleaved":
+        raise SpecError("--fix: v (chunks per rank) needs schedule=interleaved")
+    return out
+
+
+def describe(s: dict) -> str:
+    """One line for a plan summary (``Candidate.summary``)."""
+    v = f" v={s['chunks']}" if s.get("chunks", 1) > 1 else ""
+    return (f"pp={s['pp']} tp={s['tp']}{'+sp' if s['sequence_parallel'] else ''} dp={s['dp']} "
+            f"ZeRO-{s['zero_stage']} {s['schedule']}{v} micro-batch {s['micro_batch_size']} x "
+            f"{s['num_microbatches']}, recompute {sum(s['recompute_layers'])} blocks")
+
+
+def reasons(mine: dict, best: dict) -> list[str]:
+    """Why ``best`` is faster than ``mine``: the figures that differ, largest effect first."""
+    out = []
+    if best["bubble"] + 1e-3 < mine["bubble"]:
+        out.append(f"pipeline bubble {best['bubble']:.1%} instead of {mine['bubble']:.1%}")
+    rb, rm = sum(best["recompute_layers"]), sum(mine["recompute_layers"])
+    if rb < rm:
+        out.append(f"recomputes {rb} blocks instead of {rm}")
+    if best["tp"] < mine["tp"]:
+        out.append(f"tensor parallel {best['tp']} instead of {mine['tp']} (less all-reduce per layer)")
+    if best["micro_batch_size"] > mine["micro_batch_size"]:
+        out.append(f"micro-batch {best['micro_batch_size']} instead of {mine['micro_batch_size']} "
+                   f"(fewer, larger steps)")
+    if best["zero_stage"] < mine["zero_stage"]:
+        out.append(f"ZeRO-{best['zero_stage']} instead of ZeRO-{mine['zero_stage']} (less gradient traffic)")
+    return out or ["a better balance of stages and communication on the same cost model"]

@@ -1,0 +1,41 @@
+"""Run Megatron-LM's own argument parser and validator (megatron/training/arguments.py of a
+COPY of the client in ../shared/clients) on flag lists read as JSON from stdin; print one
+JSON line per list with the sizes Megatron derived, or its error.
+
+    WORLD_SIZE=24 python megatron_argcheck.py CLIENT_COPY < lists.json
+
+Test-side shims only (the client is not modified): megatron/training/__init__ imports the
+training loop, so the package is entered without it; the device architecture query and
+CUDA_DEVICE_MAX_CONNECTIONS are what a CPU test machine lacks."""
+import json
+import os
+import sys
+import types
+
+client = sys.argv[1]
+sys.path.insert(0, client)
+os.environ.setdefault("RANK", "0")
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+import megatron  # noqa: E402,F401
+
+pkg = types.ModuleType("megatron.training")
+pkg.__path__ = [os.path.join(client, "megatron", "training")]
+sys.modules["megatron.training"] = pkg
+from megatron.training import global_vars  # noqa: E402
+
+for k in dir(global_vars):
+    if k.startswith("get_"):
+        setattr(pkg, k, getattr(global_vars, k))
+from megatron.training import arguments  # noqa: E402
+
+arguments.get_device_arch_version = lambda: 9          # no device to query on CPU
+for flags in json.load(sys.stdin):
+    sys.argv = ["pretrain_gpt.py"] + flags
+    try:
+        a = arguments.validate_args(arguments.parse_args())
+        out = {"ok": True, "dp": a.data_parallel_size, "tp": a.tensor_model_parallel_size,
+               "pp": a.pipeline_model_parallel_size, "mbs": a.micro_batch_size,
+               "gbs": a.global_batch_size, "vpp": a.virtual_pipeline_model_parallel_size}
+    except (AssertionError, SystemExit, ValueError) as e:
+        out = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    print("ARGCHECK " + json.dumps(out), flush=True)

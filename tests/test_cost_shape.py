@@ -1,0 +1,199 @@
+"""Issue 11 cost side: compute from the work's shape, memory as the engines hold it, optimizer
+step and ZeRO gather, hierarchical collectives, and the published-runs validation."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from ds_autoplan.cost.collectives import Network
+from ds_autoplan.cost.compute import Dims, block_times, get_gpu
+from ds_autoplan.cost.iteration import Config, config_cost, in_flight, split_layers
+from ds_autoplan.cost.memory import state_bytes
+from ds_autoplan.cost.model import CostModel, Strategy
+from ds_autoplan.spec import SpecError, load_cluster, load_model
+
+A100 = get_gpu("a100-sxm-80gb")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- compute from the shape -----------------------------------------------------------------
+def test_gemm_waves_and_roofline():
+    """Whole waves of 256x128 tiles over 108 SMs: one tile more than a full wave costs a whole
+    extra wave; a large square GEMM runs at the sustained matmul rate; a skinny one is HBM-bound."""
+    per_wave = 2 * 256 * 128 * 4096 / (A100.mamf_tflops * A100.sustained * 1e12 / A100.sms)
+    M, N = 256 * 27, 128 * 4                   # 27 x 4 = 108 tiles: exactly one wave
+    assert A100.gemm(M, N, 4096) == pytest.approx(per_wave)
+    assert A100.gemm(M + 1, N, 4096) == pytest.approx(2 * per_wave)
+    big = 2 * 8192 ** 3 / A100.gemm(8192, 8192, 8192)
+    assert big / 1e12 == pytest.approx(A100.mamf_tflops * A100.sustained, rel=0.05)
+    skinny = A100.gemm(8192, 8192, 16)
+    assert skinny == pytest.approx(A100.stream(2 * (8192 * 16 * 2 + 8192 * 8192)))
+
+
+def test_efficiency_grows_with_the_shape_and_tp_splitting_lowers_it():
+    """The issue's cap: one constant per GPU bounds MFU whatever the sizes.  From the shape,
+    achieved FLOP/s of a GPT block grow with h, and TP-splitting a small layer loses more."""
+    def eff(h, t, b=1):
+        m = load_model({"name": "x", "arch": "gpt", "num_layers": 2, "hidden": h, "heads": h // 128,
+                        "vocab": 51200, "seq_len": 2048, "flash_attention": False})
+        k = block_times(A100, Dims.of(m), b, t, False)
+        return 3 * b * m.layers[0].flops / t / (k.fwd + k.bwd) / 312e12
+    small, mid, large = eff(1024, 1), eff(4096, 1), eff(12288, 1)
+    assert small < mid < large
+    assert large > 0.55                        # the 175B-class block beats the old 0.5 constant
+    assert eff(1024, 8) < 0.5 * eff(1024, 1) and eff(12288, 8) > 0.85 * eff(12288, 1)
+
+
+def test_selective_recompute_between_none_and_full():
+    """Korthikanti et al. §5: selective recompute drops the 5as^2 attention bytes and replays
+    only the attention core; full CKPT keeps the input and replays the whole forward."""
+    m = load_model({"name": "x", "arch": "gpt", "num_layers": 4, "hidden": 4096, "heads": 32,
+                    "vocab": 51200, "seq_len": 2048, "flash_attention": False})
+    cm = CostModel(m, load_cluster("8xa100-80gb"))
+    S = [Strategy(8, 1, sp=True), Strategy(8, 1, sp=True, sel=True), Strategy(8, 1, ckpt=True, sp=True)]
+    t = cm.tables(S, 1)
+    blk = 2
+    assert t.f1[blk, 0] - t.f1[blk, 1] == pytest.approx(5 * 32 * 2048 ** 2 / 8)
+    assert t.f1[blk, 2] < t.f1[blk, 1] < t.f1[blk, 0]
+    assert t.bwd_ns[blk, 0] < t.bwd_ns[blk, 1] < t.bwd_ns[blk, 2]
+    assert S[1].label() == "TP8+SP+SEL"
+
+
+def test_unknown_gpu_kind_is_a_clear_error():
+    with pytest.raises(SpecError, match="unknown gpu kind 'a200'"):
+        load_cluster({**load_cluster("8xa100-80gb").__dict__, "gpu": "a200"})
+
+
+# -- memory as the engines hold it --------------------------------------------------------------
+def test_state_bytes_per_runtime():
+    assert sum(state_bytes("bf16", 0, 8, "megatron")) == 18                 # fp32 main grads
+    assert sum(state_bytes("bf16", 1, 8, "megatron")) == pytest.approx(6 + 12 / 8)   # dist. optimizer
+    assert sum(state_bytes("bf16", 1, 8, "deepspeed")) == pytest.approx(4 + 12 / 8)
+    assert sum(state_bytes("bf16", 2, 8, "deepspeed")) == pytest.approx(2 + 14 / 8)
+    assert sum(state_bytes("bf16", 3, 8, "deepspeed")) == pytest.approx(16 / 8)
+    for z in range(4):                                                        # 'any' = the larger
+        assert sum(state_bytes("bf16", z, 4)) == max(sum(state_bytes("bf16", z, 4, r))
+                                                     for r in ("megatron", "deepspeed"))
+
+
+DS_PROBE = textwrap.dedent('''
+    import os, sys, torch, deepspeed
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    deepspeed.init_distributed("gloo")
+    for stage in (0, 1):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+        n = sum(p.numel() for p in model.parameters())
+        cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+               "zero_optimization": {"stage": stage},
+               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
+        eng, opt, _, _ = deepspeed.initialize(model=model, config=cfg)
+        for _ in range(2):                 # the second backward: Adam state exists, grads held
+            loss = eng(torch.randn(2, 64, dtype=torch.bfloat16)).float().pow(2).mean()
+            eng.backward(loss)
+            if _ == 0:
+                eng.step()
+        seen = {}
+        def add(t):
+            if isinstance(t, torch.Tensor) and t.numel():
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        def walk(v, depth=0):
+            if isinstance(v, torch.Tensor): add(v)
+            elif isinstance(v, (list, tuple)) and depth < 3:
+                for x in v: walk(x, depth + 1)
+            elif isinstance(v, dict) and depth < 3:
+                for x in v.values(): walk(x, depth + 1)
+        for p in eng.module.parameters():
+            add(p); add(p.grad)
+        o = eng.optimizer
+        for name in vars(o):
+            walk(getattr(o, name))
+        walk(list(o.optimizer.state.values()))
+        print(stage, sum(seen.values()) / n)
+''')
+
+
+@pytest.mark.multiproc
+def test_deepspeed_bf16_holds_what_the_accounting_says(tmp_path):
+    """The installed DeepSpeed's bf16 optimizers, with gradients and Adam state live, hold the
+    bytes per parameter cost/memory.py charges for d = 1 (2 + 2 + 12 without ZeRO and ZeRO-1)."""
+    script = tmp_path / "probe.py"
+    script.write_text(DS_PROBE)
+    out = subprocess.run([sys.executable, str(script), str(29500 + os.getpid() % 1000)], capture_output=True,
+                         text=True, timeout=600, cwd=tmp_path)
+    lines = [ln.split() for ln in out.stdout.splitlines() if ln[:2] in ("0 ", "1 ")]
+    assert len(lines) == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    for stage, bpp in lines:
+        assert float(bpp) == pytest.approx(sum(state_bytes("bf16", int(stage), 1, "deepspeed")), abs=0.1)
+
+
+def test_zero1_step_and_gather_are_exposed():
+    """The Adam step streams the rank's optimizer shard; ZeRO-1 gathers the updated parameters
+    after it: both are in the sync-step time (bwd - bwd_ns), never hidden by the backward."""
+    m = load_model("gpt3-1.3b")
+    c = load_cluster("8xa100-80gb")
+    cm = CostModel(m, c)
+    s0, s1 = Strategy(1, 8, 0), Strategy(1, 8, 1)
+    t = cm.tables([s0, s1], 8)
+    blk = 2
+    W = m.layers[0].params
+    step0 = cm.step_time(W)
+    step1 = cm.step_time(W / 8)
+    gather = cm.net.all_gather(W * 2, 8)
+    assert step0 > 0 and step1 == pytest.approx(step0 / 8)
+    tail1 = t.bwd[blk, 1] - t.bwd_ns[blk, 1]
+    assert tail1 >= gather + step1
+    no_ovl = CostModel(m, c, overlap_grad_reduce=False).tables([s0], 8)
+    assert no_ovl.bwd[blk, 0] - no_ovl.bwd_ns[blk, 0] == pytest.approx(cm.net.all_reduce(W * 2, 8) + step0)
+
+
+# -- hierarchical collectives -----------------------------------------------------------------
+def test_strided_group_pays_one_rail_contiguous_splits_over_the_node():
+    c = load_cluster("64xa100-80gb")
+    net = Network(c)
+    X = 1e9
+    assert net.layout(4, 1) == (4, 1) and net.layout(4, 8) == (1, 4) and net.layout(16, 1) == (8, 2)
+    inside = net.all_reduce(X, 4, 1)
+    strided = net.all_reduce(X, 4, 8)
+    assert inside == pytest.approx(2 * 3 / 4 * X / (c.intra_node_GBps * 1e9) + c.intra_latency_us * 1e-6)
+    assert strided == pytest.approx(2 * 3 / 4 * X / (c.rail_GBps * 1e9) + c.inter_latency_us * 1e-6)
+    # 16 ranks on 2 nodes: NVLink inside, then each of the 8 rails carries 1/8 of the tensor
+    two_nodes = net.all_reduce(X, 16, 1)
+    assert two_nodes == pytest.approx(2 * 7 / 8 * X / (c.intra_node_GBps * 1e9) + 2 * 1 / 2 * X / 8 / (c.rail_GBps * 1e9)
+                                      + (c.intra_latency_us + c.inter_latency_us) * 1e-6)
+    assert inside < two_nodes < net.all_reduce(X, 16, 8) and strided > 1.5 * net.all_reduce(X, 4, 2)
+
+
+# -- closed-form configuration cost ---------------------------------------------------------------
+def test_closed_form_matches_eq9_for_balanced_1f1b():
+    """No interleaving, even stages: T = (m + p - 1) t_mb + tail; in-flight micro-batches of
+    1F1B rank r are min(p - r, m); interleaving divides the bubble by v."""
+    m = load_model("gpt3-1.3b")
+    cm = CostModel(m, load_cluster("8xa100-80gb"))
+    c1 = config_cost(cm, Config(2, 4, 1, 1, 16, recompute="full"))
+    assert c1.time == pytest.approx(16 * c1.per_microbatch + 3 * c1.per_microbatch + c1.tail)
+    c2 = config_cost(cm, Config(2, 4, 1, 1, 16, recompute="full", chunks=2))
+    assert c2.bubble == pytest.approx(3 / 2 * c2.per_microbatch)
+    assert [in_flight(4, r, 16, 1) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight(4, 0, 16, 2) == (2 * 3 + 4 + 1) / 2
+    assert split_layers(105, 35) == [3] * 35 and sum(split_layers(10, 4)) == 10
+
+
+def test_published_runs_within_issue_bounds():
+    """bench/published_runs.py's cost side: median |throughput error| <= 5%, max <= 12%, and
+    no published configuration called infeasible."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import published_runs as pr
+    finally:
+        sys.path.pop(0)
+    errs = []
+    for r in pr.load_rows():
+        (cfg, c), _ = pr.cost_published(r)
+        assert c.fits, r["id"]
+        errs.append(abs(pr.published_time(r) / c.time - 1))
+    assert np.median(errs) <= 0.05 and max(errs) <= 0.12

@@ -1,0 +1,164 @@
+"""The executable search space (issue 11 item 4): any world size, pipeline degree and
+micro-batch size, interleaved chunks searched, `--fix` / `ds-autoplan cost`, and the
+planner's fast simulation path against the simulator."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ds_autoplan.cli import main
+from ds_autoplan.emit.deepspeed import ds_config, validate
+from ds_autoplan.emit.megatron import megatron_args
+from ds_autoplan.schedule import Costs, build, names, simulate
+from ds_autoplan.search import fastsim, search
+from ds_autoplan.search.fix import parse_fix
+from ds_autoplan.search.planner import Planner
+from ds_autoplan.spec import SpecError, load_cluster, load_model
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _client(rel="shared/clients/megatron-lm-core_v0.16.1"):
+    """../shared/clients beside the checkout (a worktree sits one level deeper)."""
+    d = HERE
+    while d != os.path.dirname(d):
+        d = os.path.dirname(d)
+        if os.path.isdir(os.path.join(d, rel)):
+            return os.path.join(d, rel)
+    return ""
+
+
+CLIENT = _client()
+# three 8-GPU nodes: 24 devices (not a power of two)
+C24 = dict(name="3x8xa100", num_nodes=3, gpus_per_node=8, memory_gb=80, reserve_gb=4,
+           peak_tflops=312, compute_efficiency=0.5, intra_node_GBps=230, inter_node_GBps=25,
+           intra_latency_us=10, inter_latency_us=25, overlap_slowdown=1.3)
+
+
+@pytest.mark.parametrize("name", [n for n in names() if n != "merak-scp"])
+@pytest.mark.parametrize("d,n,v", [(2, 4, 2), (3, 7, 2), (4, 13, 2), (4, 8, 3)])
+def test_fast_simulation_equals_simulator(name, d, n, v):
+    """Makespan, per-rank peak and busy time of the compiled longest-path run equal the
+    event simulator's on random per-stage costs (F/B/W split or fused, p2p latency)."""
+    try:
+        sched = build(name, d, n, **({"v": v} if name == "interleaved" else {}))
+    except Exception:
+        pytest.skip(f"{name} does not build for d={d}, n={n}")
+    c = fastsim.compile_schedule(sched)
+    assert c is not None
+    rng = np.random.default_rng(d * 100 + n)
+    S = sched.num_stages
+    f, b, w, act = (rng.uniform(lo, hi, S) for lo, hi in ((0.5, 2), (0.5, 2), (0.1, 1), (1, 3)))
+    w = w if c.split else np.zeros(S)
+    costs = Costs.per_stage(S, n, f=f, b=b, w=w, mem_f=act, mem_b=np.zeros(S), mem_w=-act,
+                            p2p=0.3, num_ranks=d)
+    ref = simulate(sched, costs)
+    got = fastsim.run(c, f, b, w, act, np.zeros(S), -act, 0.3)
+    assert got.makespan == pytest.approx(ref.makespan, rel=1e-12)
+    assert np.allclose(got.peak_memory, ref.peak_memory) and np.allclose(got.busy, ref.busy)
+    assert got.bubble_ratio == pytest.approx(ref.bubble_ratio)
+
+
+def test_space_has_any_divisor():
+    """24 devices: pp 3 and 6, tp dividing a node, micro-batch 3 are all in the space."""
+    pl = Planner(load_model("gpt3-13b"), load_cluster(C24), 72)
+    combos = list(pl.combos())
+    assert {3, 6, 12, 24} <= {c[0] for c in combos}
+    assert {c[1] for c in combos} == {1, 2, 4, 8}
+    assert any(c[5] // c[2] == 3 for c in combos)
+    for P, t, d, z, m, B_m in combos:
+        assert P * t * d == 24 and B_m * m == 72 and B_m % d == 0
+
+
+def _argcheck(tmp_path, flag_lists, world):
+    client = tmp_path / "megatron-lm"
+    shutil.copytree(CLIENT, client)
+    env = dict(os.environ, WORLD_SIZE=str(world))
+    r = subprocess.run([sys.executable, os.path.join(HERE, "megatron_argcheck.py"), str(client)],
+                       input=json.dumps(flag_lists), capture_output=True, text=True, env=env,
+                       timeout=300)
+    out = [json.loads(x.split(" ", 1)[1]) for x in r.stdout.splitlines() if x.startswith("ARGCHECK ")]
+    assert len(out) == len(flag_lists), r.stderr[-3000:]
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir(CLIENT), reason="Megatron-LM client copy not available")
+def test_non_power_of_two_plans_emit_valid_configs(tmp_path):
+    """24 GPUs, pp=3, micro-batch 3 (1F1B with an uneven split, and interleaved): the plans
+    emit a ds_config DeepSpeed's config class accepts and flags Megatron-LM's own argument
+    parser accepts with the same sizes; a flag set Megatron must reject is rejected."""
+    model = load_model("gpt3-13b")
+    plans = [search(model, C24, 72, fix=f"pp=3,mbs=3,schedule={s}", wide=False, baselines=False,
+                    keep_sim=False).plan for s in ("1f1b", "interleaved")]
+    flag_lists = []
+    for p in plans:
+        assert (p.pp, p.micro_batch_size, p.pp * p.tp * p.dp) == (3, 3, 24)
+        assert sum(p.layers_per_stage) == 40            # 40 layers over 3 (or 3v) stages
+        parsed = validate(ds_config(p), p)
+        assert parsed.train_micro_batch_size_per_gpu == 3
+        assert parsed.train_batch_size == 72 == 3 * p.num_microbatches * p.dp
+        flags = " ".join(megatron_args(p, model)).split()
+        flag_lists.append(flags + ["--mock-data", "--tokenizer-type", "NullTokenizer",
+                                   "--vocab-size", str(model.vocab)])
+    bad = list(flag_lists[0])
+    i = bad.index("--pipeline-model-parallel-layout")
+    del bad[i:i + 2]                                    # 40 layers do not split evenly over 3
+    out = _argcheck(tmp_path, flag_lists + [bad], 24)
+    for p, o in zip(plans, out):
+        assert o["ok"], o
+        assert (o["tp"], o["pp"], o["dp"], o["mbs"], o["gbs"]) == (p.tp, p.pp, p.dp, 3, 72)
+        assert (o["vpp"] or 1) == len(p.layers_per_stage) // p.pp
+    assert not out[-1]["ok"] and "divisible" in out[-1]["error"]
+
+
+def test_interleaved_chunks_searched():
+    """Few micro-batches per pipeline: the bubble decides, so more than 2 chunks per rank
+    win (Narayanan et al. 2021 §2.2: bubble (p-1)/(v m)); v=2 fixed is slower."""
+    kw = dict(wide=False, baselines=False, keep_sim=False)
+    free = search("gpt3-1.3b", "8xa100-80gb", 4, fix="pp=4,schedule=interleaved", **kw)
+    v = free.plan.schedule_options["v"]
+    assert v > 2 and len(free.plan.layers_per_stage) == 4 * v
+    two = search("gpt3-1.3b", "8xa100-80gb", 4, fix="pp=4,schedule=interleaved,v=2", **kw)
+    assert two.plan.schedule_options == {"v": 2}
+    assert free.best.time < two.best.time
+
+
+def test_cost_reproduces_plan(capsys):
+    """`ds-autoplan cost` with the configuration `plan` chose gives plan's figure; a worse
+    configuration is reported slower, with reasons."""
+    args = ["--model", "gpt3-1.3b", "--cluster", "2x8xa100-ib200", "--global-batch", "48"]
+    assert main(["plan", *args, "--json", "--quiet", "--no-wide"]) == 0
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cfg = (f"pp={plan['pp']},tp={plan['tp']},mbs={plan['micro_batch_size']},"
+           f"zero={plan['zero_stage']},schedule={plan['schedule']}")
+    assert main(["cost", *args, "--config", cfg, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["yours"]["iteration_time_s"] == pytest.approx(plan["iteration_time_s"], rel=1e-12)
+    assert out["planner"]["iteration_time_s"] == pytest.approx(plan["iteration_time_s"], rel=1e-12)
+    assert out["speedup"] == pytest.approx(1.0)
+    assert main(["cost", *args, "--config", "pp=2,tp=8,recompute=full,schedule=1f1b", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["speedup"] > 1 and out["reasons"]
+    assert out["yours"]["recompute_layers"] == out["yours"]["layers_per_stage"]
+    assert (out["yours"]["pp"], out["yours"]["tp"]) == (2, 8)
+
+
+def test_fix_errors():
+    for bad, msg in [("tp=8,foo=1", "key=value"), ("mbs=0", "positive"), ("recompute=some", "recompute"),
+                     ("v=3", "interleaved"), ("schedule=v-zb,recompute=full", "1F1B")]:
+        with pytest.raises(SpecError, match=msg):
+            parse_fix(bad)
+    with pytest.raises(SpecError, match="unknown schedule"):
+        search("gpt3-1.3b", "8xa100-80gb", 16, fix="schedule=nope", wide=False)
+    with pytest.raises(SpecError, match="contradicts"):
+        search("gpt3-1.3b", "8xa100-80gb", 16, pp=2, fix="pp=4", wide=False)
+    with pytest.raises(SpecError, match="no layout"):
+        search("gpt3-1.3b", "8xa100-80gb", 16, fix="pp=4,mbs=16", wide=False)
+    assert parse_fix("tp=8,pp=8,mbs=1,recompute=full,schedule=1f1b,sp=on") == dict(
+        tp=8, pp=8, mbs=1, recompute="full", schedule="1f1b", sp="on")
