@@ -28,7 +28,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ...schedule import Kind, Schedule
 from .. import splitgrad
-from ..common import accept, dispatch_table, recomputed
+from ..common import StepState, accept, dispatch_table, recomputed
 from ..common.memory import ActionMemory
 from ..memtrack import MemTracker, hold
 from ..rng import RngState
@@ -147,6 +147,7 @@ class AutoplanEngine(PipelineEngine):
         self.ap_shape_plan = None        # (stage, mb) -> (is_tensor, [(dtype, shape)]) or None
         self.ap_loss_factors = None      # per micro-batch factor on the loss stage's loss
         self.ap_swap: dict = {}          # local stage -> runtime.swap.Swapper (set_swap_policy)
+        self._step_state = None          # StepState of the next train_batch (set_step)
         self._ap_ready = True
         if self.training_data and (self.is_first_stage() or self.is_last_stage()):
             self._build_data_iter(self.training_data)
@@ -164,6 +165,32 @@ class AutoplanEngine(PipelineEngine):
         if n != self.micro_batches:
             self.set_train_batch_size(self.train_micro_batch_size_per_gpu() * n * self.dp_world_size)
             self.micro_batches = n
+
+    def set_step(self, state: StepState, shapes=None):
+        """Per-step state for the next ``train_batch`` only (``runtime.common.StepState``, as
+        the Megatron adapter's ``set_step``): its schedule (:meth:`set_step_schedule`), its
+        micro-batch shapes -- ``shapes(stage, (mbs, length)) -> (is_tensor, [(dtype, shape)])``
+        is the activation entering a stage, so receives need no handshake -- and its loss
+        weights (on the loss rank micro-batch m's loss is multiplied by n·w_m)."""
+        if state.schedule is not None:
+            self.set_step_schedule(state.schedule)
+        n = self.micro_batches
+        state.check(n)
+        if state.shapes is not None and shapes is None:
+            raise ValueError("StepState.shapes needs shapes=: (stage, (mbs, length)) -> "
+                             "(is_tensor, [(dtype, shape)])")
+        self.ap_shape_plan = None if state.shapes is None else \
+            (lambda stage, mb: shapes(stage, state.shapes[mb]))
+        self.ap_loss_factors = None if state.loss_weights is None else \
+            [state.loss_factor(m, n) for m in range(n)]
+        self._step_state = state
+
+    def train_batch(self, data_iter=None):
+        try:
+            return super().train_batch(data_iter)
+        finally:
+            if self._step_state is not None:      # set_step's state lasts one step
+                self._step_state = self.ap_shape_plan = self.ap_loss_factors = None
 
     def _take_schedule(self, sched: Schedule, n: int):
         """Accept ``sched`` (common contract: validated, lowered) for the next steps."""
@@ -448,9 +475,9 @@ class AutoplanEngine(PipelineEngine):
             raise RuntimeError(f"R for stage {stage} micro-batch {buffer_id}: its F did not keep "
                                f"a recompute checkpoint, or it was recomputed already")
         k = self._recompute[stage]
+        slot.ckpt = None        # the prefix's layers save their (cloned) input from here on
         with slot.rng.replay(), torch.enable_grad(), self.module.activated(stage, 0, k):
             slot.h2 = self.module(_cloned(slot.inp))
-        slot.ckpt = None
         self._trace("R", stage, buffer_id)
 
     def _output_grad(self, stage, mb, slot):

@@ -398,16 +398,15 @@ class _Step:
             self.losses[m] = store[-1]
         return out, ntok
 
-    def _stage_input(self, s, m):
-        if s == 0:
-            return None
-        if (s, m) in self.local_in:
-            return self.local_in.pop((s, m))
-        return _wait(self.recvd.pop((Kind.RECV_F, s, m)))
+    def _incoming(self, s, m, local: dict, kind: Kind):
+        """What (s, m) gets from its neighbour stage: handed over on this rank, or received."""
+        if (s, m) in local:
+            return local.pop((s, m))
+        return _wait(self.recvd.pop((kind, s, m)))
 
     def forward(self, a):
         s, m = a.stage, a.mb
-        self.inputs[(s, m)] = inp = self._stage_input(s, m)
+        self.inputs[(s, m)] = inp = None if s == 0 else self._incoming(s, m, self.local_in, Kind.RECV_F)
         if (s, m) in self.rec and not self.forward_only:
             out, ntok = self._forward_with_prefix(s, m, inp)
         else:
@@ -454,16 +453,9 @@ class _Step:
         self.ckpt.pop((s, m))
 
     # -- backward pieces ---------------------------------------------------------------------
-    def _output_grad(self, s, m):
-        if s == self.S - 1:
-            return None
-        if (s, m) in self.local_grad:
-            return self.local_grad.pop((s, m))
-        return _wait(self.recvd.pop((Kind.RECV_B, s, m)))
-
     def backward(self, a):
         s, m = a.stage, a.mb
-        og = self._output_grad(s, m)
+        og = None if s == self.S - 1 else self._incoming(s, m, self.local_grad, Kind.RECV_B)
         inp, out = self.inputs.pop((s, m)), self.outputs.pop((s, m))
         store = None
         if a.kind == Kind.B:
