@@ -417,7 +417,7 @@ def measure(cases: list[dict], steps: int, timeout: float, timing: str = "chain"
             diagnose: bool = False):
     """Run the ranks; return the per-case measurements and the ranks' profiles per mbs."""
     from ds_autoplan.profile import Profile
-    from ds_autoplan.runtime.deepspeed.spawn import spawn
+    from ds_autoplan.runtime.launch import spawn
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(cases, f)
     try:

@@ -200,7 +200,7 @@ def main(argv=None) -> int:
             r["real_speedup_vs_packing"] = rb / r["real_s"]
 
     if args.real_multiproc:
-        from ds_autoplan.runtime.deepspeed.spawn import spawn
+        from ds_autoplan.runtime.launch import spawn
         real_mode += ("; multiproc: one gloo rank per stage, DeepSpeed PipelineEngine, sleep "
                       "layers, plans made before the timed steps")
         argv_w = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--real-multiproc"]

@@ -112,7 +112,7 @@ def bench_case(case) -> dict:
     from megatron.core.pipeline_parallel import schedules as ms
 
     from ds_autoplan.runtime.megatron import cpu_shim, get_forward_backward_func, initialize
-    from ds_autoplan.runtime.megatron.testing import base_config
+    from ds_autoplan.models.megatron_gpt import base_config
     from ds_autoplan.plan import Plan
     from ds_autoplan.runtime.memtrack import MemTracker
 
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     unit = a.unit_ms if a.unit_ms is not None else (20.0 if a.quick else 30.0)
     iters = a.iters if a.iters is not None else (1 if a.quick else 5)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from ds_autoplan.runtime.megatron.testing import launch
+    from ds_autoplan.runtime.launch import launch
     from ds_autoplan.schedule import names
 
     L = 2 * D          # 1F1B: 2 layers per stage; V / interleaved: 1 layer per stage

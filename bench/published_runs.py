@@ -26,6 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ds_autoplan.cost.iteration import Config, config_cost  # noqa: E402
+from ds_autoplan.cost.memory import usable_budget  # noqa: E402
 from ds_autoplan.cost.model import CostModel  # noqa: E402
 from ds_autoplan.spec import SpecError, load_cluster, load_model  # noqa: E402
 from ds_autoplan.spec.cluster import GB  # noqa: E402
@@ -90,8 +91,9 @@ def cost_published(r: dict):
                    overlap_grad_reduce=bool(r.get("overlap_grad_reduce", True)),
                    overlap_tp_comm=bool(r.get("overlap_tp_comm", True)))
     best, best_any = None, None
+    E = usable_budget(cluster)[0]          # the planner's default budget, headroom kept
     for cfg in candidates(r, model):
-        c = config_cost(cm, cfg)
+        c = config_cost(cm, cfg, E)
         if best_any is None or c.time < best_any[1].time:
             best_any = (cfg, c)
         if c.fits and (best is None or c.time < best[1].time):
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
         err = pub / c.time - 1.0              # throughput error: predicted / published - 1
         errs.append(err)
         infeasible += not c.fits
-        budget = cluster.budget_bytes / GB
+        budget = usable_budget(cluster)[0] / GB
         fc, why = (None, "skipped (--quick)") if a.quick and r["gpus"] > 64 else free_choice(r, cluster)
         if fc:
             over += fc["over_budget"]

@@ -16,10 +16,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from ds_autoplan.dynamic import CostModel, IterationPlanner, LengthSampler
-from ds_autoplan.dynamic.sampler import DynamicBatchSampler, pad_collate
+from ds_autoplan.dynamic.sampler import DynamicBatchSampler, VarLenTokens, pad_collate
 from ds_autoplan.models.tiny_gpt import GPTConfig, TinyGPT, gpt_loss
 from ds_autoplan.runtime.deepspeed import initialize
-from ds_autoplan.runtime.deepspeed.check_dynamic import VarLenTokens
 from ds_autoplan.runtime.deepspeed.dist import init_distributed
 from ds_autoplan.runtime.deepspeed.dynamic import static_plan, steps, train_batch
 

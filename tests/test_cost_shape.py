@@ -197,3 +197,39 @@ def test_published_runs_within_issue_bounds():
         assert c.fits, r["id"]
         errs.append(abs(pr.published_time(r) / c.time - 1))
     assert np.median(errs) <= 0.05 and max(errs) <= 0.12
+
+
+# -- headroom ------------------------------------------------------------------------------------
+def test_headroom_default_flag_and_report(tmp_path):
+    """A cluster-derived budget keeps 5% of device memory free by default; an explicit
+    --memory-budget-gb is a cap (no default headroom); --headroom-gb sets it; plan and report
+    show it, and the plan's peak stays under the budget."""
+    from ds_autoplan.cost.memory import usable_budget
+    from ds_autoplan.spec.cluster import GB
+    c = load_cluster("8xa100-80gb")
+    assert usable_budget(c) == (pytest.approx((80 - 4 - 4) * GB), 4.0)
+    assert usable_budget(c, budget_gb=30) == (pytest.approx(30 * GB), 0.0)
+    assert usable_budget(c, headroom_gb=10)[0] == pytest.approx(66 * GB)
+    with pytest.raises(SpecError, match="headroom"):
+        usable_budget(c, headroom_gb=-1)
+    with pytest.raises(SpecError, match="leaves no budget"):
+        usable_budget(c, budget_gb=2, headroom_gb=3)
+    out = subprocess.run([sys.executable, "-m", "ds_autoplan", "plan", "--model", "gpt3-1.3b", "--cluster",
+                          "8xa100-80gb", "--global-batch", "64", "--no-wide", "--headroom-gb", "10",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "/ 66.0 GB (headroom 10.0 GB kept free" in out.stdout
+    assert "headroom 10.0 GB" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize("P,t,d,z,m,B_m", [(4, 2, 2, 0, 32, 4), (2, 4, 2, 1, 16, 8), (8, 2, 1, 0, 64, 2)])
+def test_closed_form_agrees_with_the_planners_simulation(P, t, d, z, m, B_m):
+    """The published-runs bench costs configurations in closed form; the planner simulates
+    them.  For uniform 1F1B with full recompute on an even split they agree: time within 2%,
+    peak memory exactly."""
+    from ds_autoplan.search.planner import Planner
+    pl = Planner(load_model("gpt3-13b"), load_cluster("2x8xa100-ib200"), 256)
+    e = pl.evaluate(P, t, d, z, m, B_m, ckpt="full", partitioner="even")
+    c = config_cost(pl.cm, Config(t, P, d, B_m // d, m, z, "full", True, 1), pl.E)
+    assert c.time == pytest.approx(e.time, rel=0.02)
+    assert max(c.peak) == pytest.approx(max(e.peak), rel=1e-6)

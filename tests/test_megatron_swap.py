@@ -16,8 +16,8 @@ def swap_case(case) -> dict:
 
     from ds_autoplan.runtime.megatron import get_forward_backward_func, initialize
     from ds_autoplan.runtime.megatron.swap import swap_forward_step
-    from ds_autoplan.runtime.megatron.testing import (MBS, SEQ, _plan, build_chunks, data_iter,
-                                              forward_step)
+    from ds_autoplan.models.megatron_gpt import MBS, SEQ, build_chunks, data_iter, forward_step
+    from harness.megatron_cases import _plan
     from ds_autoplan.runtime.memtrack import MemTracker
     out = {}
     for on in (False, True):
@@ -42,7 +42,7 @@ def swap_case(case) -> dict:
 
 @pytest.mark.timeout(150)
 def test_megatron_stage_swaps_mlp_tensors():
-    from ds_autoplan.runtime.megatron.testing import launch
+    from harness.megatron_cases import launch
     case = dict(fn=f"{__file__}:swap_case", pp=2, n=4, schedule="1f1b", layers=[2, 2])
     rows = sorted((o[0] for o in launch(2, [case], timeout=120)), key=lambda r: r["rank"])
     r0, r1 = rows

@@ -162,3 +162,41 @@ def test_fix_errors():
         search("gpt3-1.3b", "8xa100-80gb", 16, fix="pp=4,mbs=16", wide=False)
     assert parse_fix("tp=8,pp=8,mbs=1,recompute=full,schedule=1f1b,sp=on") == dict(
         tp=8, pp=8, mbs=1, recompute="full", schedule="1f1b", sp="on")
+
+
+def test_wide_space_contains_the_executable_one():
+    """ZeRO-1/2 data parallelism and every executable layout (TP x DP x ZeRO, +CKPT) are
+    strategies of the wide space."""
+    pl = Planner(load_model("gpt3-1.3b"), load_cluster("2x8xa100-ib200"), 64)
+    for P in pl.pp_degrees():
+        wide = {(s.tp, s.dp, s.zero, s.ckpt) for s in pl.wide_strategies(16 // P)}
+        for P_, t, d, z, m, B_m in pl.combos(pps=[P]):
+            for s in pl.exec_strats(t, d, z):
+                assert (s.tp, s.dp, s.zero, s.ckpt) in wide
+
+
+try:
+    from hypothesis import HealthCheck, given, settings, strategies as st
+except ImportError:          # pragma: no cover
+    given = None
+
+
+if given is not None:
+    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(L=st.integers(2, 10), hidden=st.sampled_from([512, 1024, 2048]),
+           heads=st.sampled_from([8, 16]), seq=st.sampled_from([512, 1024, 2048]),
+           nodes=st.integers(1, 3), gpn=st.sampled_from([2, 4, 8]), budget=st.floats(1.5, 30),
+           B=st.sampled_from([8, 12, 16, 24, 32]))
+    def test_wide_never_slower_than_narrow(L, hidden, heads, seq, nodes, gpn, budget, B):
+        """Random small cases: the wide mode's best (a per-layer mixture or the executable plan,
+        all simulated) is never slower than the executable plan, and fits."""
+        model = dict(name="m", arch="gpt", num_layers=L, hidden=hidden, heads=heads, vocab=32000,
+                     seq_len=seq)
+        cluster = dict(C24, name="c", num_nodes=nodes, gpus_per_node=gpn)
+        try:
+            r = search(model, cluster, B, budget_gb=budget, keep_sim=False)
+        except SpecError:
+            return                                  # nothing fits: nothing to compare
+        w = r.wide["bmw"]
+        assert w is not None and w["time"] <= r.best.time * (1 + 1e-12)
+        assert r.plan.predicted["wide_gain"] >= 1 - 1e-12

@@ -6,16 +6,17 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from ds_autoplan.runtime.deepspeed.spawn import results, spawn  # noqa: E402
+from ds_autoplan.runtime.launch import results, spawn  # noqa: E402
+from harness import ENV  # noqa: E402
 
-WORKER = ["-m", "ds_autoplan.runtime.deepspeed.check"]
+WORKER = ["-m", "harness.ds_pipeline"]
 SCHEDULES = ["1f1b", "gpipe", "interleaved", "v-min", "v-half", "v-zb", "adaptive", "zb-h1", "merak-scp"]
 TOL = 1e-5
 
 
 def run_group(world, *args, timeout=240):
     return {(d["schedule"], d.get("rank")): d
-            for d in results(WORKER + list(args), world, timeout=timeout)}
+            for d in results(WORKER + list(args), world, timeout=timeout, env=ENV)}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def test_two_ranks_equal_to_unpipelined(two_ranks, name):
 
 
 def test_plan_partition_and_placement_are_honoured(two_ranks):
-    # 8 layers, plan layers_per_stage [3, 5] (check.py makes 2-stage plans uneven on purpose)
+    # 8 layers, plan layers_per_stage [3, 5] (harness/ds_pipeline.py makes 2-stage plans uneven on purpose)
     assert [d["layers"] for d in _ranks(two_ranks, "1f1b", 2)] == [[0, 1, 2], [3, 4, 5, 6, 7]]
     # V placement: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2 (2 layers each)
     assert [d["layers"] for d in _ranks(two_ranks, "v-zb", 2)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
@@ -141,7 +142,7 @@ def test_our_1f1b_matches_deepspeed_trainschedule(four_ranks):
 def test_failing_rank_stops_the_others(mode):
     t0 = time.time()
     outs = spawn(WORKER + ["--schedules", "v-zb", "--n", "4", "--fail", f"1:{mode}:3"], 2,
-                 timeout=120, grace=10, env={"DS_AUTOPLAN_P2P_TIMEOUT": "6"})
+                 timeout=120, grace=10, env={**ENV, "DS_AUTOPLAN_P2P_TIMEOUT": "6"})
     assert time.time() - t0 < 100
     (rc0, out0), (rc1, _) = outs
     assert rc1 != 0

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from ds_autoplan.cli import patch_cmd  # noqa: E402
-from ds_autoplan.runtime.deepspeed.spawn import free_port  # noqa: E402
+from ds_autoplan.runtime.launch import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -71,7 +71,7 @@ def test_launch_bad_input_is_one_clear_error(tmp_path):
 
 @pytest.mark.parametrize("world,schedule", [(4, "v-half")])
 def test_example_trains_with_a_pipeline_schedule(world, schedule):
-    from ds_autoplan.runtime.deepspeed.spawn import spawn
+    from ds_autoplan.runtime.launch import spawn
     outs = spawn([str(ROOT / "examples" / "train_deepspeed.py"), "--schedule", schedule,
                   "--steps", "3", "--recompute", "1"], world, timeout=240)
     assert all(rc == 0 for rc, _ in outs), outs[0][1][-3000:]

@@ -10,16 +10,17 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from ds_autoplan.runtime.deepspeed.spawn import results, spawn  # noqa: E402
+from ds_autoplan.runtime.launch import results, spawn  # noqa: E402
+from harness import ENV  # noqa: E402
 
-WORKER = ["-m", "ds_autoplan.runtime.deepspeed.check_dynamic"]
+WORKER = ["-m", "harness.ds_dynamic"]
 TOL = 1e-5
 # SCHEDULE:ZERO:LOSS-WEIGHT[:RECOMPUTE]; the first four must equal the unpipelined run
 RUNS = ["dynapipe:0:tokens", "dynapipe:1:tokens", "1f1b:0:tokens", "dynapipe:1:tokens:1.0",
         "dynapipe:0:samples", "dynapipe:0:uniform"]
 
 
-KW = dict(grace=20, env={"DS_AUTOPLAN_P2P_TIMEOUT": "30"})
+KW = dict(grace=20, env={**ENV, "DS_AUTOPLAN_P2P_TIMEOUT": "30"})
 
 
 def run_group(world, *args, timeout=150):

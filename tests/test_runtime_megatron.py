@@ -86,14 +86,14 @@ def _check(cases, out, own=("1f1b", "interleaved")):
 
 @pytest.mark.timeout(240)
 def test_two_ranks_all_schedules():
-    from ds_autoplan.runtime.megatron.testing import launch
+    from harness.megatron_cases import launch
     cases = _cases(2, 4)
     _check(cases, launch(2, cases, timeout=200))
 
 
 @pytest.mark.timeout(300)
 def test_four_ranks_all_schedules():
-    from ds_autoplan.runtime.megatron.testing import launch
+    from harness.megatron_cases import launch
     cases = [c for c in _cases(4, 8) if c["schedule"] not in ("zb-h1",)]
     _check(cases, launch(4, cases, timeout=260))
 
@@ -104,7 +104,7 @@ def test_tensor_parallel_split_backward(sp):
     """pp 2 x tp 2 (4 ranks), with and without sequence parallelism: 1F1B (ours and
     Megatron's), ZB-H1 and V-ZB (B/W split, V placement) equal a pp=1, tp=2 reference built
     from Megatron's own linear layers, and every rank's W runs deferred weight GEMMs."""
-    from ds_autoplan.runtime.megatron.testing import launch
+    from harness.megatron_cases import launch
     base = dict(pp=2, n=4, tp=2, sp=sp, ref_split=False, layers=[1, 1])
     cases = [dict(base, schedule="1f1b"), dict(base, schedule="1f1b", runner="megatron"),
              dict(base, schedule="zb-h1")]
@@ -120,7 +120,7 @@ def test_tensor_parallel_split_backward(sp):
 def test_recompute_replays_dropout():
     # rank 1 recomputes its second V stage (R before B): with hidden dropout the gradients
     # equal those of the same schedule without R only if R replays the forward's RNG state
-    from ds_autoplan.runtime.megatron.testing import launch
+    from harness.megatron_cases import launch
     case = dict(fn="dropout_case", pp=2, n=4, layers=[1, 1, 1, 1], schedule="hand-v",
                 sched=hand_v(2, 4).to_dict(), dropout=0.3)
     out = launch(2, [case], timeout=100)
@@ -133,7 +133,7 @@ def test_recompute_replays_dropout():
 
 @pytest.mark.timeout(120)
 def test_failing_rank_does_not_hang_the_others():
-    from ds_autoplan.runtime.megatron.testing import launch
+    from harness.megatron_cases import launch
     t0 = time.time()
     with pytest.raises(RuntimeError, match="deliberate failure"):
         launch(2, [dict(fn="fail_case", bad_rank=1, pp=2, n=4, schedule="v-zb" if "v-zb" in names()
@@ -235,7 +235,7 @@ def test_example_trains_on_two_ranks():
     import os
     import subprocess
     import sys
-    from ds_autoplan.runtime.megatron.testing import free_port
+    from ds_autoplan.runtime.launch import free_port
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(free_port()), os.path.join(root, "examples", "train_megatron.py"),

@@ -71,7 +71,7 @@ def forward_step_per_token(data_it, model):
 
 def _pairs(chunks, ref, setup, layers):
     """(parameter of a local chunk, the reference model's parameter it copies)."""
-    from ds_autoplan.runtime.megatron import testing as T
+    from ds_autoplan.models import megatron_gpt as T
     rp = dict(ref.named_parameters())
     for c, m in enumerate(chunks):
         off = T.stage_offset(layers, setup.stages[c])
@@ -80,7 +80,7 @@ def _pairs(chunks, ref, setup, layers):
 
 
 def dynamic_case(case) -> dict:
-    """Runs on every rank (ds_autoplan.runtime.megatron.testing.launch): ``steps`` optimizer steps,
+    """Runs on every rank (harness.megatron_cases.launch): ``steps`` optimizer steps,
     each with its own DynaPipe plan, vs the whole model on the step's samples in one batch."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -88,7 +88,8 @@ def dynamic_case(case) -> dict:
 
     from ds_autoplan.dynamic.sampler import DynamicBatchSampler, pad_collate
     from ds_autoplan.runtime.megatron import ScheduleRunner, cpu_shim, initialize, loss_weights, step_kwargs
-    from ds_autoplan.runtime.megatron import testing as T
+    from harness.megatron_cases import sgd
+    from ds_autoplan.models import megatron_gpt as T
     from ds_autoplan.plan import Plan
     from ds_autoplan.schedule import ScheduleError
 
@@ -161,8 +162,8 @@ def dynamic_case(case) -> dict:
                 p.grad = p.main_grad.clone()
             for m in chunks:
                 m.zero_grad_buffer()
-        T.sgd(params)
-        T.sgd(ref.parameters())
+        sgd(params)
+        sgd(ref.parameters())
     res["max_param_err"] = max(float((p - q).abs().max())
                                for p, q in _pairs(chunks, ref, setup, layers))
     # forward-only (evaluation) on the last step's batches with the updated weights
@@ -188,7 +189,7 @@ def dynamic_case(case) -> dict:
 def test_dynamic_plans_match_unpipelined_run():
     """Loss weights (``microbatch_weights``) and Megatron's per-token loss (its DDP and
     ``finalize_model_grads``), each 2 steps with different plans."""
-    from ds_autoplan.runtime.megatron.testing import launch
+    from harness.megatron_cases import launch
     cases = [dict(fn=f"{__file__}:dynamic_case", layers=[1, 1], steps=2, per_token=pt)
              for pt in (False, True)]
     out = launch(2, cases, timeout=80)
@@ -244,7 +245,7 @@ def test_example_trains_with_dynamic_plans():
     import os
     import subprocess
     import sys
-    from ds_autoplan.runtime.megatron.testing import free_port
+    from ds_autoplan.runtime.launch import free_port
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(free_port()),

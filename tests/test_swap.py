@@ -157,7 +157,7 @@ def worker(path):
 def test_deepspeed_stage_swaps(prof, tmp_path):
     pytest.importorskip("deepspeed")
     from ds_autoplan.search.memopt import inflight_copies, stage_memory_options
-    from ds_autoplan.runtime.deepspeed.spawn import spawn
+    from ds_autoplan.runtime.launch import spawn
     from ds_autoplan.schedule import build
     n = 4
     copies = inflight_copies(build("1f1b", d=2, n=n))          # [2, 1]

@@ -24,7 +24,7 @@ def _costed(args, fix):
     from ..search import search
     return search(args.model, args.cluster, args.global_batch, args.seq, precision=args.precision,
                   budget_gb=args.memory_budget_gb, world_size=args.world_size, profile=args.profile,
-                  wide=False, keep_sim=False, fix=fix)
+                  wide=False, keep_sim=False, fix=fix, runtime=args.runtime, headroom_gb=args.headroom_gb)
 
 
 def _line(res) -> dict:

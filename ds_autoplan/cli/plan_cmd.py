@@ -48,6 +48,11 @@ def add_problem_args(p) -> None:
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--memory-budget-gb", type=float, default=None,
                    help="per-device budget (default: device memory minus the preset's reserve)")
+    p.add_argument("--headroom-gb", type=float, default=None,
+                   help="memory kept free below the budget (default: 5%% of device memory, 0 with "
+                        "--memory-budget-gb)")
+    p.add_argument("--runtime", choices=["any", "megatron", "deepspeed"], default="any",
+                   help="whose memory accounting plans must fit (default: the larger of both)")
     p.add_argument("--world-size", type=int, default=None, help="expected number of devices (checked)")
     p.add_argument("--profile", default=None, help="YAML/JSON of measured cluster overrides")
 
@@ -135,7 +140,8 @@ def run(args) -> int:
                  budget_gb=args.memory_budget_gb, partitioner=args.partitioner, schedules=scheds,
                  wide=not args.no_wide, progress=not args.quiet and sys.stderr.isatty(),
                  world_size=args.world_size, profile=args.profile, keep_sim=bool(args.out),
-                 pp=args.pp, tp=args.tp, sequence_parallel=args.sequence_parallel, fix=args.fix)
+                 pp=args.pp, tp=args.tp, sequence_parallel=args.sequence_parallel, fix=args.fix,
+                 runtime=args.runtime, headroom_gb=args.headroom_gb)
     files = write_outputs(res, args.out) if args.out else []
     plan = res.plan
     if args.emit == "megatron-args":
@@ -155,7 +161,8 @@ def run(args) -> int:
         print(f"layers per stage {plan.layers_per_stage}, recompute {plan.recompute_per_stage}")
         print(f"predicted {pr['iteration_time_s']:.4g} s/iteration, "
               f"{pr['throughput_tokens_per_s']:.6g} tokens/s, MFU {pr['mfu']:.1%}, "
-              f"peak memory {max(pr['peak_memory_gb_per_stage']):.2f} GB / {pr['memory_budget_gb']:.1f} GB")
+              f"peak memory {max(pr['peak_memory_gb_per_stage']):.2f} GB / {pr['memory_budget_gb']:.1f} GB"
+              f" (headroom {pr['memory_headroom_gb']:.1f} GB kept free, {pr['memory_runtime']} accounting)")
         if pr.get("ratio_vs_best_baseline"):
             print(f"{pr['ratio_vs_best_baseline']:.3f}x the best baseline; search {pr['search_time_s']:.2f} s")
         if files:

@@ -2,11 +2,13 @@
 
 Bytes per parameter on one rank of a data-parallel group of ``d`` (ZeRO stage ``zero``):
 
-* Megatron-LM/-core with ``--bf16``/``--fp16`` keeps fp32 main gradients beside the 2-byte
-  parameters and the fp32 master copy + Adam moments: 2 + 4 + 12 = 18; the distributed optimizer
-  (our ZeRO-1) shards the 12 optimizer bytes: 6 + 12/d (megatron-core 0.16.1,
-  ``distributed/distributed_data_parallel.py``: the grad buffer is fp32 when
-  ``grad_reduce_in_fp32``/bf16; ``optimizer/distrib_optimizer.py``).
+* Megatron-LM with ``--bf16`` keeps fp32 main gradients beside the 2-byte parameters and the
+  fp32 master copy + Adam moments: 2 + 4 + 12 = 18; the distributed optimizer (our ZeRO-1)
+  shards the 12 optimizer bytes: 6 + 12/d.  In megatron-core 0.16.1 the gradient buffer's dtype
+  is ``torch.float if ddp_config.grad_reduce_in_fp32 else param.dtype``
+  (``distributed/distributed_data_parallel.py``) and the library default is False (2-byte
+  gradients, 16 B); Megatron-LM's training arguments turn it on for bf16, which is what the
+  emitted ``pretrain_gpt.py`` flags run, so 18 is charged.
 * DeepSpeed 0.19.8 with bf16 (``runtime/engine.py``, ``_do_optimizer_sanity_check``): without
   ZeRO and without pipelines the optimizer is ``FP16_UnfusedOptimizer`` on bf16 (DDP_BFLOAT16):
   2-byte parameters and gradients, fp32 master and Adam moments, 2 + 2 + 12; with pipelines it
@@ -68,3 +70,28 @@ def local_optimizer_fraction(zero: int, d: int, precision: str, runtime: str = "
     o = state_bytes(precision, zero, d, runtime)[2]
     full = 8.0 if precision == "fp32" else 12.0
     return o / full
+
+
+HEADROOM_FRACTION = 0.05   # default headroom of a cluster-derived budget [decision]
+
+
+def usable_budget(cluster, budget_gb: float | None = None, headroom_gb: float | None = None) -> tuple[float, float]:
+    """(bytes a plan may use per device, headroom in GB kept free).  The budget is the user's
+    ``budget_gb`` (a cap: no default headroom) or the device memory minus the preset's reserve
+    (CUDA context, allocator slack), less a headroom the user can set (default 5% of device
+    memory: fragmentation, communication buffers and what the engines allocate beyond the
+    accounting)."""
+    from ..spec import SpecError
+    from ..spec.cluster import GB
+    if budget_gb is not None and budget_gb <= 0:
+        raise SpecError(f"memory budget must be positive, got {budget_gb} GB")
+    if headroom_gb is not None and headroom_gb < 0:
+        raise SpecError(f"memory headroom must be >= 0, got {headroom_gb} GB")
+    base = budget_gb * GB if budget_gb else cluster.budget_bytes
+    if headroom_gb is None:
+        headroom_gb = 0.0 if budget_gb else HEADROOM_FRACTION * cluster.memory_gb
+    E = base - headroom_gb * GB
+    if E <= 0:
+        raise SpecError(f"memory headroom {headroom_gb:g} GB leaves no budget (budget before headroom "
+                        f"{base / GB:.1f} GB)")
+    return E, float(headroom_gb)

@@ -116,6 +116,7 @@ class CostModel:
         self.block_types = np.array([t + 2 for t in blocks], dtype=np.int64)
         self._cache: dict = {}
         self._relayout: dict = {}
+        self._times: dict = {}
 
     def ov(self, x, y):
         """Overlap with mutual slowdown gamma: max + (gamma-1)*min (§2.4, §6 #5)."""
@@ -200,7 +201,14 @@ class CostModel:
     def unit_times(self, u: LayerSpec, b: float, t: int, sp: bool) -> UnitTimes:
         """Compute seconds of unit ``u`` for ``b`` samples at TP ``t``: from the work's shape on
         a known GPU kind (cost/compute.py); otherwise (profiled models, GPU kinds without data)
-        FLOPs at the cluster's constant rate with a 2x backward (planner-galvatron.md §2.1)."""
+        FLOPs at the cluster's constant rate with a 2x backward (planner-galvatron.md §2.1).
+        Memoised: strategies that differ only in ZeRO stage or recompute share the kernels."""
+        key = (u, b, t, sp)
+        if key not in self._times:
+            self._times[key] = self._unit_times(u, b, t, sp)
+        return self._times[key]
+
+    def _unit_times(self, u: LayerSpec, b: float, t: int, sp: bool) -> UnitTimes:
         if self.dims is not None:
             k = unit_times(self.gpu, self.dims, u, b, t, sp)
             if k is not None:

@@ -129,3 +129,19 @@ def pad_collate(pad_to: int = 8, pad_id: int = 0, ignore_index: int = -100):
             labels[i, :len(s) - 1] = s[1:]
         return ids, labels
     return collate
+
+
+class VarLenTokens(torch.utils.data.Dataset):
+    """Synthetic variable-length data: sample ``i`` is ``lengths[i]`` random token ids in
+    ``[1, vocab)`` (seeded by ``i``); with :class:`DynamicBatchSampler` and
+    :func:`pad_collate`, e.g. over lengths from :class:`ds_autoplan.dynamic.LengthSampler`."""
+
+    def __init__(self, lengths, vocab: int, seed: int = 0):
+        self.lengths, self.vocab, self.seed = [int(x) for x in lengths], vocab, seed
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(i))
+        return torch.randint(1, self.vocab, (self.lengths[i],), generator=g)

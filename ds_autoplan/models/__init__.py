@@ -80,10 +80,10 @@ def _megatron(name: str) -> ModelEntry:
                                                VocabParallelEmbedding)
     from megatron.core.utils import make_viewless_tensor
 
-    from ..megatron import testing as T
-    from ..megatron.shim import cpu_shim
+    from ..runtime.megatron.shim import cpu_shim
+    from . import megatron_gpt as T
     if not torch.distributed.is_initialized():
-        from ..runtime.deepspeed.spawn import free_port
+        from ..runtime.launch import free_port
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)

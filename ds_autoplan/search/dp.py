@@ -40,10 +40,41 @@ class Context:
         self.seq = np.concatenate([[0], cm.block_types, [1]])
         self._w: dict[int, np.ndarray] = {}
         self._r_zero = ~np.any(self.Rm != 0, axis=(1, 2))
+        self._layout_classes()
         self._cols = np.arange(self.S)[None, :]
         self._shifts: dict = {}
         self._prefix: dict = {}
         self._solved: dict = {}
+
+    def _layout_classes(self):
+        """Strategies sharing a layout (TP, data degree, level order) re-lay out to each
+        other for free and alike to the rest (§2.5): the DP's min over s' runs per class."""
+        keys = [(s.tp, s.dp, s.tp_outer) for s in self.strategies]
+        uniq = list(dict.fromkeys(keys))
+        self._cls = np.array([uniq.index(k) for k in keys])
+        self._members = [np.flatnonzero(self._cls == c) for c in range(len(uniq))]
+        rep = np.array([m[0] for m in self._members])
+        self._Rc = self.Rm[:, rep][:, :, rep]
+        if not np.array_equal(self._Rc[:, self._cls][:, :, self._cls], self.Rm):
+            self._members = None                   # R is not per layout: plain S x S min
+
+    def _relayout_min(self, Dp: np.ndarray, t: int):
+        """M[e, s] = min_s' D[e, s'] + m R(s', s) and its argmin s'."""
+        if self._members is None:
+            tot = Dp[:, :, None] + self.Rm[t][None, :, :]
+            return tot.min(axis=1), np.argmin(tot, axis=1)
+        E1 = Dp.shape[0]
+        rows = np.arange(E1)
+        Dc = np.empty((E1, len(self._members)))
+        best = np.empty((E1, len(self._members)), dtype=np.int64)
+        for c, mem in enumerate(self._members):
+            a = np.argmin(Dp[:, mem], axis=1)
+            best[:, c] = mem[a]
+            Dc[:, c] = Dp[rows, best[:, c]]
+        tot = Dc[:, :, None] + self._Rc[t][None, :, :]
+        ac = np.argmin(tot, axis=1)                                  # [E, C]: source class
+        Mc = np.take_along_axis(tot, ac[:, None, :], axis=1)[:, 0, :]
+        return Mc[:, self._cls], np.take_along_axis(best, ac, axis=1)[:, self._cls]
 
     def w(self, K: int) -> np.ndarray:
         """Discretised forward-memory weight per (type, strategy): K*O_f1 + O_ms (Eq. 3),
@@ -87,9 +118,7 @@ class Context:
                 M = np.repeat(Dp[np.arange(E1), a1][:, None], S, axis=1)
                 arg = np.repeat(a1[:, None], S, axis=1)
             else:
-                tot = Dp[:, :, None] + self.Rm[t][None, :, :]
-                arg = np.argmin(tot, axis=1)
-                M = tot.min(axis=1)
+                M, arg = self._relayout_min(Dp, t)
             src, valid = self._shift(K, t)
             D = np.where(valid, M[src, self._cols], INF) + self.cost[t][None, :]
             res = (D, args + (arg.astype(np.int16),))

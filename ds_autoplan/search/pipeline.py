@@ -155,6 +155,17 @@ def _evaluate(ctx: Context, name: str, parts: tuple, rec, figs: list, keep_sim=F
     return Eval(name, T, tuple(parts), list(rec), list(peak), bool(np.all(peak <= ctx.E)), bub, sim, ctx, figs)
 
 
+def simulate_layers(ctx: Context, parts: tuple, plan: list) -> Eval:
+    """1F1B of a per-layer plan (any strategy per unit, its CKPT included), simulated like the
+    executable configurations: the stage figures of the plan itself, each stage's largest
+    backward transient (recompute, SDP gather) held on top of its model states."""
+    figs = stage_figures(ctx, parts, plan, plan)
+    ob = ctx.layer_arrays(plan)["ob"]
+    for g, (lo, hi) in zip(figs, ctx.bounds(parts)):
+        g["ob"] = float(ob[lo:hi].max())
+    return _evaluate(ctx, "1f1b", parts, [1] * len(parts), figs)
+
+
 def _placement(ctx: Context, name: str, parts: tuple) -> tuple | None:
     from ..schedule import ScheduleError
     try:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..cost.memory import usable_budget
 from ..cost.model import CostModel, Strategy
 from ..plan import Plan
 from ..spec import SpecError
@@ -18,7 +19,7 @@ from ..spec.model import ModelSpec, load_model
 from . import partition as part
 from .dp import INF, Context
 from .pipeline import DEFAULT_SCHEDULES, Eval, available, choose_schedule, schedule_options, \
-    stage_aware_recompute, stage_figures
+    simulate_layers, stage_aware_recompute, stage_figures
 from .fix import RECOMPUTE, parse_fix
 from .space import divisors, strategies as wide_strategies
 
@@ -91,7 +92,7 @@ class Planner:
                  schedules=None, partitioner: str = "bmw", max_tp: int | None = None,
                  allow_zero: tuple = (0, 1, 2, 3), progress: bool = False,
                  pp: int | None = None, tp: int | None = None, sequence_parallel: str = "auto",
-                 fix: dict | str | None = None, runtime: str = "any"):
+                 fix: dict | str | None = None, runtime: str = "any", headroom_gb: float | None = None):
         self.fix = fx = parse_fix(fix)
         pp, tp = _merge_fix(fx, "pp", pp), _merge_fix(fx, "tp", tp)
         sequence_parallel = fx.get("sp", sequence_parallel)
@@ -104,10 +105,8 @@ class Planner:
             schedules = [fx["schedule"]]
         self.ckpt = RECOMPUTE[fx.get("recompute", "auto")]
         self.chunks = fx.get("v")
-        if budget_gb is not None and budget_gb <= 0:
-            raise SpecError(f"memory budget must be positive, got {budget_gb} GB")
         self.model, self.cluster, self.B = model, cluster, int(global_batch)
-        self.E = budget_gb * GB if budget_gb else cluster.budget_bytes
+        self.E, self.headroom_gb = usable_budget(cluster, budget_gb, headroom_gb)
         self.cm = CostModel(model, cluster, precision, runtime)
         self.precision, self.units = precision, units
         self.schedules = available(schedules or DEFAULT_SCHEDULES)
@@ -360,13 +359,33 @@ class Planner:
                                                  partitioner="even", schedules=["1f1b"])
         return out
 
-    def search_wide(self, bmw: bool = True, pps=None) -> dict:
-        """Galvatron-BMW in its own (wide, per-layer hetero) space with Eq. 9 and 1F1B;
-        (P, m) pairs in order of Eq. 9's balanced-stage lower bound, branch and bound."""
-        best = {"bmw": None, "base": None}
+    def wide_strategies(self, n: int) -> list[Strategy]:
+        """Galvatron-BMW's per-layer set for a stage group of ``n`` devices (decision trees,
+        CKPT) plus ZeRO-1 and ZeRO-2 data parallelism (Galvatron's DP is ZeRO-2) where the
+        user allows them: the executable data-parallel layouts are all in it."""
+        out = []
+        for s in wide_strategies(n, max_tp=max(self.tps)):
+            if s.tp not in self.tps:
+                continue
+            zs = [z for z in (1, 2) if z in self.allow_zero] if s.dp > 1 and s.zero == 0 else []
+            out += [s] + [s._replace(zero=z) for z in zs]
+        return out
+
+    def search_wide(self, incumbent: Candidate | None = None, bmw: bool = True, pps=None,
+                    max_pairs: int = 12) -> dict:
+        """Galvatron-BMW in the wide space (per-layer mixtures of :meth:`wide_strategies`,
+        ``self.units`` memory units), each (P, m) plan costed like the executable ones: its
+        1F1B schedule simulated (``simulate_layers``).  The executable space is inside the
+        wide one (uniform layouts, any schedule), so ``incumbent`` (the executable plan)
+        seeds the branch and bound on Eq. 9's balanced-stage lower bound: the wide result
+        is never slower than the narrow one.  At most ``max_pairs`` (P, m) pairs are searched
+        (the bound ignores memory, so it is loose where only memory-lean mixtures fit)."""
+        best = {"bmw": self._wide_entry(incumbent) if incumbent is not None and incumbent.ok else None,
+                "base": None}
         cands = []
+        seq = np.concatenate([[0], self.cm.block_types, [1]])
         for P in pps or self.pp_degrees():
-            S = [s for s in wide_strategies(self.N // P, max_tp=max(self.tps)) if s.tp in self.tps]
+            S = self.wide_strategies(self.N // P)
             for B_m in divisors(self.B):      # micro-batch of the whole stage group
                 m = self.B // B_m
                 if P > 1 and m < P:
@@ -374,15 +393,14 @@ class Planner:
                 tab = self.cm.tables(S, B_m)
                 if not tab.allowed[2:].any():
                     continue
-                seq = np.concatenate([[0], self.cm.block_types, [1]])
                 cns = np.where(tab.allowed, tab.c_ns, INF)[seq].min(axis=1)
-                # Eq. 9 >= (m-1) sum/P + sum: perfectly balanced stages, no re-layout
+                # the simulated 1F1B >= (m-1) max + sum >= (m+P-1) sum/P: balanced, no re-layout
                 cands.append(((m + P - 1) * float(cns.sum()) / P, P, m, S))
         cands.sort(key=lambda x: x[0])
-        for lb, P, m, S in cands:
+        for lb, P, m, S in cands[:max_pairs]:
             if best["bmw"] is not None and lb >= best["bmw"]["time"]:
                 break
-            ctx = Context(self.cm, S, P, m, self.B // m, self.E, min(self.units, 128))
+            ctx = Context(self.cm, S, P, m, self.B // m, self.E, self.units)
             if bmw:
                 T, parts, plan, base = part.bmw(ctx, max_iters=2 * P)
             else:
@@ -390,11 +408,25 @@ class Planner:
                 T, plan = ctx.search(parts)
                 base = (T, parts, plan)
             for key, (tt, pp_, pl) in (("bmw", (T, parts, plan)), ("base", base)):
-                if pl is not None and math.isfinite(tt) and (best[key] is None or tt < best[key]["time"]):
+                if pl is None or not math.isfinite(tt):
+                    continue
+                if P > 1:
+                    e = simulate_layers(ctx, tuple(pp_), pl)
+                    if not e.ok:
+                        continue
+                    tt = e.time
+                if best[key] is None or tt < best[key]["time"]:
                     best[key] = {"time": tt, "pp": P, "num_microbatches": m, "layers_per_stage": list(pp_),
-                                 "strategies": [S[i].label() for i in pl],
+                                 "strategies": [S[i].label() for i in pl], "schedule": "1f1b",
+                                 "source": "per-layer search",
                                  "throughput_tokens_per_s": self.B * self.model.seq_len / tt}
         return best
+
+    def _wide_entry(self, c: Candidate) -> dict:
+        """An executable plan as a point of the wide space."""
+        return {"time": c.time, "pp": c.P, "num_microbatches": c.m, "layers_per_stage": list(c.parts),
+                "strategies": layer_labels(c), "schedule": c.schedule, "source": "executable plan",
+                "throughput_tokens_per_s": self.B * self.model.seq_len / c.time}
 
     def admits(self, c: Candidate) -> bool:
         """``c`` lies in the space the user restricted (--pp/--tp/--sequence-parallel/--fix)."""
@@ -453,13 +485,14 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
            world_size: int | None = None, profile: str | None = None, units: int = 512,
            max_tp: int | None = None, keep_sim: bool = True, pp: int | None = None,
            tp: int | None = None, sequence_parallel: str = "auto", fix=None,
-           runtime: str = "any") -> SearchResult:
+           runtime: str = "any", headroom_gb: float | None = None) -> SearchResult:
     """Plan ``model`` on ``cluster`` for ``global_batch``: the executable plan (never worse than
     the baselines on the same cost model), the baselines, the wide Galvatron-BMW result and
     the partitioner comparison.  ``pp``/``tp`` restrict the search to one degree;
     ``sequence_parallel``: 'auto' (on whenever tp > 1), 'on' (tp > 1 only) or 'off'; ``fix``:
     the user's configuration, as restrictions (:func:`ds_autoplan.search.fix.parse_fix`);
-    ``runtime``: whose memory accounting the plan must fit ('any', 'megatron', 'deepspeed')."""
+    ``runtime``: whose memory accounting the plan must fit ('any', 'megatron', 'deepspeed');
+    ``headroom_gb``: memory kept free below the budget (cost/memory.py usable_budget)."""
     t0 = time.perf_counter()
     if profile and _is_model_profile(profile):
         # a model profile (ds-autoplan profile MODEL --out profile.json): measured per-layer
@@ -475,7 +508,7 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
     pl = Planner(model, cluster, global_batch, precision=precision, budget_gb=budget_gb,
                  partitioner=partitioner, schedules=schedules, progress=progress, units=units,
                  max_tp=max_tp, pp=pp, tp=tp, sequence_parallel=sequence_parallel, fix=fix,
-                 runtime=runtime)
+                 runtime=runtime, headroom_gb=headroom_gb)
     if next(pl.combos(), None) is None:
         if pl.fix:
             raise SpecError(f"--fix {pl.fix}: no layout of {cluster.world_size} devices and global "
@@ -515,7 +548,7 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
             parts_cmp[pn] = pl.evaluate(best.P, best.tp, best.dp, best.zero, best.m, best.B_m,
                                         partitioner=pn, schedules=[], name=pn)
     tp0 = time.perf_counter()
-    wd = pl.search_wide() if wide else {}
+    wd = pl.search_wide(best) if wide else {}
     phases["wide"] = time.perf_counter() - tp0
     dt = time.perf_counter() - t0
     phases["total"] = dt
@@ -535,7 +568,8 @@ def to_plan(c: Candidate, model, cluster, B, precision, pl: Planner, bl: dict, w
     pred = {"iteration_time_s": c.time, "throughput_tokens_per_s": tok,
             "samples_per_s": B / c.time, "mfu": mfu,
             "peak_memory_gb_per_stage": [round(x / GB, 3) for x in c.peak],
-            "memory_budget_gb": round(pl.E / GB, 3), "search_time_s": dt,
+            "memory_budget_gb": round(pl.E / GB, 3), "memory_headroom_gb": round(pl.headroom_gb, 3),
+            "memory_runtime": pl.cm.runtime, "search_time_s": dt,
             "baselines": {k: (v.summary(B, seq) if v is not None else None) for k, v in bl.items()},
             "wide": wd,
             "candidates_evaluated": pl.evaluated}
@@ -554,20 +588,23 @@ def to_plan(c: Candidate, model, cluster, B, precision, pl: Planner, bl: dict, w
                                 "fits": e.fits, "layers_per_stage": list(e.parts),
                                 "recompute_layers": list(e.recompute),
                                 "peak_memory_gb": [round(x / GB, 3) for x in e.peak]} for e in alts]
-    # per-unit strategy labels (embedding, blocks, head); recomputed blocks are the first ones
-    # of their stage (Megatron's 'block' method)
-    base = Strategy(c.tp, c.dp, c.zero, sp=c.sp).label()
-    strategies = [base]
-    for n, r in zip(nblk, c.recompute or [0] * len(nblk)):
-        strategies += [base + "+CKPT"] * int(r) + [base] * (n - int(r))
-    strategies.append(base)
     return Plan(pp=c.P, tp=c.tp, dp=c.dp, zero_stage=c.zero, micro_batch_size=c.B_m // c.dp,
                 num_microbatches=c.m, global_batch_size=B, precision=precision, schedule=c.schedule,
                 schedule_options=schedule_options(c.schedule, len(nblk) // c.P), layers_per_stage=nblk,
                 recompute_per_stage=[round(x, 6) for x in rec], model=model.name, cluster=cluster.name,
                 seq_len=seq, num_layers=model.num_layers, world_size=cluster.world_size,
-                sequence_parallel=c.sp, partitioner=c.partitioner, layer_strategies=strategies, predicted=pred,
+                sequence_parallel=c.sp, partitioner=c.partitioner, layer_strategies=layer_labels(c), predicted=pred,
                 notes=[c.note] if c.note else [])
+
+
+def layer_labels(c: Candidate) -> list[str]:
+    """Per-unit strategy labels (embedding, blocks in schedule-stage order, head); recomputed
+    blocks are the first ones of their stage (Megatron's 'block' method)."""
+    base = Strategy(c.tp, c.dp, c.zero, sp=c.sp).label()
+    out = [base]
+    for n, r in zip(c.parts, c.recompute or [0] * len(c.parts)):
+        out += [base + "+CKPT"] * int(r) + [base] * (n - int(r))
+    return out + [base]
 
 
 def plan_model(model, cluster, global_batch: int, seq: int | None = None, **opts) -> Plan:

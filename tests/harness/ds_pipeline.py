@@ -1,8 +1,9 @@
-"""Self-check of the DeepSpeed adapter on CPU ranks (used by tests, bench and the example).
+"""Check of the DeepSpeed adapter on CPU ranks (tests).
 
-Run on every rank (``spawn.spawn`` or the ``deepspeed`` launcher)::
+Run on every rank (:func:`ds_autoplan.runtime.launch.spawn` with :data:`harness.ENV`, or the
+``deepspeed`` launcher)::
 
-    python -m ds_autoplan.runtime.deepspeed.check --schedules 1f1b,v-min --n 4
+    python -m harness.ds_pipeline --schedules 1f1b,v-min --n 4
 
 For each schedule it trains a tiny GPT for ``--steps`` optimizer steps with
 :func:`ds_autoplan.initialize`, trains the same model without pipelining in this process,
@@ -25,66 +26,23 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .spawn import report_runs
+from ds_autoplan.models.tiny_gpt import Block, GPTConfig, TinyGPT, gpt_loss
+from ds_autoplan.runtime.launch import report_runs
 
 
-# ----------------------------------------------------------------------------- tiny GPT
-class Embed(nn.Module):
-    def __init__(self, vocab, hidden, seq):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, hidden)
-        self.pos = nn.Parameter(torch.randn(seq, hidden) * 0.02)
-
-    def forward(self, tokens):
-        return self.tok(tokens) + self.pos[: tokens.shape[1]]
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block with causal self-attention and an MLP."""
-
-    def __init__(self, hidden, heads=2, sleep=None):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-        self.heads = heads
-
-    def forward(self, x):
-        b, t, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, h // self.heads).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, h))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class Head(nn.Module):
-    def __init__(self, vocab, hidden):
-        super().__init__()
-        self.ln, self.out = nn.LayerNorm(hidden), nn.Linear(hidden, vocab)
-
-    def forward(self, x):
-        return self.out(self.ln(x))
-
-
+# ----------------------------------------------------------------------------- models
 def tiny_gpt_layers(vocab=32, hidden=16, blocks=6, seq=8, seed=0) -> list[nn.Module]:
-    """Embedding, ``blocks`` transformer blocks, LM head: ``blocks + 2`` pipeline layers."""
+    """The tiny GPT's pipeline layers: embedding, ``blocks`` transformer blocks, LM head."""
     torch.manual_seed(seed)
-    return [Embed(vocab, hidden, seq), *[Block(hidden) for _ in range(blocks)], Head(vocab, hidden)]
+    return TinyGPT(GPTConfig(vocab_size=vocab, hidden=hidden, num_layers=blocks, num_heads=2,
+                             seq_len=seq)).layers()
 
 
 def block_layers(hidden=16, blocks=8, seed=0) -> list[nn.Module]:
     """Identical transformer blocks only (uniform stages: the paper's memory model)."""
     torch.manual_seed(seed)
-    return [Block(hidden) for _ in range(blocks)]
-
-
-def mse_loss(out, target):
-    return F.mse_loss(out, target)
-
-
-def lm_loss(logits, labels):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    cfg = GPTConfig(hidden=hidden, num_heads=2)
+    return [Block(cfg) for _ in range(blocks)]
 
 
 def synthetic_batches(steps, n, mbs, seq, vocab, seed=1, hidden=None):
@@ -109,8 +67,8 @@ def model_and_data(args):
     hid = args.hidden if args.model == "blocks" else None
     batches = synthetic_batches(args.steps, args.n, args.mbs, args.seq, args.vocab, hidden=hid)
     if args.model == "blocks":
-        return block_layers(args.hidden, args.blocks, args.seed), mse_loss, batches
-    return tiny_gpt_layers(args.vocab, args.hidden, args.blocks, args.seq, args.seed), lm_loss, batches
+        return block_layers(args.hidden, args.blocks, args.seed), F.mse_loss, batches
+    return tiny_gpt_layers(args.vocab, args.hidden, args.blocks, args.seq, args.seed), gpt_loss, batches
 
 
 def reference_training(layers, batches, lr, loss_fn):
@@ -131,10 +89,10 @@ def reference_training(layers, batches, lr, loss_fn):
 
 
 # ----------------------------------------------------------------------------- predictions
-def stage_costs(sched, layers, parts, sample, recompute_layers=None, loss_fn=lm_loss):
+def stage_costs(sched, layers, parts, sample, recompute_layers=None, loss_fn=gpt_loss):
     """Per-stage activation bytes from per-layer profiles, as simulator Costs."""
-    from ...schedule import Costs
-    from ..memtrack import profile_layers
+    from ds_autoplan.schedule import Costs
+    from ds_autoplan.runtime.memtrack import profile_layers
     prof = profile_layers(copy.deepcopy(layers), sample[0], loss_fn=loss_fn, labels=sample[1])
     S, n = sched.num_stages, sched.num_microbatches
     mf, mb_, mw, keep = [], [], [], []
@@ -156,7 +114,7 @@ def stage_costs(sched, layers, parts, sample, recompute_layers=None, loss_fn=lm_
 
 # ----------------------------------------------------------------------------- worker
 def _plan(name, d, n, mbs, nlayers, zero, rec, dp=1):
-    from ...schedule import build
+    from ds_autoplan.schedule import build
     opts = {"v": 2} if name == "interleaved" else {}
     sched = build(name, d, n, **opts)
     S = sched.num_stages
@@ -205,8 +163,8 @@ def _inject_failure(engine, spec, rank):
 
 def run_one(name, args, world, rank, ref):
     import deepspeed
-    from ...schedule import names, simulate
-    from . import api
+    from ds_autoplan.schedule import names, simulate
+    from ds_autoplan.runtime.deepspeed import api
     d = world // args.dp        # every data-parallel replica sees the same batches here
     layers, loss_fn, batches = model_and_data(args)
     nlayers = len(layers)
@@ -242,7 +200,7 @@ def run_one(name, args, world, rank, ref):
                                                         _all_recompute(engine), loss_fn))
     if args.fail:
         _inject_failure(engine, args.fail, rank)
-    from ..memtrack import MemTracker
+    from ds_autoplan.runtime.memtrack import MemTracker
     tracker = getattr(engine, "memtracker", None)
     if tracker is None:        # DeepSpeed's own engines: count with a tracker around train_batch
         tracker = MemTracker(exclude=list(engine.module.parameters()))
@@ -301,7 +259,7 @@ def main(argv=None):
     ap.add_argument("--fail", default="", help="rank:raise|kill|hang:call (failure injection)")
     ap.add_argument("--local_rank", type=int, default=None)   # set by the deepspeed launcher
     args = ap.parse_args(argv)
-    from .dist import init_distributed
+    from ds_autoplan.runtime.deepspeed.dist import init_distributed
     torch.set_num_threads(1)
     init_distributed()
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()

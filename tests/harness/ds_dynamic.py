@@ -1,8 +1,9 @@
-"""Self-check of dynamic micro-batching in the DeepSpeed runtime (used by tests and the example).
+"""Check of dynamic micro-batching in the DeepSpeed runtime (tests).
 
-On every rank (``spawn.spawn`` or the ``deepspeed`` launcher)::
+On every rank (:func:`ds_autoplan.runtime.launch.spawn` with :data:`harness.ENV`, or the
+``deepspeed`` launcher)::
 
-    python -m ds_autoplan.runtime.deepspeed.check_dynamic --steps 2 --runs dynapipe:0:tokens,1f1b:1:tokens
+    python -m harness.ds_dynamic --steps 2 --runs dynapipe:0:tokens,1f1b:1:tokens
 
 Draws sequence lengths from the shipped real distribution, plans every step with DynaPipe
 (DP micro-batching + adaptive schedule, ``DynamicBatchSampler`` in a background thread),
@@ -21,26 +22,13 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .spawn import report_runs
-
-
-class VarLenTokens(torch.utils.data.Dataset):
-    """Sample ``i``: ``lengths[i]`` random token ids (seeded by ``i``)."""
-
-    def __init__(self, lengths, vocab: int, seed: int = 0):
-        self.lengths, self.vocab, self.seed = [int(x) for x in lengths], vocab, seed
-
-    def __len__(self):
-        return len(self.lengths)
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(i))
-        return torch.randint(1, self.vocab, (self.lengths[i],), generator=g)
+from ds_autoplan.dynamic.sampler import VarLenTokens
+from ds_autoplan.runtime.launch import report_runs
 
 
 def make_sampler(args, lengths, dp, dp_rank, schedule="dynapipe"):
-    from ...dynamic import CostModel, IterationPlanner
-    from ...dynamic.sampler import DynamicBatchSampler
+    from ds_autoplan.dynamic import CostModel, IterationPlanner
+    from ds_autoplan.dynamic.sampler import DynamicBatchSampler
     # an A100-class GPT layer cost: with these lengths the DP cuts 2-5 micro-batches per step
     cost = CostModel.gpt(hidden=args.cost_hidden, heads=16, layers=8, stages=args.pp)
     planner = IterationPlanner(cost, args.pp, schedule=schedule)
@@ -66,10 +54,10 @@ def reference(layers, ds, steps_idx, lr, loss_fn, collate):
 def run(args, schedule, zero, weight, recompute, ref, layers0, ds, lengths):
     from torch.utils.data import DataLoader
 
-    from ...dynamic.sampler import pad_collate
-    from ...models.tiny_gpt import gpt_loss
-    from . import api, dynamic
-    from .check import _local_layers, _rel_err
+    from ds_autoplan.dynamic.sampler import pad_collate
+    from ds_autoplan.models.tiny_gpt import gpt_loss
+    from ds_autoplan.runtime.deepspeed import api, dynamic
+    from harness.ds_pipeline import _local_layers, _rel_err
     cfg = {"steps_per_print": 10 ** 9, "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True}
     plan = dynamic.static_plan(args.pp, dp=args.dp, zero_stage=zero,
                                recompute_per_stage=[recompute] * args.pp)
@@ -103,8 +91,8 @@ def _misuse(args, engine, sampler) -> dict:
     """The messages of a schedule for other ranks, of a loader whose shapes differ from the
     plan (every rank here loads data, so every rank stops before any transfer) and of ranks
     holding different plans (every rank stops at the plan check)."""
-    from ...schedule import build
-    from . import dynamic
+    from ds_autoplan.schedule import build
+    from ds_autoplan.runtime.deepspeed import dynamic
     out = {}
     try:
         engine.set_step_schedule(build("1f1b", args.pp + 1, 2))
@@ -144,10 +132,10 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--local_rank", type=int, default=None)
     args = ap.parse_args(argv)
-    from ...dynamic import LengthSampler
-    from ...dynamic.sampler import pad_collate
-    from ...models.tiny_gpt import GPTConfig, TinyGPT, gpt_loss
-    from .dist import init_distributed
+    from ds_autoplan.dynamic import LengthSampler
+    from ds_autoplan.dynamic.sampler import pad_collate
+    from ds_autoplan.models.tiny_gpt import GPTConfig, TinyGPT, gpt_loss
+    from ds_autoplan.runtime.deepspeed.dist import init_distributed
     torch.set_num_threads(1)
     init_distributed()
     args.pp = torch.distributed.get_world_size() // args.dp

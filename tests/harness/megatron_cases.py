@@ -1,0 +1,229 @@
+"""Megatron test cases on gloo ranks: our schedules vs Megatron's own and the no-pipeline
+run, recomputation with dropout, a failing rank.  ``launch(world, cases)`` runs them
+(:func:`ds_autoplan.runtime.launch.launch`); a case's ``fn`` defaults to :func:`run_case`, a
+bare name is a function of this module."""
+from __future__ import annotations
+
+import time
+
+from ds_autoplan.models.megatron_gpt import (MBS, SEQ, build_chunks, build_reference,
+                                             copy_weights, data_iter, forward_step, global_name,
+                                             stage_offset)
+from ds_autoplan.runtime import launch as _launcher
+
+from . import ENV
+
+
+def launch(world: int, cases: list, **kw) -> list:
+    """:func:`ds_autoplan.runtime.launch.launch` with this module's case functions."""
+    cases = [dict(c, fn=c.get("fn", "run_case")) for c in cases]
+    cases = [c if ":" in c["fn"] else dict(c, fn=f"{__name__}:{c['fn']}") for c in cases]
+    return _launcher.launch(world, cases, **{"env": ENV, **kw})
+
+
+def sgd(params, lr=0.05):
+    import torch
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-lr)
+                p.grad = None
+
+
+
+def _plan(case):
+    from ds_autoplan.plan import Plan
+    d, n, name = case["pp"], case["n"], case.get("schedule", "custom")
+    return Plan(pp=d, tp=case.get("tp", 1), sequence_parallel=case.get("sp", False), dp=1,
+                num_microbatches=n, micro_batch_size=MBS, schedule=name,
+                schedule_options=case.get("options", {}), layers_per_stage=case["layers"],
+                recompute_per_stage=case.get("recompute", [0.0] * len(case["layers"])),
+                precision="fp32")
+
+
+def run_case(case) -> dict:
+    """One schedule (ours or Megatron's own), 2 training steps; compares with a local
+    no-pipeline run of the same model (Megatron's forward_backward_no_pipelining)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules as ms
+
+    from ds_autoplan.runtime.memtrack import MemTracker
+    from ds_autoplan.schedule import Costs, Schedule, simulate
+    from ds_autoplan.runtime.megatron import cpu_shim, get_forward_backward_func, initialize
+
+    ps.destroy_model_parallel()
+    plan = _plan(case)
+    sched = Schedule.from_dict(case["sched"]) if "sched" in case else plan.build_schedule()
+    setup = initialize(plan, schedule=sched)
+    rank, S, n = setup.pp_rank, sched.num_stages, plan.num_microbatches
+    L = sum(plan.layers_per_stage)
+    split = case.get("split", True)
+    # tp > 1: a reference with Megatron's own linear layers ("ref_split": False) checks the
+    # tensor-parallel communication of the split layers against Megatron's
+    ref = build_reference(L, split=case.get("ref_split", split), tp=plan.tp,
+                          sp=setup.config_overrides["sequence_parallel"])
+    chunks = build_chunks(setup, split=split, **case.get("config", {}))
+    copy_weights(ref, chunks, setup, plan.layers_per_stage)
+    params = [p for m in chunks for p in m.parameters()]
+    runner = case.get("runner", "ours")
+    tracker = MemTracker(exclude=params) if runner == "ours" else None
+    fb = get_forward_backward_func(plan, schedule=sched, tracker=tracker) if runner == "ours" else None
+    res = {"rank": rank, "tp_rank": ps.get_tensor_model_parallel_rank(), "stages": setup.stages,
+           "losses": [], "ref_losses": [], "max_grad_err": 0.0, "max_grad": 0.0,
+           "peak_bytes": [], "time": [], "w_items": 0,
+           "has_w": runner == "ours" and any(a.kind.value == "W" for a in sched.ranks[rank])}
+    w_items = _count_w_items(res)
+    for step in range(case.get("steps", 2)):
+        with cpu_shim(remap_cuda_factories=True):
+            ref_l = ms.forward_backward_no_pipelining(
+                forward_step_func=forward_step, data_iterator=data_iter(step), model=[ref],
+                num_microbatches=n, seq_length=SEQ, micro_batch_size=MBS)
+        its = [data_iter(step) for _ in chunks]
+        kw = dict(forward_step_func=forward_step, data_iterator=its if len(chunks) > 1 else its[0],
+                  model=chunks, num_microbatches=n, seq_length=SEQ, micro_batch_size=MBS)
+        t0 = time.perf_counter()
+        if runner == "ours":
+            losses = fb(**kw)
+            res["peak_bytes"].append(fb.peak_bytes)
+        else:  # Megatron's own schedule for this parallel state (1F1B or interleaved)
+            with cpu_shim(remap_cuda_factories=True):
+                losses = ms.get_forward_backward_func()(**kw)
+        res["time"].append(time.perf_counter() - t0)
+        if setup.config_overrides["sequence_parallel"]:
+            _allreduce_sp_grads([ref, *chunks])
+        rp = dict(ref.named_parameters())
+        for c, m in enumerate(chunks):
+            off = stage_offset(plan.layers_per_stage, setup.stages[c])
+            for nme, p in m.named_parameters():
+                g_ref = rp[global_name(nme, off)].grad
+                assert p.grad is not None, f"no gradient for {nme} (stage {setup.stages[c]}) step {step} " + str([q for q, pp in m.named_parameters() if pp.grad is None])
+                res["max_grad_err"] = max(res["max_grad_err"], float((p.grad - g_ref).abs().max()))
+                res["max_grad"] = max(res["max_grad"], float(g_ref.abs().max()))
+        res["losses"].append([float(x["loss"]) for x in losses])
+        res["ref_losses"].append([float(x["loss"]) for x in ref_l])
+        sgd(params)
+        sgd(ref.parameters())
+    if runner == "ours" and tracker is not None:
+        # simulator with the measured per-(stage, mb) deltas of this rank's actions; other
+        # ranks' stages get zeros (only this rank's peak is compared)
+        import numpy as np
+        mf, mb_, mw = (np.zeros((S, n)) for _ in range(3))
+        keep = np.zeros((S, n))
+        for (k, s, m), v in fb.mem_deltas.items():
+            if k == "F":
+                mf[s, m] = v
+            elif k == "B":
+                mb_[s, m] = v
+            elif k == "BW":
+                mb_[s, m] = v
+            elif k == "R":
+                mf[s, m] += v
+        mw = -(mf + mb_)
+        rec = {(a.stage, a.mb) for a in sched.actions() if a.kind.value == "R"}
+        for (s, m) in rec:
+            keep[s, m] = fb.mem_deltas.get(("F", s, m), 0.0)
+        costs = Costs.per_stage(S, n, 1.0, 1.0, 1.0, mem_f=mf, mem_b=mb_, mem_w=mw, keep_ckpt=keep)
+        res["sim_peak_bytes"] = simulate(sched.compute_only(), costs).peak_memory[rank]
+    # one forward-only (evaluation) pass, as Megatron-LM's evaluate() runs it
+    with cpu_shim(remap_cuda_factories=True), torch.no_grad():
+        ref_l = ms.forward_backward_no_pipelining(
+            forward_step_func=forward_step, data_iterator=data_iter(99), model=[ref],
+            num_microbatches=n, seq_length=SEQ, micro_batch_size=MBS, forward_only=True)
+        its = [data_iter(99) for _ in chunks]
+        kw.update(data_iterator=its if len(chunks) > 1 else its[0], forward_only=True)
+        if runner == "ours":
+            losses = fb(**kw)
+        else:
+            losses = ms.get_forward_backward_func()(**kw)
+    w_items()
+    res["eval_losses"] = [float(x["loss"]) for x in losses]
+    res["ref_eval_losses"] = [float(x["loss"]) for x in ref_l]
+    dist.barrier()
+    return res
+
+
+def _count_w_items(res):
+    """Count, into ``res["w_items"]``, the deferred weight-gradient closures of the Megatron
+    split layers that W actions run (shows that W does work); returns the undo."""
+    from ds_autoplan.runtime.splitgrad import WeightGradStore
+    from ds_autoplan.runtime.megatron import splitgrad
+    run_all = WeightGradStore.run_all
+
+    def counting(store):
+        res["w_items"] += sum(fn.__module__ == splitgrad.__name__ for fn, _, _ in store._items)
+        return run_all(store)
+    WeightGradStore.run_all = counting
+
+    def undo():
+        WeightGradStore.run_all = run_all
+    return undo
+
+
+def _allreduce_sp_grads(models):
+    """What Megatron's ``finalize_model_grads`` does for sequence-parallel parameters (norms:
+    each tp rank saw its slice of the sequence), on plain ``.grad`` (no DDP here)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    for m in models:
+        for p in m.parameters():
+            if getattr(p, "sequence_parallel", False) and p.grad is not None:
+                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+
+
+def dropout_case(case) -> dict:
+    """The same schedule with and without recomputation (R) of some stages, hidden dropout
+    on: R must replay each forward's random state, so gradients agree exactly; a third run
+    without dropout shows that dropout is really drawn."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from ds_autoplan.schedule import Kind, Schedule
+    from ds_autoplan.runtime.megatron import get_forward_backward_func, initialize
+    with_r = Schedule.from_dict(case["sched"])
+    no_r = Schedule.from_keys("no-r", with_r.num_microbatches, with_r.placement,
+                              [[(a.kind.value, a.stage, a.mb) for a in acts if a.kind != Kind.R]
+                               for acts in with_r.ranks])
+    grads = []
+    for sched, p in ((with_r, case["dropout"]), (no_r, case["dropout"]), (no_r, 0.0)):
+        ps.destroy_model_parallel()
+        plan = _plan(case)
+        setup = initialize(plan, schedule=sched)
+        chunks = build_chunks(setup, hidden_dropout=p)
+        torch.manual_seed(4321 + setup.pp_rank)
+        its = [data_iter(0) for _ in chunks]
+        get_forward_backward_func(plan, schedule=sched)(
+            forward_step_func=forward_step, data_iterator=its if len(chunks) > 1 else its[0],
+            model=chunks, num_microbatches=plan.num_microbatches, seq_length=SEQ,
+            micro_batch_size=MBS)
+        grads.append([q.grad.clone() for m in chunks for q in m.parameters()])
+    err = max(float((a - b).abs().max()) for a, b in zip(grads[0], grads[1]))
+    diff = max(float((a - b).abs().max()) for a, b in zip(grads[1], grads[2]))
+    return {"rank": setup.pp_rank, "recomputes": sum(a.kind == Kind.R for a in with_r.ranks[setup.pp_rank]),
+            "max_err": err, "dropout_effect": diff}
+
+
+def fail_case(case) -> dict:
+    """Our schedule with a forward_step_func that raises on one rank in the middle of the
+    pipeline while the other ranks wait on receives (launcher robustness test)."""
+    from megatron.core import parallel_state as ps
+
+    from ds_autoplan.runtime.megatron import get_forward_backward_func, initialize
+    ps.destroy_model_parallel()
+    plan = _plan(case)
+    setup = initialize(plan)
+    chunks = build_chunks(setup)
+    calls = []
+
+    def bad_step(data_it, model):
+        calls.append(1)
+        if setup.pp_rank == case.get("bad_rank", 1) and len(calls) == 3:
+            raise RuntimeError("deliberate failure")
+        return forward_step(data_it, model)
+
+    its = [data_iter(0) for _ in chunks]
+    get_forward_backward_func(plan)(
+        forward_step_func=bad_step, data_iterator=its if len(chunks) > 1 else its[0],
+        model=chunks, num_microbatches=plan.num_microbatches, seq_length=SEQ, micro_batch_size=MBS)
+    return {}
