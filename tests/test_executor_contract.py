@@ -6,14 +6,12 @@ stage, schedule/passes.py) and is never skipped."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from ds_autoplan.schedule import Kind, Schedule, ScheduleError, build, v_placement, validate
 from ds_autoplan.schedule.passes import add_recompute, recompute_layers, single_stage, stage_recompute
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 TOL = 1e-5
 
 
@@ -90,11 +88,12 @@ def _check(rows, label):
 @pytest.mark.timeout(200)
 def test_hand_list_in_deepspeed(tmp_path):
     pytest.importorskip("deepspeed")
-    from ds_autoplan.runtime.deepspeed.spawn import results
+    from harness import ENV
+    from ds_autoplan.runtime.launch import results
     scheds = [hand_v(), no_r(hand_v())]
     path = tmp_path / "s.json"
     path.write_text(json.dumps([s.to_dict() for s in scheds]))
-    rows = results([os.path.join(HERE, "contract_workers.py"), str(path)], 2, timeout=180)
+    rows = results(["-m", "harness.contract", str(path)], 2, timeout=180, env=ENV)
     with_r = _check([r for r in rows if r["schedule"] == "hand-v"], "deepspeed")
     plain = _check([r for r in rows if r["schedule"] == "hand-v-no-r"], "deepspeed no R")
     for rank in (0, 1):
@@ -105,9 +104,8 @@ def test_hand_list_in_deepspeed(tmp_path):
 @pytest.mark.timeout(200)
 def test_hand_list_in_megatron():
     pytest.importorskip("megatron.core")
-    from ds_autoplan.runtime.megatron.testing import launch
-    fn = os.path.join(HERE, "contract_workers.py") + ":megatron_case"
-    cases = [dict(fn=fn, pp=2, n=4, layers=[2, 2, 2, 2], schedule=s.name, sched=s.to_dict())
+    from harness.megatron_cases import launch
+    cases = [dict(fn="harness.contract:megatron_case", pp=2, n=4, layers=[2, 2, 2, 2], schedule=s.name, sched=s.to_dict())
              for s in (hand_v(), no_r(hand_v()))]
     out = launch(2, cases, timeout=180)
     with_r = _check([o[0] for o in out], "megatron")

@@ -232,7 +232,7 @@ def run_one(name, args, world, rank, ref):
 
 def _all_recompute(engine):
     """Stage -> module layers R re-runs, for every stage (the whole-schedule simulation)."""
-    from ...schedule.passes import recompute_layers
+    from ds_autoplan.schedule.passes import recompute_layers
     mod = engine.module
     ks = recompute_layers(engine.ap_schedule, mod.plan_layer_counts)
     return {s: k + (1 if mod._joined and s == 0 and k else 0) for s, k in enumerate(ks)}

@@ -1,7 +1,7 @@
 """Workers of tests/test_executor_contract.py: one hand-written action list in each runtime.
 
-``python tests/contract_workers.py SCHEDULES.json`` on every rank (``spawn``): the DeepSpeed
-adapter; :func:`megatron_case` through the Megatron launcher.  Each trains one step of a
+``python -m harness.contract SCHEDULES.json`` on every rank (``spawn``): the DeepSpeed
+adapter; :func:`megatron_case` through the launcher's cases.  Each trains one step of a
 tiny GPT per schedule from the same weights as a non-pipelined reference and reports the
 largest gradient error, the measured peak saved-activation bytes and the simulator's peak
 from the costs measured on micro-batch 0 (runtime.common.memory.stage_costs).
@@ -72,7 +72,7 @@ def _ref_grads(layers0, batches):
 def deepspeed_main(path):
     from ds_autoplan.models.tiny_gpt import TinyGPT, example_batch
     from ds_autoplan.runtime.deepspeed.dist import init_distributed
-    from ds_autoplan.runtime.deepspeed.spawn import report_runs
+    from ds_autoplan.runtime.launch import report_runs
     from ds_autoplan.schedule import Schedule
     torch.set_num_threads(1)
     init_distributed()
@@ -91,33 +91,35 @@ def megatron_case(case) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import schedules as ms
 
+    from ds_autoplan.models import megatron_gpt as G
     from ds_autoplan.runtime.megatron import get_forward_backward_func, initialize
-    from ds_autoplan.runtime.megatron import testing as T
     from ds_autoplan.runtime.megatron.shim import cpu_shim
     from ds_autoplan.runtime.memtrack import MemTracker
     from ds_autoplan.schedule import Schedule
+
+    from .megatron_cases import _plan
     ps.destroy_model_parallel()
     sched = Schedule.from_dict(case["sched"])
-    plan = T._plan(case)
+    plan = _plan(case)
     setup = initialize(plan, schedule=sched)
-    ref = T.build_reference(sum(plan.layers_per_stage))
-    chunks = T.build_chunks(setup)
-    T.copy_weights(ref, chunks, setup, plan.layers_per_stage)
+    ref = G.build_reference(sum(plan.layers_per_stage))
+    chunks = G.build_chunks(setup)
+    G.copy_weights(ref, chunks, setup, plan.layers_per_stage)
     tracker = MemTracker(exclude=[p for m in chunks for p in m.parameters()])
     fb = get_forward_backward_func(plan, schedule=sched, tracker=tracker)
     n = plan.num_microbatches
     with cpu_shim(remap_cuda_factories=True):
-        ms.forward_backward_no_pipelining(forward_step_func=T.forward_step, data_iterator=T.data_iter(0),
-                                          model=[ref], num_microbatches=n, seq_length=T.SEQ,
-                                          micro_batch_size=T.MBS)
-    its = [T.data_iter(0) for _ in chunks]
-    fb(forward_step_func=T.forward_step, data_iterator=its if len(chunks) > 1 else its[0],
-       model=chunks, num_microbatches=n, seq_length=T.SEQ, micro_batch_size=T.MBS)
+        ms.forward_backward_no_pipelining(forward_step_func=G.forward_step, data_iterator=G.data_iter(0),
+                                          model=[ref], num_microbatches=n, seq_length=G.SEQ,
+                                          micro_batch_size=G.MBS)
+    its = [G.data_iter(0) for _ in chunks]
+    fb(forward_step_func=G.forward_step, data_iterator=its if len(chunks) > 1 else its[0],
+       model=chunks, num_microbatches=n, seq_length=G.SEQ, micro_batch_size=G.MBS)
     rp, err, scale = dict(ref.named_parameters()), 0.0, 0.0
     for c, m in enumerate(chunks):
-        off = T.stage_offset(plan.layers_per_stage, setup.stages[c])
+        off = G.stage_offset(plan.layers_per_stage, setup.stages[c])
         for name, p in m.named_parameters():
-            g_ref = rp[T.global_name(name, off)].grad
+            g_ref = rp[G.global_name(name, off)].grad
             err = max(err, float((p.grad - g_ref).abs().max()))
             scale = max(scale, float(g_ref.abs().max()))
     by = fb.memory.by_action
