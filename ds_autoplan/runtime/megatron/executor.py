@@ -233,7 +233,11 @@ class _Step:
     handler per action kind (the adapter's dispatch table)."""
 
     def __init__(self, runner: ScheduleRunner, state: StepState, args: dict):
-        self.runner, self.a = runner, args
+        self.runner, self.a, self.state = runner, args, state
+        sched = state.schedule if state.schedule is not None else runner.schedule
+        if sched is None:
+            raise ScheduleError("this forward_backward_func holds no schedule: pass schedule=")
+        state.check(args["num_microbatches"])        # before any communication
         self.forward_only = args["forward_only"]
         self.model = args["model"] if isinstance(args["model"], list) else [args["model"]]
         self.config = get_model_config(self.model[0])
@@ -241,10 +245,10 @@ class _Step:
         p2pc = args["p2p_communicator"]
         self.pp_group = p2pc.pp_group if p2pc is not None else self.pgs.pp
         self.rank = self.pp_group.rank()
-        self.sched = self._accept(state)
+        self.sched = accept(sched, num_ranks=self.pp_group.size(),
+                            num_microbatches=args["num_microbatches"], costs=runner.costs,
+                            who="Megatron adapter")
         self.n, self.S = self.sched.num_microbatches, self.sched.num_stages
-        self.state = state
-        state.check(self.n)
         self.stages = self.sched.stages_of(self.rank)
         self.chunk = {s: i for i, s in enumerate(self.stages)}
         self._check_chunks()
@@ -266,15 +270,6 @@ class _Step:
         self.seen_first: set = set()
 
     # -- set-up --------------------------------------------------------------------------
-    def _accept(self, state):
-        r = self.runner
-        sched = state.schedule if state.schedule is not None else r.schedule
-        if sched is None:
-            raise ScheduleError("this forward_backward_func holds no schedule: pass schedule=")
-        return accept(sched, num_ranks=self.pp_group.size(),
-                      num_microbatches=self.a["num_microbatches"], costs=r.costs,
-                      who="Megatron adapter")
-
     def _check_chunks(self):
         if len(self.model) != len(self.stages):
             raise ScheduleError(f"pp rank {self.rank} holds stages {self.stages} of the schedule "
