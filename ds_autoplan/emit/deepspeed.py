@@ -14,6 +14,7 @@ def autoplan_section(plan: Plan) -> dict:
             "tensor_parallel_size": plan.tp, "pipeline_parallel_size": plan.pp,
             "data_parallel_size": plan.dp, "num_microbatches": plan.num_microbatches,
             "sequence_parallel": plan.sequence_parallel,   # Megatron only (DeepSpeed runs tp = 1)
+            "selective_recompute": plan.selective_recompute,   # Megatron only
             "partitioner": plan.partitioner, "model": plan.model, "cluster": plan.cluster}
 
 

@@ -5,10 +5,9 @@ Memory model (schedules.md §0, §8 decision 2): F allocates ``mem_f``; B change
 frees ``mem_b + mem_w``.  The paper's analysis uses (1, 0, -1)·m: everything is held until W.
 With recomputation (an R action for that stage/mb), F keeps only ``keep_ckpt`` (the
 input of the recomputed prefix and what the layers after it save; schedule/passes.py) and R
-allocates the rest again.  ``rise_b`` (>= 0): how far memory rises above its level at the
-start of a B or BW before it falls (a split layer's B stashes its output gradient for W
-before the saved inputs are freed); allocations happen at the start of an action, frees at
-its end.
+allocates the rest again.  ``b_transient``: bytes a backward holds from its start beyond its
+net change until its end (a split layer's B stashes its output gradient for W while the
+saved inputs are still held); one value, or one per stage / per (stage, micro-batch).
 
 Runtime overheads (issue 14): a real engine also spends time the per-layer costs leave out.
 :class:`Overheads` holds what one runtime measured once (``bench/_measure.py``): ``dispatch``
@@ -59,12 +58,15 @@ class Costs:
     num_ranks: int | None = None  # for the "units of 1/d of the model" scale
     dispatch: float = 0.0       # a runtime's own time per compute action (issue 14)
     step: float = 0.0           # once per iteration after the last action (issue 14)
-    rise_b: np.ndarray | None = None  # transient rise inside B/BW (None: 0)
+    b_transient: float | np.ndarray = 0.0   # bytes a backward (B, BW) holds from its start
+                                # on, beyond its net change, until its end (e.g. the output
+                                # gradient a deferred W keeps while the layer's internals are
+                                # still saved); a float or a [S, n] array
 
     @classmethod
     def per_stage(cls, num_stages: int, n: int, f, b, w, *, r=None, mem_f=1.0, mem_b=None,
                   mem_w=None, keep_ckpt=0.0, p2p: float = 0.0, send: float = 0.0,
-                  num_ranks: int | None = None, rise_b=0.0) -> "Costs":
+                  num_ranks: int | None = None) -> "Costs":
         """Costs given per stage (scalar, list of S, or [S, n] array each)."""
         S = num_stages
         F, Bt, Wt = (_grid(x, S, n, nm) for x, nm in ((f, "f"), (b, "b"), (w, "w")))
@@ -79,11 +81,8 @@ class Costs:
         mw = -(mf + mb_) if mem_w is None else _grid(mem_w, S, n, "mem_w")
         if not np.allclose(mf + mb_ + mw, 0.0, atol=1e-9 * max(1.0, float(np.abs(mf).max()))):
             raise ScheduleError("memory deltas must balance: mem_f + mem_b + mem_w = 0")
-        rb = _grid(rise_b, S, n, "rise_b")
-        if np.any(rb < 0):
-            raise ScheduleError("rise_b must be non-negative")
         return cls(F, Bt, Wt, R, mf, mb_, mw, _grid(keep_ckpt, S, n, "keep_ckpt"),
-                   float(p2p), float(send), num_ranks, rise_b=rb)
+                   float(p2p), float(send), num_ranks)
 
     @classmethod
     def uniform(cls, sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0, *,
@@ -110,6 +109,25 @@ class Costs:
             raise ScheduleError(f"costs are for {self.shape[0]} stages x {self.shape[1]} "
                                 f"micro-batches; schedule has {sched.num_stages} x "
                                 f"{sched.num_microbatches}")
+
+    def with_transient(self, b_transient) -> "Costs":
+        """These costs with ``b_transient`` bytes held during every backward (a scalar, or
+        per stage, or per (stage, micro-batch))."""
+        if np.ndim(b_transient) == 0:
+            if not b_transient >= 0:
+                raise ScheduleError("b_transient must be non-negative")
+            return replace(self, b_transient=float(b_transient))
+        a = _grid(b_transient, *self.shape, "b_transient")
+        if np.any(a < 0):
+            raise ScheduleError("b_transient must be non-negative")
+        return replace(self, b_transient=a)
+
+    def transient(self, kind: Kind, s: int, m: int) -> float:
+        """Bytes held beyond the net change during action ``kind`` (backwards only)."""
+        if kind not in (Kind.B, Kind.BW):
+            return 0.0
+        tr = self.b_transient
+        return float(tr if np.ndim(tr) == 0 else tr[s, m])
 
     def with_overheads(self, ov: "Overheads") -> "Costs":
         """These costs plus a runtime's measured overheads (replacing p2p and send)."""
@@ -142,12 +160,6 @@ class Costs:
         if kind == Kind.BW:
             return self.mem_b[s, m] + self.mem_w[s, m]
         return 0.0
-
-    def mem_rise(self, kind: Kind, s: int, m: int) -> float:
-        """Transient rise above the start level during the action (B and BW only)."""
-        if self.rise_b is None or kind not in (Kind.B, Kind.BW):
-            return 0.0
-        return self.rise_b[s, m]
 
     def unit(self, num_ranks: int) -> float:
         """One micro-batch's activation for 1/d of the model (the scale of `peak_units`)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .costs import Costs
-from .ir import (BACKWARD_KINDS, Action, DependencyIndex, Kind, Schedule, ScheduleError,
+from .ir import (Action, DependencyIndex, Kind, Schedule, ScheduleError,
                  cross_stage_pred, matching_recv_key, validate)
 
 
@@ -169,12 +169,13 @@ def simulate(sched: Schedule, costs: Costs, *, blocking: bool = False,
                 if a.kind.is_compute:
                     busy[rank] += dur
                     delta = float(costs.mem_delta(a.kind, a.stage, a.mb, (a.stage, a.mb) in dep.rec))
-                    rise = max(delta, float(costs.mem_rise(a.kind, a.stage, a.mb)), 0.0)
-                    # allocations (and a B's transient rise) at start, frees at end
-                    if rise:
-                        events[rank].append((st, 1, rise))
-                    if delta - rise:
-                        events[rank].append((en, 0, delta - rise))
+                    tr = costs.transient(a.kind, a.stage, a.mb)
+                    if tr:      # held from the backward's start, its net change at its end
+                        events[rank].append((st, 1, tr))
+                        delta -= tr
+                    if delta:
+                        # allocations happen at start, frees at end (conservative peak)
+                        events[rank].append((st if delta > 0 else en, 1 if delta > 0 else 0, delta))
         if not progressed:
             _raise_deadlock(sched, idx, owner, dep, end)
 

@@ -7,7 +7,7 @@ tracked bytes (``runtime.memtrack.MemTracker``) and the rise above the level at 
 inputs, so the peak can lie inside B).  :func:`stage_costs` turns the values of one
 micro-batch into simulator :class:`~ds_autoplan.schedule.Costs` (schedule/costs.py memory
 model: F allocates ``mem_f``, or ``keep_ckpt`` when recomputed and R the rest; B and W
-free; B may rise first by ``rise_b``).
+free; a B may hold ``b_transient`` more until its end).
 """
 from __future__ import annotations
 
@@ -62,4 +62,5 @@ def stage_costs(sched: Schedule, by_action: dict, rank: int, mb: int = 0) -> Cos
                                 f"and W {w[0]:.0f} bytes do not balance")
     rec = {a.stage for a in sched.actions() if a.kind == Kind.R}
     keep = np.where([s in rec for s in range(S)], keep, mf)
-    return Costs.per_stage(S, n, 1.0, 1.0, 1.0, mem_f=mf, mem_b=mb_, keep_ckpt=keep, rise_b=rise)
+    return Costs.per_stage(S, n, 1.0, 1.0, 1.0, mem_f=mf, mem_b=mb_,
+                           keep_ckpt=keep).with_transient(rise)
