@@ -31,17 +31,30 @@ def plan_iters(quick: bool, iters: int | None = None) -> int:
 
 
 def timed(step: Callable[[], None], iters: int, warmup: int = WARMUP,
-          sync: Callable[[], None] | None = None) -> list[float]:
+          sync: Callable[[], None] | None = None, null: list | None = None) -> list[float]:
     """Run ``step`` ``warmup + iters`` times; the wall seconds of the timed ones (``sync``,
-    e.g. a barrier, runs before each start)."""
+    e.g. a barrier, runs before each start).  With a ``null`` list, each iteration is
+    preceded by one with every sleep layer at zero (``models.sleep.scaled(0)``, the
+    runtime's own time only) whose seconds are appended to ``null``: interleaved, the null
+    model and the measurement see the same load on a shared machine."""
+    from ds_autoplan.models.sleep import scaled
     out = []
-    for i in range(warmup + iters):
+
+    def once():
         if sync:
             sync()
         t0 = time.perf_counter()
         step()
+        return time.perf_counter() - t0
+    for i in range(warmup + iters):
+        if null is not None:
+            with scaled(0.0):
+                t = once()
+            if i >= warmup:
+                null.append(t)
+        t = once()
         if i >= warmup:
-            out.append(time.perf_counter() - t0)
+            out.append(t)
     return out
 
 
@@ -68,29 +81,31 @@ def sim_error(samples: Sequence[float], predicted: float) -> float:
 
 
 # ----------------------------------------------------------------------------- overheads
-def fit_dispatch(sched, costs, measured: float, overheads=None, tol: float = 1e-6) -> float:
-    """The per-compute-action time ``dispatch`` for which the simulator reproduces
-    ``measured`` seconds for ``sched`` with ``costs`` and the other ``overheads`` (p2p,
-    send, step) -- a runtime's launch cost, measured on its reference schedule.  The
+def fit_dispatch(runs, overheads=None, tol: float = 1e-6) -> float:
+    """A runtime's launch cost per compute action: for each ``(sched, costs, measured)`` of
+    ``runs`` (its reference schedules), the ``dispatch`` for which the simulator reproduces
+    ``measured`` seconds with the other ``overheads`` (p2p, send, step); their mean.  The
     makespan grows monotonically with ``dispatch``: bisection."""
     from dataclasses import replace
 
     from ds_autoplan.schedule import Overheads, simulate
     ov = overheads or Overheads()
 
-    def span(dispatch):
-        return simulate(sched, costs.with_overheads(replace(ov, dispatch=dispatch)),
-                        check=False).makespan
-    lo, hi = 0.0, max(measured, tol)
-    if span(lo) >= measured:
-        return 0.0
-    while hi - lo > tol * max(1.0, measured):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if span(mid) < measured else (lo, mid)
-    return (lo + hi) / 2
+    def one(sched, costs, measured):
+        def span(dispatch):
+            return simulate(sched, costs.with_overheads(replace(ov, dispatch=dispatch)),
+                            check=False).makespan
+        lo, hi = 0.0, max(measured, tol)
+        if span(lo) >= measured:
+            return 0.0
+        while hi - lo > tol * max(1.0, measured):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if span(mid) < measured else (lo, mid)
+        return (lo + hi) / 2
+    return statistics.mean(one(*r) for r in runs)
 
 
-def ping(tensor, a: int = 0, b: int = 1, k: int = 10) -> float:
+def ping(tensor, a: int = 0, b: int = 1, k: int = 20) -> float:
     """One-way seconds of ``tensor`` between ranks ``a`` and ``b`` (round trip / 2, median
     of ``k``); every rank of the default group must call it."""
     import torch.distributed as dist

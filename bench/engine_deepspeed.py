@@ -6,11 +6,12 @@ predictions (issue 4).  Ratios are to TrainSchedule, per round of the same run: 
 round times one iteration of every schedule (after a warm-up round), figures are medians
 with their min-max spread (``bench/_measure.py``).
 
-The simulator gets the runtime's own overheads, measured once per runtime before the timed
-rounds (issue 14): the one-way p2p time of an activation, the once-per-iteration work
-(gradient reduction and optimizer step, timed inside the engine) and the dispatch time per
-compute action, fitted so that a null-model iteration (zero-sleep layers) of the runtime's
-1F1B schedule is reproduced -- once for DeepSpeed's own schedules, once for ds_autoplan's.
+The simulator gets the runtime's own overheads, measured once per runtime in every round
+(so they see the same load as the timed steps; issue 14): the one-way p2p time of an
+activation, the once-per-iteration work (gradient reduction and optimizer step, timed inside
+the engine) and the dispatch time per compute action, fitted so that null-model iterations (zero-sleep layers) of the runtime's
+reference schedules are reproduced -- TrainSchedule for DeepSpeed's own schedules, 1F1B
+(fused backward) and V-ZB (split B/W) for ds_autoplan's.
 
     python bench/engine_deepspeed.py [--quick] [--n 8] [--unit-ms 25] [--iters 5]
 
@@ -31,7 +32,8 @@ import _measure as M  # noqa: E402
 SCHEDULES = ["ds-train", "ds-dualpipev", "v-min", "v-half", "v-zb", "adaptive"]
 RATIOS = {"1:1:1": (1.0, 1.0, 1.0), "1:1.2:0.8": (1.0, 1.2, 0.8)}
 INNER = 15          # a layer keeps 1 + INNER copies of its input; the loss stage 2 more
-NULL = {"ds": "ds-train", "ours": "1f1b"}   # per runtime: the schedule its overheads are fitted on
+# per runtime: the schedules its dispatch time is fitted on (fused and split backward)
+NULL = {"ds": ["ds-train"], "ours": ["1f1b", "v-zb"]}
 _STEP_INSTR = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
 
 
@@ -105,6 +107,7 @@ def _stepper(engine, tracker, data):
 def worker(args):
     import torch
 
+    from ds_autoplan.models.sleep import scaled
     from ds_autoplan.runtime.deepspeed.dist import init_distributed
     torch.set_num_threads(1)
     init_distributed()
@@ -116,37 +119,39 @@ def worker(args):
            "train_batch_size": 2 * n, "steps_per_print": 10 ** 9, "gradient_clipping": 0.0,
            "zero_allow_untested_optimizer": True}
     barrier = torch.distributed.barrier
+    refs = [nm for nms in NULL.values() for nm in nms]     # null iterations of these
 
     def emit(**row):
         print("BENCH " + json.dumps({"rank": rank, **row}), flush=True)
-
-    # the runtimes' own overheads, once each: null-model iterations and a ping
-    emit(kind="p2p", seconds=M.ping(data[0][0].clone()))
-    for rt, name in NULL.items():
-        engine, tracker = _engine(name, d, n, (0.0, 0.0, 0.0), unit, cfg)
-        acc, steps = _step_timer(engine), []
-        run = _stepper(engine, tracker, data)
-
-        def null_step():
-            acc[0] = 0.0
-            run()
-            steps.append(acc[0])
-        times = M.timed(null_step, max(args.iters, 5), sync=barrier)
-        emit(kind="null", runtime=rt, times=times, step=statistics.median(steps[M.WARMUP:]))
-        del engine
     for rname in args.ratios.split(","):
-        built = {nm: _engine(nm, d, n, RATIOS[rname], unit, cfg) for nm in SCHEDULES}
-        times = {nm: [] for nm in SCHEDULES}
-        peaks = {nm: 0 for nm in SCHEDULES}
+        names = SCHEDULES + [nm for nm in refs if nm not in SCHEDULES]
+        built = {nm: _engine(nm, d, n, RATIOS[rname], unit, cfg) for nm in names}
+        acc = {nm: _step_timer(built[nm][0]) for nm in refs}
+        times = {nm: [] for nm in names}
+        nulls, steps = {nm: [] for nm in refs}, {nm: [] for nm in refs}
+        peaks = {nm: 0 for nm in names}
         for r in range(M.WARMUP + args.iters):       # rounds: every schedule once per round
+            if r >= M.WARMUP:
+                emit(kind="p2p", seconds=M.ping(data[0][0].clone()))
             for nm, (engine, tracker) in built.items():
-                t = M.timed(_stepper(engine, tracker, data), 1, warmup=0, sync=barrier)
-                if r >= M.WARMUP:
-                    times[nm] += t
-                    peaks[nm] = max(peaks[nm], (tracker or engine.memtracker).peak)
+                step = _stepper(engine, tracker, data)
+                if nm in refs:      # the runtime's own time: sleep layers at zero
+                    acc[nm][0] = 0.0
+                    with scaled(0.0):
+                        t = M.timed(step, 1, warmup=0, sync=barrier)
+                    if r >= M.WARMUP:
+                        nulls[nm] += t
+                        steps[nm].append(acc[nm][0])
+                if nm in SCHEDULES:
+                    t = M.timed(step, 1, warmup=0, sync=barrier)
+                    if r >= M.WARMUP:
+                        times[nm] += t
+                        peaks[nm] = max(peaks[nm], (tracker or engine.memtracker).peak)
         for nm in SCHEDULES:
             emit(kind="run", ratio=rname, schedule=nm, times=times[nm], peak=peaks[nm],
                  act_bytes=data[0][0].numel() * 4)
+        for nm in refs:
+            emit(kind="null", schedule=nm, times=nulls[nm], step=statistics.median(steps[nm]))
         del built
     barrier()
     torch.distributed.destroy_process_group()
@@ -181,17 +186,23 @@ def predict(name, d, n, fbw, unit, act, overheads=None):
 
 
 def overheads(rows, d, n) -> dict:
-    """Per runtime: p2p and step measured, dispatch fitted to its null-model iteration."""
+    """Per runtime: p2p and step measured, dispatch fitted to its null-model iterations;
+    (Overheads, {schedule: null iteration seconds})."""
     from ds_autoplan.schedule import Costs, Overheads
-    p2p = max(r["seconds"] for r in rows if r["kind"] == "p2p")
+    p2p = statistics.median(r["seconds"] for r in rows if r["kind"] == "p2p" and r["rank"] == 0)
     out = {}
-    for rt, name in NULL.items():
-        per = [r for r in rows if r["kind"] == "null" and r["runtime"] == rt]
-        t_null = statistics.median(max(ts) for ts in zip(*(r["times"] for r in per)))
-        base = Overheads(p2p=p2p, step=max(r["step"] for r in per))
-        sched = _sched(name, d, n, (1, 1, 1))
-        dispatch = M.fit_dispatch(sched, Costs.uniform(sched, 0.0, 0.0, 0.0), t_null, base)
-        out[rt] = (Overheads(dispatch=dispatch, p2p=p2p, step=base.step), t_null)
+    for rt, names in NULL.items():
+        t_null, runs, step = {}, [], 0.0
+        for name in names:
+            per, by_rank = [r for r in rows if r["kind"] == "null" and r["schedule"] == name], {}
+            for r in per:
+                by_rank.setdefault(r["rank"], []).extend(r["times"])
+            t_null[name] = statistics.median(max(ts) for ts in zip(*by_rank.values()))
+            step = max([step] + [r["step"] for r in per])
+            sched = _sched(name, d, n, (1, 1, 1))
+            runs.append((sched, Costs.uniform(sched, 0.0, 0.0, 0.0), t_null[name]))
+        base = Overheads(p2p=p2p, step=step)
+        out[rt] = (Overheads(dispatch=M.fit_dispatch(runs, base), p2p=p2p, step=step), t_null)
     return out
 
 
@@ -251,8 +262,7 @@ def main(argv=None):
             if p:
                 rep.sim_error(f"{rname} {nm} time", ts, p[0])
                 rep.errors[f"{rname} {nm} memory"] = round(abs(peak[nm] - max(p[1])) / max(p[1]), 3)
-            ceil = (max(i[0] and ideal["ds-train"][0] / i[0], pred["ds-train"][0] / p[0])
-                    if p else None)
+            ceil = max(ideal["ds-train"][0] / i[0], pred["ds-train"][0] / p[0]) if p else None
             if nm in keys and (sfx == "" or nm == "v-zb"):
                 rep.add(keys[nm] + sfx, thr, (None, ceil) if ceil else None)
             if nm in mkeys and sfx == "":
@@ -269,7 +279,8 @@ def main(argv=None):
              "v_min_mem<=0.55": o["v_min_mem_vs_trainschedule"] <= 0.55}
     print("runtime overheads (ms): " + "; ".join(
         f"{rt}: " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in ov.to_dict().items())
-        + f" (null 1F1B iteration {t * 1e3:.1f})" for rt, (ov, t) in ovs.items()))
+        + " (null iterations " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in t.items()) + ")"
+        for rt, (ov, t) in ovs.items()))
     print(json.dumps(rep.finish(goals, ranks=d, n=n, unit_ms=args.unit_ms,
                                 overheads_ms={rt: {k: round(v * 1e3, 3) for k, v in ov.to_dict().items()}
                                               for rt, (ov, _) in ovs.items()},

@@ -3,8 +3,9 @@
 On a shared CPU machine a benchmark of *schedules* must not measure CPU contention, so each
 layer's forward, input-gradient (B) and weight-gradient (W) pass sleeps a set time instead
 of computing.  ``time.sleep`` overshoots by a roughly constant amount per call, which would
-penalise schedules with more, shorter actions; :func:`sleep` subtracts the overshoot
-measured once per process (:func:`oversleep`).
+penalise schedules with more, shorter actions, and grows with the machine's load;
+:func:`sleep` subtracts the overshoot, measured at start (:func:`oversleep`) and then tracked
+sleep by sleep.
 
 :class:`SleepLayer` is ``y = p * x`` with a one-element weight ``p``; its backward joins the
 B/W split of zero-bubble schedules through ``runtime.splitgrad.defer``.  What it keeps for
@@ -19,6 +20,7 @@ Times are seconds, or a callable ``shape -> seconds`` (a cost model of the input
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import Callable, Union
@@ -27,6 +29,7 @@ import torch
 
 Seconds = Union[float, Callable[[tuple], float]]
 _OVER: list = [None]      # this process's measured overshoot of time.sleep
+_SCALE: list = [1.0]      # every sleep is scaled by this (see scaled)
 
 
 def oversleep(samples: int = 15, dt: float = 0.002) -> float:
@@ -41,13 +44,29 @@ def oversleep(samples: int = 15, dt: float = 0.002) -> float:
 
 
 def sleep(seconds: float) -> None:
-    """Sleep ``seconds`` of wall time, net of the measured overshoot (no spinning: a spin
-    would take a core from the other ranks)."""
+    """Sleep ``seconds`` of wall time, net of the overshoot (no spinning: a spin would take a
+    core from the other ranks).  The overshoot estimate follows the load: each sleep moves
+    it a fifth of the way towards the overshoot just observed."""
+    seconds *= _SCALE[0]
     if seconds <= 0:
         return
     over = _OVER[0] if _OVER[0] is not None else oversleep()
-    if seconds > over:
-        time.sleep(seconds - over)
+    if seconds <= over:
+        return
+    t0 = time.perf_counter()
+    time.sleep(seconds - over)
+    _OVER[0] = min(max(0.0, over + 0.2 * (time.perf_counter() - t0 - seconds)), seconds / 2)
+
+
+@contextlib.contextmanager
+def scaled(factor: float):
+    """Inside, every sleep lasts ``factor`` times as long; ``scaled(0)`` turns the sleep
+    layers into a null model, so a step measures only the runtime's own time."""
+    prev, _SCALE[0] = _SCALE[0], float(factor)
+    try:
+        yield
+    finally:
+        _SCALE[0] = prev
 
 
 def _weight_pass(*held, layer):
