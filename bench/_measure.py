@@ -14,6 +14,7 @@ The compute stand-in (calibrated sleep layers) is :mod:`ds_autoplan.models.sleep
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable, Sequence
@@ -122,6 +123,17 @@ def ping(tensor, a: int = 0, b: int = 1, k: int = 20) -> float:
         out.append((time.perf_counter() - t0) / 2)
     dist.barrier()
     return statistics.median(out[1:])
+
+
+def prebuild_ops() -> None:
+    """Build DeepSpeed's CPU communication op once, here, before any rank starts and outside
+    any kill timeout (a rank killed mid-build leaves a lock every later run hangs on).  Only
+    when the runtime keeps the op (DS_AUTOPLAN_SHM=1); otherwise no rank builds it."""
+    if os.environ.get("DS_AUTOPLAN_SHM") != "1":
+        return
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.comm.torch import build_shm_op
+    build_shm_op()
 
 
 # ----------------------------------------------------------------------------- report

@@ -43,6 +43,8 @@ import time
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _measure as M  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -269,7 +271,7 @@ class Profiler:
         from ds_autoplan.models import resolve_model
         from ds_autoplan.profile import auto_leaf_classes, build_chain, profile_model, trace
         self.timing, self.inflight = timing, inflight
-        self.prof = profile_model(MODEL, batch_size=mbs, repeats=3, warmup=1, timing=timing)
+        self.prof = profile_model(resolve_model(MODEL), batch_size=mbs, repeats=3, warmup=1, timing=timing)
         e = resolve_model(MODEL)
         leaves = auto_leaf_classes(e.model)
         self.inputs = e.make_inputs(mbs)
@@ -318,11 +320,11 @@ def worker(path: str, steps: int, timing: str = "chain", diagnose: bool = False)
     the measured steps alike; medians over the rounds."""
     import copy
 
-    import deepspeed
     from ds_autoplan.models import TinyGPT, gpt_loss, gpt_tiny
     from ds_autoplan.runtime.deepspeed import api
+    from ds_autoplan.runtime.deepspeed.dist import init_distributed
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed()          # no JIT build of DeepSpeed's CPU comm op inside a rank
     rank = torch.distributed.get_rank()
     with open(path) as f:
         cases = json.load(f)
@@ -465,6 +467,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args.worker, steps, args.timing, args.diagnose)
         return 0
+    M.prebuild_ops()            # before the clock and outside any kill timeout
     t_start = time.time()
     cases = configs(args.quick)
     try:
@@ -504,7 +507,9 @@ def main(argv=None) -> int:
         if args.diagnose:
             diagnose(c, p, m["diag"])
     out = {"median_time_error": statistics.median(terr),
-           "median_memory_error": statistics.median(merr), "cases": len(cases),
+           "median_memory_error": statistics.median(merr), "cases": len(cases), "iters": steps,
+           "spread": {"median_time_error": [round(min(terr), 4), round(max(terr), 4)],
+                      "median_memory_error": [round(min(merr), 4), round(max(merr), 4)]},
            "runtime": "deepspeed PipelineEngine (ds_autoplan adapter), 2 gloo CPU ranks",
            "device": profs[cases[0]["mbs"]][0].device.get("name"),
            "seconds": round(time.time() - t_start, 1)}

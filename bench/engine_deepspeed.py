@@ -224,6 +224,7 @@ def main(argv=None):
         return worker(args)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from ds_autoplan.runtime.launch import spawn
+    M.prebuild_ops()            # before the clock and outside any kill timeout
     t0 = time.time()
     outs = spawn([os.path.abspath(__file__), "--worker", *(["--quick"] if args.quick else []),
                   "--n", str(args.n), "--unit-ms", str(args.unit_ms), "--iters", str(args.iters),

@@ -36,6 +36,7 @@ class Plan:
     num_layers: int = 0
     world_size: int = 1
     sequence_parallel: bool = False      # Megatron SP (tp > 1 only); absent in old plan files
+    selective_recompute: bool = False    # attention core recomputed on every layer (Megatron only)
     partitioner: str = "bmw"
     # per-layer strategies of the wide (Galvatron) search: list of dicts
     # {"tp": int, "dp": int, "sdp": bool, "ckpt": bool} (one per model layer)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from ds_autoplan.runtime.deepspeed import initialize
 from ds_autoplan.runtime.deepspeed.dist import init_distributed
-from ds_autoplan.runtime.deepspeed.spawn import report_runs
+from ds_autoplan.runtime.launch import report_runs
 
 N, MBS, STEPS, H = 4, 2, 3, 8
 # stage boundaries fall right before every in-place ReLU (and the V turn-around is local)

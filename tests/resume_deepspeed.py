@@ -78,7 +78,7 @@ def run_case(case, data):
 
 def main(path):
     from ds_autoplan.runtime.deepspeed.dist import init_distributed
-    from ds_autoplan.runtime.deepspeed.spawn import report_runs
+    from ds_autoplan.runtime.launch import report_runs
     torch.set_num_threads(1)
     init_distributed()
     with open(path) as f:

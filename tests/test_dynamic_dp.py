@@ -171,3 +171,23 @@ def test_length_data_is_real_and_varied(tmp_path):
     y = LengthSampler(kind="encdec", max_len=512, seed=0)(10)
     assert y.shape == (10, 2)
     json.dumps(x.tolist())
+
+
+@pytest.mark.parametrize("encdec", [False, True])
+@pytest.mark.parametrize("cap", [None, 2e9, 4e8])
+def test_slice_table_is_every_slice_costed_directly(encdec, cap):
+    # the vectorised table (issue 14) against t(M) and mem(M) of each slice, one at a time
+    from ds_autoplan.dynamic.microbatch import slice_table
+    cost = CostModel.gpt(2048, 16, 24, 4, encdec=encdec)
+    a = LengthSampler("encdec" if encdec else "decoder", 4096, 3)(40)
+    a = a[sample_order(a)]
+    T = slice_table(a, cost, cap)
+    for i in range(len(a)):
+        stop = False
+        for k in range(len(a) + 1):
+            if k <= i:
+                assert T[i, k] == np.inf
+                continue
+            L = cost.padded(a[i:k].max(axis=0))
+            stop = stop or (cap is not None and cost.memory(k - i, L) > cap)
+            assert T[i, k] == (np.inf if stop else pytest.approx(float(cost.time(k - i, L)), rel=1e-12))

@@ -9,6 +9,7 @@ from ds_autoplan.schedule import (Costs, Kind, Schedule, ScheduleError, build, l
                                   validate)
 from ds_autoplan.schedule.builders.dynapipe import cyclic_order, safety_stock
 from ds_autoplan.dynamic.replay import run_threads
+from ds_autoplan.models.sleep import sleep
 
 
 def random_costs(S, n, seed, spread=8.0, p2p=0.0):
@@ -107,7 +108,7 @@ def test_threaded_execution_follows_the_communication_plan():
     s = build("dynapipe", d, n, costs=c)
     low = lower(s, c)
     ms_per_unit = 2.0  # one cost unit = 2 ms of sleep
-    out = run_threads(low, c, ms_per_unit)
+    out = run_threads(low, c, ms_per_unit, sleep=sleep)
     pred = simulate(s, c).makespan * ms_per_unit / 1e3
     assert out["wall_s"] == pytest.approx(pred, rel=0.25, abs=0.01)
     # a wrong receive order is detected, not hung on

@@ -200,3 +200,35 @@ if given is not None:
         w = r.wide["bmw"]
         assert w is not None and w["time"] <= r.best.time * (1 + 1e-12)
         assert r.plan.predicted["wide_gain"] >= 1 - 1e-12
+
+
+def test_selective_recompute_searched_and_emitted():
+    """Selective recompute (Korthikanti et al. 2022 §5) without flash attention: less memory
+    than no recompute, a little more time than it, searched for Megatron only, emitted as
+    Megatron's --recompute-granularity selective (accepted by TransformerConfig)."""
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from ds_autoplan.emit.megatron import megatron_config
+    model = dict(load_model("gpt3-1.3b").config, flash_attention=False)
+    kw = dict(wide=False, keep_sim=False, runtime="megatron")
+    cfg = "pp=2,tp=2,mbs=2,schedule=1f1b,recompute="
+    sel = search(model, "8xa100-80gb", 32, fix=cfg + "selective", **kw)
+    none = search(model, "8xa100-80gb", 32, fix=cfg + "none", **kw)
+    assert sel.plan.selective_recompute and not none.plan.selective_recompute
+    assert not any(sel.plan.recompute_per_stage)
+    assert max(sel.best.peak) < max(none.best.peak) and sel.best.time > none.best.time
+    pl = Planner(load_model(model), load_cluster("8xa100-80gb"), 32, runtime="megatron")
+    assert pl.recompute_modes() == ["dp", "selective"]
+    assert Planner(load_model("gpt3-1.3b"), load_cluster("8xa100-80gb"), 32,
+                   runtime="megatron").recompute_modes() == ["dp"]      # flash: nothing to save
+    assert Planner(load_model(model), load_cluster("8xa100-80gb"), 32).recompute_modes() == ["dp"]
+    args = megatron_args(sel.plan, sel.model)
+    assert "--recompute-granularity selective" in args
+    assert not any(a.startswith("--recompute-method") for a in args)
+    c = megatron_config(sel.plan, sel.model)
+    tc = TransformerConfig(num_layers=c["num_layers"], hidden_size=c["hidden_size"],
+                           num_attention_heads=c["num_attention_heads"],
+                           tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                           pipeline_dtype=torch.bfloat16, bf16=True,
+                           recompute_granularity=c["recompute_granularity"])
+    assert tc.recompute_granularity == "selective"

@@ -20,7 +20,7 @@ B = 2  # micro-batch
 @pytest.fixture(scope="module")
 def prof():
     torch.set_num_threads(1)
-    return profile_model("gpt-tiny-4", batch_size=B, repeats=1, warmup=0)
+    return profile_model(resolve_model("gpt-tiny-4"), batch_size=B, repeats=1, warmup=0)
 
 
 def _chain(granularity, max_cross=1, leaves=True):
@@ -64,12 +64,12 @@ def test_params_boundary_and_saved_bytes_match_independent_counts(prof):
 
 
 def test_saved_bytes_scale_with_the_micro_batch(prof):
-    p1 = profile_model("gpt-tiny-4", batch_size=1, repeats=1, warmup=0)
+    p1 = profile_model(resolve_model("gpt-tiny-4"), batch_size=1, repeats=1, warmup=0)
     assert [2 * u.act_bytes for u in p1.units[1:-1]] == [u.act_bytes for u in prof.units[1:-1]]
 
 
 def test_cut_inside_a_block_keeps_the_residual_on_both_sides():
-    p = profile_model("gpt-tiny-4", batch_size=B, repeats=1, warmup=0, granularity="node",
+    p = profile_model(resolve_model("gpt-tiny-4"), batch_size=B, repeats=1, warmup=0, granularity="node",
                       max_cross=2)
     N, total = p.num_units, p.stage_act_bytes(0, p.num_units)
     splits = [p.stage_act_bytes(0, k) + p.stage_act_bytes(k, N) - total for k in range(1, N)]

@@ -1,8 +1,9 @@
 """Re-plan and resume (issue 13, item 6): a checkpoint saved under plan A loads under plan B
 (other schedule, partition, pp, dp, ZeRO stage) and training continues exactly as the
-uninterrupted run under A (fp32, Adam: the optimizer state must travel too).  Batched into
+uninterrupted run under A (fp32, Adam: the optimizer state must travel too).  Per framework
 one 2-rank and one 4-rank process group; the 4-rank group also loads a checkpoint the 2-rank
-group wrote (pp2 dp1 -> pp2 dp2, pp2 -> pp4)."""
+group wrote (pp2 dp1 -> pp2 dp2, pp2 -> pp4).  DeepSpeed: tests/resume_deepspeed.py;
+Megatron-core (its DDP, optimizer and dist_checkpointing): tests/resume_megatron.py."""
 import json
 import pathlib
 
@@ -10,9 +11,10 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from ds_autoplan.runtime.deepspeed.spawn import results  # noqa: E402
+from ds_autoplan.runtime.launch import launch, results  # noqa: E402
 
 WORKER = str(pathlib.Path(__file__).with_name("resume_deepspeed.py"))
+MEGATRON_CASE = str(pathlib.Path(__file__).with_name("resume_megatron.py")) + ":resume_case"
 TOL = 1e-6
 
 
@@ -51,32 +53,53 @@ def four_ranks(ckpt, two_ranks):
     return _run(4, cases, ckpt, 400)
 
 
+@pytest.fixture(scope="module")
+def megatron_two_ranks(ckpt):
+    pytest.importorskip("megatron.core")
+    cases = [dict(fn=MEGATRON_CASE, name=n, dir=str(ckpt / d), a=a, b=b) for n, d, a, b in (
+        ("v-half->1f1b", "m-vhalf", spec("v-half"), spec("1f1b")),
+        ("1f1b->v-zb", "m-pp2dp1", spec("1f1b"), spec("v-zb")))]
+    return {(r["name"], r["rank"]): r for rows in launch(2, cases, timeout=400) for r in rows}
+
+
+@pytest.fixture(scope="module")
+def megatron_four_ranks(ckpt, megatron_two_ranks):
+    pp2dp1 = str(ckpt / "m-pp2dp1")      # written by the 2-rank group
+    cases = [dict(fn=MEGATRON_CASE, name="pp2 dp1->pp2 dp2", dir=pp2dp1, b=spec("1f1b", dp=2)),
+             dict(fn=MEGATRON_CASE, name="pp2->pp4", dir=pp2dp1, b=spec("1f1b", pp=4)),
+             dict(fn=MEGATRON_CASE, name="V-Half pp2 dp2->pp4", dir=str(ckpt / "m-vhalf-dp2"),
+                  a=spec("v-half", dp=2), b=spec("1f1b", pp=4))]
+    return {(r["name"], r["rank"]): r for rows in launch(4, cases, timeout=500) for r in rows}
+
+
 def _close(a, b):
     return max(abs(x - y) for x, y in zip(a, b, strict=True)) <= TOL
 
 
+def _assert_resumed(res, name, world, want=None):
+    """Every rank's resumed losses equal ``want`` (default: its own uninterrupted run's)."""
+    for r in range(world):
+        row = res[(name, r)]
+        assert _close(row["resumed"], want or row["uninterrupted"][3:]), row
+
+
 @pytest.mark.parametrize("name", ["v-half->1f1b", "1f1b->v-zb"])
 def test_resume_under_another_schedule_two_ranks(two_ranks, name):
-    for r in range(2):
-        row = two_ranks[(name, r)]
-        assert _close(row["resumed"], row["uninterrupted"][3:]), row
-        assert row["saved_under"] == name.split("->")[0]
+    _assert_resumed(two_ranks, name, 2)
+    assert two_ranks[(name, 0)]["saved_under"] == name.split("->")[0]
     # the partitions really differ: V placement vs sequential stages
     assert two_ranks[("v-half->1f1b", 0)]["layers"] != two_ranks[("1f1b->v-zb", 0)]["layers"]
 
 
 @pytest.mark.parametrize("name", ["pp2 dp1->pp2 dp2", "pp2->pp4"])
 def test_resume_on_more_ranks(two_ranks, four_ranks, name):
-    want = two_ranks[("1f1b->v-zb", 0)]["uninterrupted"][3:]      # uninterrupted run, 2 ranks
-    for r in range(4):
-        assert _close(four_ranks[(name, r)]["resumed"], want), four_ranks[(name, r)]
+    # against the uninterrupted run on 2 ranks
+    _assert_resumed(four_ranks, name, 4, two_ranks[("1f1b->v-zb", 0)]["uninterrupted"][3:])
 
 
 @pytest.mark.parametrize("name", ["ZeRO-0->ZeRO-1", "pp2 ZeRO-1->pp4 ZeRO-0"])
 def test_resume_across_zero_stages(four_ranks, name):
-    for r in range(4):
-        row = four_ranks[(name, r)]
-        assert _close(row["resumed"], row["uninterrupted"][3:]), row
+    _assert_resumed(four_ranks, name, 4)
     # the pp4 plan holds fewer layers per rank than the pp2 plan it was saved under
     assert len(four_ranks[("pp2->pp4", 0)]["layers"]) < len(four_ranks[("pp2 dp1->pp2 dp2", 0)]["layers"])
 
@@ -104,3 +127,29 @@ def test_wrong_framework_or_model_is_refused(two_ranks, ckpt):
         read_meta(ckpt / "vhalf", framework="megatron")
     with pytest.raises(CheckpointError, match="8 layers, this model has 10"):
         read_meta(ckpt / "vhalf", framework="deepspeed", num_layers=10)
+
+
+@pytest.mark.parametrize("name", ["v-half->1f1b", "1f1b->v-zb"])
+def test_megatron_resume_under_another_schedule(megatron_two_ranks, name):
+    _assert_resumed(megatron_two_ranks, name, 2)
+    assert megatron_two_ranks[(name, 0)]["saved_under"] == name.split("->")[0]
+    # V placement: rank 0 holds the first and the last stage
+    assert megatron_two_ranks[("1f1b->v-zb", 0)]["stages"] == [0, 3]
+
+
+@pytest.mark.parametrize("name", ["pp2 dp1->pp2 dp2", "pp2->pp4"])
+def test_megatron_resume_on_more_ranks(megatron_two_ranks, megatron_four_ranks, name):
+    _assert_resumed(megatron_four_ranks, name, 4,
+                    megatron_two_ranks[("1f1b->v-zb", 0)]["uninterrupted"][3:])
+
+
+def test_megatron_resume_from_v_half_with_data_parallelism(megatron_four_ranks):
+    _assert_resumed(megatron_four_ranks, "V-Half pp2 dp2->pp4", 4)
+    assert [megatron_four_ranks[("pp2->pp4", r)]["stages"] for r in range(4)] == [[0], [1], [2], [3]]
+
+
+def test_checkpoint_info_names_the_megatron_plan(megatron_two_ranks, ckpt, capsys):
+    from ds_autoplan.cli import main
+    assert main(["checkpoint", "info", str(ckpt / "m-vhalf")]) == 0
+    out = capsys.readouterr().out
+    assert "megatron, step 3, 4 layers" in out and "schedule v-half" in out

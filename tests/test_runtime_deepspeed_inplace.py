@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from ds_autoplan.runtime.deepspeed.spawn import results  # noqa: E402
+from ds_autoplan.runtime.launch import results  # noqa: E402
 
 WORKER = str(Path(__file__).with_name("ds_inplace_worker.py"))
 

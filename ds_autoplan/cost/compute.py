@@ -19,10 +19,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import NamedTuple
 
-GPU_DATA = Path(__file__).resolve().parents[1] / "data" / "gpus.yaml"
+from ..spec.cluster import check_gpu, gpu_table
+
 # backward traffic of a bandwidth-bound kernel over its forward's: it reads the saved input(s)
 # and the output gradient and writes the input gradient (norm, GeLU, softmax: 3 tensors where
 # the forward moved 2; dropout-add: 2 where the forward moved 2-3) [decision]
@@ -63,8 +63,7 @@ class GPU:
 
 @lru_cache(maxsize=None)
 def gpu_kinds() -> dict:
-    import yaml
-    data = yaml.safe_load(GPU_DATA.read_text())
+    data = gpu_table()
     return {k: GPU(k, float(v["peak_tflops"]), float(v["mamf_tflops"]), float(v["sustained"]), int(v["sms"]),
                    tuple(int(x) for x in v["tile"]), float(v["hbm_GBps"]), float(v["stream_eff"]),
                    float(v["flash_eff"])) for k, v in data.items()}
@@ -73,12 +72,8 @@ def gpu_kinds() -> dict:
 def get_gpu(name: str | None) -> GPU | None:
     if not name:
         return None
-    kinds = gpu_kinds()
-    if name not in kinds:
-        from ..spec import SpecError
-        raise SpecError(f"unknown gpu kind {name!r}; known: {', '.join(sorted(kinds))} "
-                        f"(ds_autoplan/data/gpus.yaml)")
-    return kinds[name]
+    check_gpu(name)
+    return gpu_kinds()[name]
 
 
 class UnitTimes(NamedTuple):

@@ -110,21 +110,31 @@ def sample_order(a: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- the DP
 def slice_table(a_sorted: np.ndarray, cost: CostModel, mem_cap: float | None = None) -> np.ndarray:
     """``T[i, j]`` = t(M[i..j-1]) for the ordered samples, ``inf`` where j <= i or the slice
-    breaks the memory cap (memory grows with j, so row i stops at the first violation)."""
+    breaks the memory cap (memory grows with j, so row i stops at the first violation).
+    One vectorised pass over the [N, N] upper triangle (issue 14): the padded length of
+    every slice is a running maximum along the row."""
     N = len(a_sorted)
+    i, j = np.arange(N)[:, None], np.arange(N)[None, :]       # slice i..j (inclusive)
+    upper = j >= i
+    a = np.asarray(a_sorted)
+    # lengths are >= 0, so zeros left of the diagonal leave each row's running max intact
+    grid = np.where(upper[..., None], a[None], 0) if a.ndim == 2 else np.where(upper, a[None], 0)
+    L = cost.padded(np.maximum.accumulate(grid, axis=1))
+    b = (j - i + 1).astype(float)
+    t = cost.time(b, L)
+    ok = upper
+    if mem_cap is not None:
+        ok = ok & ~np.logical_or.accumulate(upper & (cost.memory(b, L) > mem_cap), axis=1)
     T = np.full((N, N + 1), np.inf)
-    sizes = np.arange(1, N + 1)
-    for i in range(N):
-        L = cost.padded(np.maximum.accumulate(a_sorted[i:], axis=0))
-        b = sizes[: N - i]
-        t = cost.time(b, L)
-        if mem_cap is not None:
-            bad = np.nonzero(cost.memory(b, L) > mem_cap)[0]
-            if len(bad):
-                t = t.copy()
-                t[bad[0]:] = np.inf
-        T[i, i + 1:] = t
+    T[:, 1:] = np.where(ok, t, np.inf)
     return T
+
+
+def _first_feasible(T: np.ndarray, top: float) -> np.ndarray:
+    """Per end k: the first start j with ``T[j, k] <= top`` (``T[j, k]`` shrinks as j grows:
+    fewer, shorter samples), or -1 where none is."""
+    ok = T <= top
+    return np.where(ok.any(axis=0), ok.argmax(axis=0), -1)
 
 
 def _dp(T: np.ndarray, caps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -135,15 +145,15 @@ def _dp(T: np.ndarray, caps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     f[:, 0] = 0.0
     arg = np.zeros((K, N + 1), dtype=np.int64)
     rows = np.arange(K)
-    top = caps.max()
+    first = _first_feasible(T, caps.max())
+    # the per-cap masks are only needed when some caps are finite
+    masked = bool(np.isfinite(caps).any())
     for k in range(1, N + 1):
-        col = T[:k, k]
-        ok = np.nonzero(col <= top)[0]
-        if not len(ok):
+        lo = first[k]
+        if lo < 0:
             continue
-        lo = ok[0]  # T[j, k] shrinks as j grows (fewer, shorter samples)
-        col = col[lo:]
-        v = f[:, lo:k] + np.where(col[None, :] <= caps[:, None], col[None, :], np.inf)
+        col = T[lo:k, k]
+        v = f[:, lo:k] + (np.where(col <= caps[:, None], col, np.inf) if masked else col)
         j = v.argmin(axis=1)
         f[:, k] = v[rows, j]
         arg[:, k] = j + lo

@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from ..schedule import Costs, Schedule, build, lower, simulate
+from ..schedule.builders import builder_info
 from ..schedule.builders.dynapipe import safety_stock
 from .cost import CostModel
 from .microbatch import MicroBatchPlan, split
@@ -121,7 +122,7 @@ class IterationPlanner:
             sched = self._build(cand, costs, None)
             res = simulate(sched, costs, check=False)
             if self.device_mem is not None and max(res.peak_memory) > self.device_mem \
-                    and self.schedule == "dynapipe":
+                    and "mem_limit" in self._options:
                 sched = self._build(cand, costs, self.device_mem)
                 res = simulate(sched, costs, check=False)
             if best is None or res.makespan < best[3].makespan - 1e-9:
@@ -134,12 +135,16 @@ class IterationPlanner:
         return IterationPlan(step, mbs, cand.shapes, cand, sched, low, costs, float(res.makespan),
                              time.perf_counter() - t0, time.thread_time() - c0, info)
 
+    @property
+    def _options(self) -> dict:
+        return builder_info(self.schedule).options
+
     def _build(self, plan: MicroBatchPlan, costs: Costs, mem_limit) -> Schedule:
-        opts = dict(self.schedule_opts)
-        if self.schedule == "dynapipe":
-            opts.update(costs=costs, report=False)
-            if mem_limit is not None:
-                opts["mem_limit"] = mem_limit
+        """The schedule for this split; a cost-aware builder (one taking ``costs``, e.g.
+        DynaPipe's adaptive schedule) gets the split's costs and the memory limit."""
+        given = {"costs": costs, "report": False, "mem_limit": mem_limit}
+        opts = {**self.schedule_opts,
+                **{k: v for k, v in given.items() if k in self._options and v is not None}}
         return build(self.schedule, self.stages, len(plan), **opts)
 
 

@@ -1,6 +1,6 @@
 """Execute a lowered schedule for real on CPU: one thread per pipeline rank, compute
-replaced by a calibrated sleep (``models.sleep``) of its cost-model time, transfers through
-per-rank-pair FIFO queues.
+replaced by a sleep of its cost-model time (``sleep``: ``time.sleep``, or the benchmarks'
+calibrated ``ds_autoplan.models.sleep.sleep``), transfers through per-rank-pair FIFO queues.
 
 This is a multi-rank execution of the per-rank action and send/recv lists (threads in one
 process, not processes): a SEND enqueues (non-blocking, like ``isend``), a RECV blocks until
@@ -13,14 +13,13 @@ import queue
 import threading
 import time
 
-from ..models.sleep import sleep
 from ..schedule import Costs, Kind, Schedule, ScheduleError
 
 
 def run_threads(low: Schedule, costs: Costs, ms_per_unit: float = 1.0, *,
-                timeout: float = 60.0) -> dict:
+                timeout: float = 60.0, sleep=time.sleep) -> dict:
     """Run ``low`` (a lowered schedule) with one thread per rank; a compute action sleeps
-    ``duration · ms_per_unit`` milliseconds.  Returns wall seconds and per-rank busy seconds;
+    ``duration · ms_per_unit`` milliseconds with ``sleep``.  Returns wall seconds and per-rank busy seconds;
     raises ScheduleError on a message-order mismatch or a receive timeout."""
     if not low.has_comm() and low.num_ranks > 1 and any(
             low.placement[s] != low.placement[s + 1] for s in range(low.num_stages - 1)):

@@ -1,36 +1,22 @@
 """Built-in models for profiling and examples, and ``module:path.to.factory`` resolution.
 
-``resolve_model(name)`` returns a :class:`ModelEntry`: the module, a function making example
-inputs for a batch size, an optional loss (for profiling the last stage's loss) and the
-tracer class to use (Hugging Face models need ``transformers.utils.fx.HFTracer``).
+``resolve_model(name)`` returns a :class:`ds_autoplan.profile.ModelEntry` for
+:func:`ds_autoplan.profile.profile_model`: the module, a function making example inputs for a
+batch size, an optional loss (for profiling the last stage's loss) and the tracer class to use
+(Hugging Face models need ``transformers.utils.fx.HFTracer``).
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from torch import nn
 
+from ..profile.profile import ModelEntry
 from .tiny_gpt import GPTConfig, TinyGPT, example_batch, gpt_loss, gpt_tiny
 
 __all__ = ["GPTConfig", "ModelEntry", "TinyGPT", "BUILTIN", "example_batch", "gpt_loss",
            "gpt_tiny", "resolve_model"]
-
-
-@dataclass
-class ModelEntry:
-    name: str
-    model: nn.Module
-    make_inputs: Callable[[int], tuple]          # batch size -> positional inputs
-    loss: Callable[[Any, int], Any] | None = None  # (output, batch size) -> scalar loss
-    tracer_cls: type | None = None
-    config: dict = field(default_factory=dict)
-    seq_len: int = 0
-    leaves: tuple = ()                   # extra leaf (proxy) classes for the tracer
-    concrete_args: dict | None = None    # forward arguments fixed while tracing
-    autowrap: tuple = ()                 # functions recorded as one call by the tracer
-    context: Callable | None = None      # context manager to profile under
 
 
 def _tiny(name: str, **kw) -> ModelEntry:

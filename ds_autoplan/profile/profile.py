@@ -14,6 +14,7 @@ import json
 import os
 import platform
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -220,15 +221,33 @@ def load_profile(path: str, model_name: str | None = None, *, model: nn.Module |
         raise ProfileMismatch(f"{path}: {e}") from None
 
 
-def profile_model(model: nn.Module | str, make_inputs=None, *, batch_size: int = 1,
+@dataclass
+class ModelEntry:
+    """A model to profile with what profiling it needs (``ds_autoplan.models.resolve_model``
+    makes them from names)."""
+    name: str
+    model: nn.Module
+    make_inputs: Callable[[int], tuple]          # batch size -> positional inputs
+    loss: Callable[[Any, int], Any] | None = None  # (output, batch size) -> scalar loss
+    tracer_cls: type | None = None
+    config: dict = field(default_factory=dict)
+    seq_len: int = 0
+    leaves: tuple = ()                   # extra leaf (proxy) classes for the tracer
+    concrete_args: dict | None = None    # forward arguments fixed while tracing
+    autowrap: tuple = ()                 # functions recorded as one call by the tracer
+    context: Callable | None = None      # context manager to profile under
+
+
+
+def profile_model(model: nn.Module | ModelEntry, make_inputs=None, *, batch_size: int = 1,
                   name: str | None = None, leaf_classes=(), auto_leaves: bool = True,
                   granularity: str = "block", max_cross: int = 1, loss=None,
                   device: torch.device | str | None = None, repeats: int = 5, warmup: int = 2,
                   tracer_cls: type | None = None, out: str | None = None,
                   reuse: bool = True, timing: str = "chain", inflight: int = 1,
                   concrete_args: dict | None = None, autowrap_functions=()) -> Profile:
-    """Trace and measure ``model`` (an ``nn.Module`` or a model name for
-    :func:`ds_autoplan.models.resolve_model`).  ``make_inputs(batch_size)`` gives the example
+    """Trace and measure ``model`` (an ``nn.Module``, or a :class:`ModelEntry`, e.g.
+    ``ds_autoplan.models.resolve_model("gpt-tiny")``).  ``make_inputs(batch_size)`` gives the example
     inputs; ``loss(output, batch_size)`` (optional) is profiled as part of the last unit.
     ``leaf_classes``: class names or classes kept whole (plus auto-detected transformer blocks
     when ``auto_leaves``).  With ``out`` an existing matching profile is reused, a mismatching
@@ -238,10 +257,12 @@ def profile_model(model: nn.Module | str, make_inputs=None, *, batch_size: int =
     ``autowrap_functions`` go to the tracer (:func:`trace.trace`)."""
     from .trace import auto_leaf_classes, build_chain, resolve_leaf_names, trace
     from .measure import measure_chain
-    from ..models import resolve_model
     config, seq, ctx = {}, 0, None
     if isinstance(model, str):
-        entry = resolve_model(model)
+        raise UserError(f"profile_model takes a module or a ModelEntry; for the name {model!r} "
+                        "use ds_autoplan.models.resolve_model")
+    if isinstance(model, ModelEntry):
+        entry = model
         name = name or entry.name
         model, make_inputs = entry.model, entry.make_inputs
         loss = loss if loss is not None else entry.loss

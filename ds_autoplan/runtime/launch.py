@@ -14,7 +14,9 @@ Worker side: :func:`report_runs` prints each job's result as one ``AUTOPLAN_RESU
 ``python -m ds_autoplan.runtime.launch CASES.json`` is the worker of :func:`launch`.
 
 When one rank fails the others get ``grace`` seconds (their sockets error out), then are
-killed; every rank still running at the deadline is killed.
+killed; every rank still running at the deadline is killed -- but never while a torch
+extension builds (a killed build leaves a lock that hangs every later run, see
+:mod:`ds_autoplan.runtime.watchdog`).
 """
 from __future__ import annotations
 
@@ -44,13 +46,15 @@ def _rank_env(rank: int, world: int, port: int, extra: dict | None) -> dict:
 
 def _wait(procs, timeout: float, grace: float) -> None:
     """Wait for every process; kill the rest ``grace`` s after the first failure or at the
-    deadline."""
+    deadline, unless an extension build is running then."""
+    from .watchdog import build_in_progress
     deadline, first_fail = time.time() + timeout, None
     while any(p.poll() is None for p in procs):
         now = time.time()
         if first_fail is None and any(p.poll() not in (None, 0) for p in procs):
             first_fail = now
-        if now > deadline or (first_fail is not None and now > first_fail + grace):
+        if (now > deadline or (first_fail is not None and now > first_fail + grace)) \
+                and not build_in_progress():
             for p in procs:
                 if p.poll() is None:
                     p.kill()
@@ -59,9 +63,12 @@ def _wait(procs, timeout: float, grace: float) -> None:
 
 
 def spawn(argv: list[str], world: int, timeout: float = 300.0, grace: float = 60.0,
-          env: dict | None = None) -> list[tuple[int, str]]:
+          env: dict | None = None, prebuild: bool = True) -> list[tuple[int, str]]:
     """Run ``python <argv>`` on ``world`` ranks; return ``[(returncode, output)]`` per rank.
-    A rank still running at the deadline is killed (returncode -9)."""
+    A rank still running at the deadline is killed (returncode -9).  With ``prebuild`` the
+    DeepSpeed op the ranks would JIT-build is built here first, with no deadline."""
+    if prebuild:
+        prebuild_ops({**os.environ, **(env or {})})
     port = free_port()
     procs, logs = [], []
     for r in range(world):
@@ -76,6 +83,14 @@ def spawn(argv: list[str], world: int, timeout: float = 300.0, grace: float = 60
         out.append((rc, f.read()))
         f.close()
     return out
+
+
+def prebuild_ops(env) -> None:
+    """Build DeepSpeed's CPU shared-memory comm op once, in this process, when the ranks would
+    build it (``DS_AUTOPLAN_SHM=1``, see :mod:`ds_autoplan.runtime.deepspeed.dist`)."""
+    if env.get("DS_AUTOPLAN_SHM") == "1":
+        from deepspeed.comm.torch import build_shm_op
+        build_shm_op()
 
 
 def report_runs(jobs) -> None:

@@ -17,6 +17,8 @@ from types import MethodType
 import torch
 import torch.nn.functional as F
 
+from .memtrack import hold
+
 # Process-wide, not thread-local: on GPUs autograd runs backward on a device thread while
 # the calling thread waits, so the store set around ``backward()`` must be visible there.
 _ACTIVE: list = [None]
@@ -64,7 +66,6 @@ def defer(fn, *tensors, **kwargs) -> bool:
     store = _active()
     if store is None:
         return False
-    from .memtrack import hold
     store._items.append((fn, [hold(store._tracker, t) for t in tensors], kwargs))
     return True
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..spec import SpecError
 
-RECOMPUTE = {"auto": "dp", "none": "none", "full": "full"}
+RECOMPUTE = {"auto": "dp", "none": "none", "full": "full", "selective": "selective"}
 SP = {"on": "on", "off": "off", "auto": "auto", "true": "on", "false": "off", "1": "on", "0": "off"}
 INT_KEYS = {"tp", "pp", "dp", "mbs", "zero", "v"}
 KEYS = INT_KEYS | {"schedule", "recompute", "sp"}
@@ -15,7 +15,8 @@ ALIASES = {"micro_batch_size": "mbs", "micro-batch": "mbs", "zero_stage": "zero"
 def parse_fix(text: str | dict | None) -> dict:
     """``'tp=8,pp=8,mbs=1,zero=1,schedule=interleaved,v=3,recompute=full,sp=on'`` -> dict.
     recompute: auto (the planner's per-stage choice), none, full (every block, even split,
-    1F1B as Megatron's --recompute-granularity full)."""
+    1F1B as Megatron's --recompute-granularity full), selective (the attention core of every
+    layer, Megatron's --recompute-granularity selective)."""
     if not text:
         return {}
     items = text.items() if isinstance(text, dict) else \
@@ -54,7 +55,8 @@ def describe(s: dict) -> str:
     v = f" v={s['chunks']}" if s.get("chunks", 1) > 1 else ""
     return (f"pp={s['pp']} tp={s['tp']}{'+sp' if s['sequence_parallel'] else ''} dp={s['dp']} "
             f"ZeRO-{s['zero_stage']} {s['schedule']}{v} micro-batch {s['micro_batch_size']} x "
-            f"{s['num_microbatches']}, recompute {sum(s['recompute_layers'])} blocks")
+            f"{s['num_microbatches']}, recompute "
+            + ("attention (selective)" if s.get("selective_recompute") else f"{sum(s['recompute_layers'])} blocks"))
 
 
 def reasons(mine: dict, best: dict) -> list[str]:

@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import numpy as np
 
 from . import fastsim
+from .fastsim import cached_build as _build
 from .dp import INF, Context
 from .partition import minmax_partition, stage_matrices
 
 DEFAULT_SCHEDULES = ("1f1b", "interleaved", "v-half", "v-min", "v-zb")
-
-
-@lru_cache(maxsize=256)
-def _build(name: str, d: int, n: int, opts: tuple):
-    from ..schedule import build
-    return build(name, d, n, **dict(opts))
 
 
 def available(names) -> list[str]:
@@ -29,8 +23,11 @@ def available(names) -> list[str]:
 
 
 def schedule_options(name: str, v: int = 2) -> dict:
-    """Builder options: the interleaved schedule's model chunks per rank ``v``."""
-    return {"v": v} if name == "interleaved" else {}
+    """Builder options: ``v`` model chunks per rank for a builder whose option sets them
+    (the interleaved schedule's ``v``)."""
+    from ..schedule.builders import builder_info
+    opt = builder_info(name).chunks_option
+    return {opt: v} if opt else {}
 
 
 def options_of(name: str, parts: tuple, P: int) -> tuple:
@@ -39,11 +36,8 @@ def options_of(name: str, parts: tuple, P: int) -> tuple:
 
 
 def num_stages(name: str, P: int, v: int = 2) -> int:
-    if name == "interleaved":
-        return v * P
-    if name.startswith("v-") or name == "adaptive":
-        return 2 * P
-    return P
+    from ..schedule.builders import builder_info
+    return builder_info(name).num_stages(P, **schedule_options(name, v))
 
 
 @dataclass
@@ -291,7 +285,8 @@ def choose_schedule(ctx: Context, parts: tuple, plan: list, schedules, keep_sim=
             continue
         # interleaved: v = 2, 3, ... chunks per rank while each chunk keeps a block and the
         # time improves (the bubble shrinks as 1/v, Narayanan et al. 2021 §2.2, while p2p grows)
-        vs = range(2, (len(ctx.seq) - 2) // P + 1) if name == "interleaved" and not chunks else (chunks or 2,)
+        vs = range(2, (len(ctx.seq) - 2) // P + 1) if schedule_options(name) and not chunks \
+            else (chunks or 2,)
         for v in vs:
             sp = time_partition(ctx, num_stages(name, P, v), nock)
             if sp is None:

@@ -60,10 +60,16 @@ class Candidate:
         """Sequence parallelism, as the config's strategies were costed."""
         return bool(self.ctx is not None and self.ctx.strategies[0].sp)
 
+    @property
+    def selective(self) -> bool:
+        """Selective recompute of the attention core on every layer."""
+        return bool(self.ctx is not None and self.ctx.strategies[0].sel)
+
     def summary(self, B: int, seq: int) -> dict:
         return {"name": self.name, "pp": self.P, "tp": self.tp, "dp": self.dp, "zero_stage": self.zero,
                 "micro_batch_size": self.B_m // self.dp if self.dp else 0, "num_microbatches": self.m,
-                "sequence_parallel": self.sp, "schedule": self.schedule, "partitioner": self.partitioner,
+                "sequence_parallel": self.sp, "selective_recompute": self.selective,
+                "schedule": self.schedule, "partitioner": self.partitioner,
                 "chunks": len(self.parts) // self.P if self.schedule == "interleaved" else 1,
                 "bubble": self.bubble,
                 "iteration_time_s": self.time if self.ok else None,
@@ -140,6 +146,7 @@ class Planner:
                 raise SpecError(f"sequence parallelism 'on' needs tensor parallelism (tp > 1), but "
                                 f"tp={tp or 1} is the only degree possible here; use 'auto' or 'off'")
         self._ctx: dict = {}
+        self._seq = np.concatenate([[0], self.cm.block_types, [1]])
         self.evaluated = 0
 
     def pp_degrees(self) -> list[int]:
@@ -177,26 +184,49 @@ class Planner:
                             continue
                         yield P, t, d, z, m, b * d
 
-    def exec_strats(self, t, d, z):
+    def exec_strats(self, t, d, z, sel: bool = False):
         """The two strategies of an executable config (without / with CKPT).  Sequence
         parallelism is one flag per plan (Megatron-core has one for the model); 'auto' sets it
         whenever t > 1: on the cost model it never adds time (same TP volume, a smaller p2p
         tensor) and always saves memory (Korthikanti et al. 2022 §4.2.2)."""
         sp = t > 1 and self.sp != "off"
-        return (Strategy(t, d, z, False, False, sp), Strategy(t, d, z, False, True, sp))
+        return (Strategy(t, d, z, False, False, sp, sel), Strategy(t, d, z, False, True, sp, sel))
+
+    def mode_strats(self, t, d, z, ckpt: str) -> tuple:
+        """Strategies a recompute mode chooses among: 'dp'/'full' with and without full-layer
+        CKPT; 'none' without; 'selective' the attention core only, on every layer (Megatron's
+        --recompute-granularity selective does not mix with full-layer recompute)."""
+        if ckpt in ("none", "selective"):
+            return self.exec_strats(t, d, z, ckpt == "selective")[:1]
+        return self.exec_strats(t, d, z)
+
+    def recompute_modes(self) -> list[str]:
+        """Recompute modes to search: the fixed one, else per-layer CKPT, plus selective
+        recompute (Korthikanti et al. 2022 §5) where it saves memory (attention scores kept,
+        i.e. no flash attention) and the plan is for Megatron, the runtime that has it."""
+        if "recompute" in self.fix:
+            return [self.ckpt]
+        if self.cm.runtime != "megatron":
+            return ["dp"]
+        t, d = self.tps[0], self.N // self.tps[0]
+        a, b = (self.cm.tables([s], d).f1 for s in (Strategy(t, d), Strategy(t, d, sel=True)))
+        return ["dp", "selective"] if np.any(b < a) else ["dp"]
+
+    def _units(self, t, d, z, B_m, what: str) -> np.ndarray:
+        """Per-unit figure (pre, blocks, post) of the config without CKPT: one strategy's
+        table, so ranking the whole space costs no Context and no CKPT column."""
+        tab = self.cm.tables(self.exec_strats(t, d, z)[:1], B_m)
+        return getattr(tab, what)[self._seq, 0]
 
     def static_floor(self, P, t, d, z, m, B_m) -> float:
         """Model states of the heaviest even stage: no plan of this config fits below it."""
-        ctx = self.ctx(P, m, B_m, self.exec_strats(t, d, z))
-        ms = ctx.tab.ms[ctx.seq, 0]
+        ms = self._units(t, d, z, B_m, "ms")
         q = self.L // P
         return float(max(ms[0] + ms[1:1 + q].sum(), ms[-1] + ms[-1 - q:-1].sum()))
 
     def lower_bound(self, P, t, d, z, m, B_m) -> float:
         """No bubble, perfect balance, no recompute: m * sum_l c_ns / P (for B&B ordering)."""
-        ctx = self.ctx(P, m, B_m, self.exec_strats(t, d, z))
-        cns = ctx.tab.c_ns[ctx.seq, 0]
-        return m * float(cns.sum()) / P
+        return m * float(self._units(t, d, z, B_m, "c_ns").sum()) / P
 
     # -- evaluation of one executable config ------------------------------------------
     def evaluate(self, P, t, d, z, m, B_m, *, partitioner=None, schedules=None, ckpt=None,
@@ -205,10 +235,7 @@ class Planner:
         default: the --fix recompute ('dp' unless fixed)."""
         self.evaluated += 1
         ckpt = ckpt or self.ckpt
-        strats = self.exec_strats(t, d, z)
-        if ckpt == "none":
-            strats = strats[:1]
-        ctx = self.ctx(P, m, B_m, strats)
+        ctx = self.ctx(P, m, B_m, self.mode_strats(t, d, z, ckpt))
         pname = partitioner or self.partitioner
         L = self.L
         if ckpt == "full":
@@ -243,10 +270,11 @@ class Planner:
         if plan is None:       # the 1F1B DP found nothing: schedules with less memory may fit
             parts = part.even_partition(L, P)
             plan = [0] * len(ctx.seq)
-        full = self.ctx(P, m, B_m, self.exec_strats(t, d, z)) if ckpt == "none" else ctx
+        lean = ckpt in ("none", "selective")         # no full-layer recompute
+        full = self.ctx(P, m, B_m, self.exec_strats(t, d, z, ckpt == "selective")) if lean else ctx
         scheds = schedules or self.schedules
         evs = choose_schedule(full, parts, plan, scheds, keep_sim, bound, chunks=self.chunks)
-        if ckpt == "none":
+        if lean:
             evs = [e for e in evs if not any(e.recompute)]
         if not evs or not evs[0].ok:
             return Candidate(name, P, t, d, z, m, B_m, INF, "1f1b", parts, [], [], pname, ctx, plan)
@@ -269,10 +297,7 @@ class Planner:
     def estimate(self, P, t, d, z, m, B_m, partitioner=None, ckpt=None):
         """Eq. 9 time (1F1B, no simulation) of the partitioner's plan: the cheap ranking key."""
         ckpt = ckpt or self.ckpt
-        strats = self.exec_strats(t, d, z)
-        if ckpt == "none":
-            strats = strats[:1]
-        ctx = self.ctx(P, m, B_m, strats)
+        ctx = self.ctx(P, m, B_m, self.mode_strats(t, d, z, ckpt))
         pname = partitioner or self.partitioner
         if ckpt == "full":
             parts = part.even_partition(self.L, P)
@@ -285,7 +310,8 @@ class Planner:
             return part.bmw(ctx)[0]
         return (part.dawnpiper(ctx) if pname == "dawnpiper" else part.merak(ctx))[0]
 
-    def search_exec(self, top: int = 3, oom_probe: int = 2) -> tuple[Candidate | None, list]:
+    def search_exec(self, top: int = 3, oom_probe: int = 2, ckpt: str | None = None
+                    ) -> tuple[Candidate | None, list]:
         """Rank the executable space by Eq. 9 (1F1B), then choose schedules by simulation for
         the best ``top`` configs and for ``oom_probe`` configs that 1F1B cannot fit (a
         memory-lean schedule may), branch and bound on the no-bubble lower bound."""
@@ -302,7 +328,7 @@ class Planner:
                 bar.update(1)
             if lb >= best_est:         # no schedule beats the incumbent's 1F1B time
                 break
-            est = self.estimate(*c)
+            est = self.estimate(*c, ckpt=ckpt)
             best_est = min(best_est, est)
             scored.append((est, lb, c))
         if bar:
@@ -310,13 +336,13 @@ class Planner:
         ranked = scored
         fit = sorted((r for r in ranked if math.isfinite(r[0])), key=lambda r: r[0])
         oom = sorted((r for r in ranked if not math.isfinite(r[0])), key=lambda r: r[1])
-        todo = fit[:top] + oom[:oom_probe]
-        todo.sort(key=lambda r: r[1])
+        # configs that fit first (by lower bound), then the probes, bounded by the best so far
+        todo = sorted(fit[:top], key=lambda r: r[1]) + oom[:oom_probe]
         best, tried = None, []
         for est, lb, c in todo:
             if best is not None and lb >= best.time:
                 continue
-            cand = self.evaluate(*c, bound=best.time if best is not None else INF)
+            cand = self.evaluate(*c, bound=best.time if best is not None else INF, ckpt=ckpt)
             cand.estimate = est
             tried.append(cand)
             if cand.ok and (best is None or cand.time < best.time):
@@ -383,17 +409,18 @@ class Planner:
         best = {"bmw": self._wide_entry(incumbent) if incumbent is not None and incumbent.ok else None,
                 "base": None}
         cands = []
-        seq = np.concatenate([[0], self.cm.block_types, [1]])
         for P in pps or self.pp_degrees():
             S = self.wide_strategies(self.N // P)
             for B_m in divisors(self.B):      # micro-batch of the whole stage group
                 m = self.B // B_m
                 if P > 1 and m < P:
                     continue
-                tab = self.cm.tables(S, B_m)
+                # min_s c_ns over the ZeRO-0, no-CKPT member of each layout: ZeRO-2/3 add
+                # gradient/parameter collectives to the backward, CKPT a forward, never less
+                tab = self.cm.tables(list(dict.fromkeys(s._replace(zero=0, ckpt=False) for s in S)), B_m)
                 if not tab.allowed[2:].any():
                     continue
-                cns = np.where(tab.allowed, tab.c_ns, INF)[seq].min(axis=1)
+                cns = np.where(tab.allowed, tab.c_ns, INF)[self._seq].min(axis=1)
                 # the simulated 1F1B >= (m-1) max + sum >= (m+P-1) sum/P: balanced, no re-layout
                 cands.append(((m + P - 1) * float(cns.sum()) / P, P, m, S))
         cands.sort(key=lambda x: x[0])
@@ -436,8 +463,8 @@ class Planner:
             return False
         if self.pps and c.P not in self.pps or c.tp not in self.tps:
             return False
-        if self.ckpt == "none":
-            return not any(c.recompute)
+        if self.ckpt in ("none", "selective"):
+            return not any(c.recompute) and c.selective == (self.ckpt == "selective")
         return self.ckpt == "dp" or list(c.recompute) == list(c.parts)
 
     def min_memory(self) -> float:
@@ -493,7 +520,6 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
     the user's configuration, as restrictions (:func:`ds_autoplan.search.fix.parse_fix`);
     ``runtime``: whose memory accounting the plan must fit ('any', 'megatron', 'deepspeed');
     ``headroom_gb``: memory kept free below the budget (cost/memory.py usable_budget)."""
-    t0 = time.perf_counter()
     if profile and _is_model_profile(profile):
         # a model profile (ds-autoplan profile MODEL --out profile.json): measured per-layer
         # costs replace the preset's; the cluster's FLOP/s turn them back into the same times
@@ -505,6 +531,7 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
         model = load_model(model, seq)
         cluster = load_cluster(cluster, profile)
     _validate(model, cluster, global_batch, world_size)
+    t0 = time.perf_counter()          # search time: not the loading (a profile imports torch)
     pl = Planner(model, cluster, global_batch, precision=precision, budget_gb=budget_gb,
                  partitioner=partitioner, schedules=schedules, progress=progress, units=units,
                  max_tp=max_tp, pp=pp, tp=tp, sequence_parallel=sequence_parallel, fix=fix,
@@ -520,7 +547,12 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
                         f"use a multiple of {cluster.world_size}")
     phases = {}
     tp0 = time.perf_counter()
-    best, tried = pl.search_exec()
+    best, tried = None, []
+    for mode in pl.recompute_modes():
+        b, t = pl.search_exec(ckpt=mode)
+        tried += t
+        if b is not None and (best is None or b.time < best.time):
+            best = b
     phases["executable"] = time.perf_counter() - tp0
     tp0 = time.perf_counter()
     bl = pl.baselines() if baselines else {}
@@ -593,7 +625,7 @@ def to_plan(c: Candidate, model, cluster, B, precision, pl: Planner, bl: dict, w
                 schedule_options=schedule_options(c.schedule, len(nblk) // c.P), layers_per_stage=nblk,
                 recompute_per_stage=[round(x, 6) for x in rec], model=model.name, cluster=cluster.name,
                 seq_len=seq, num_layers=model.num_layers, world_size=cluster.world_size,
-                sequence_parallel=c.sp, partitioner=c.partitioner, layer_strategies=layer_labels(c), predicted=pred,
+                sequence_parallel=c.sp, selective_recompute=c.selective, partitioner=c.partitioner, layer_strategies=layer_labels(c), predicted=pred,
                 notes=[c.note] if c.note else [])
 
 

@@ -2,11 +2,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
 
 from . import SpecError
 from .presets import need, read_mapping, resolve
 
 GB = 1024 ** 3
+GPU_DATA = Path(__file__).resolve().parents[1] / "data" / "gpus.yaml"
+
+
+@lru_cache(maxsize=None)
+def gpu_table() -> dict:
+    """The per-GPU-kind figures of ``ds_autoplan/data/gpus.yaml`` as written (the cost model's
+    ``cost.compute.gpu_kinds`` reads them)."""
+    import yaml
+    return yaml.safe_load(GPU_DATA.read_text())
+
+
+def check_gpu(name: str) -> None:
+    """A clear error for a GPU kind ``gpus.yaml`` does not describe."""
+    if name not in gpu_table():
+        raise SpecError(f"unknown gpu kind {name!r}; known: {', '.join(sorted(gpu_table()))} "
+                        f"(ds_autoplan/data/gpus.yaml)")
 
 
 @dataclass(frozen=True)
@@ -79,8 +97,7 @@ class ClusterSpec:
         if not 0 < c.compute_efficiency <= 1:
             raise SpecError(f"{src}: compute_efficiency must lie in (0, 1]")
         if c.gpu:
-            from ..cost.compute import get_gpu
-            get_gpu(c.gpu)
+            check_gpu(c.gpu)
         return c
 
 

@@ -10,7 +10,7 @@ For each schedule it trains a tiny GPT for ``--steps`` optimizer steps with
 and prints one ``AUTOPLAN_RESULT {json}`` line per rank: the largest relative error of the
 losses and of every local parameter, the measured peak saved-activation bytes of the last
 step, and the simulator's prediction for this rank from per-layer activation bytes
-(:func:`memtrack.profile_layers`).  ``ds-train`` / ``ds-dualpipev`` run DeepSpeed's own
+(:func:`harness.memory.profile_layers`).  ``ds-train`` / ``ds-dualpipev`` run DeepSpeed's own
 TrainSchedule / DualPipeVSchedule engines for comparison (benchmarks).
 """
 from __future__ import annotations
@@ -92,7 +92,7 @@ def reference_training(layers, batches, lr, loss_fn):
 def stage_costs(sched, layers, parts, sample, recompute_layers=None, loss_fn=gpt_loss):
     """Per-stage activation bytes from per-layer profiles, as simulator Costs."""
     from ds_autoplan.schedule import Costs
-    from ds_autoplan.runtime.memtrack import profile_layers
+    from harness.memory import profile_layers
     prof = profile_layers(copy.deepcopy(layers), sample[0], loss_fn=loss_fn, labels=sample[1])
     S, n = sched.num_stages, sched.num_microbatches
     mf, mb_, mw, keep = [], [], [], []

@@ -30,7 +30,7 @@ import itertools
 from functools import lru_cache
 
 from ..ir import Schedule, ScheduleError
-from . import check_args, register
+from .registry import check_args, register
 from .vshape import (B0, B1, F0, F1, T, W, W0, build_slots, put_w, slots_to_schedule,
                      squeeze_unit, vhalf_block, vmin_block, vzb_block, _occupancy, _peak)
 
@@ -496,7 +496,7 @@ def search(d: int, n: int, cap_m: int, fbw: tuple = (1.0, 1.0, 1.0)) -> tuple:
                         f"units for d={d}, n={n}; minimum is {min_cap_units(d):g}")
 
 
-@register("adaptive", min_n=lambda d: d)
+@register("adaptive", placement="v", stages_per_rank=2, min_n=lambda d: d)
 def adaptive(d: int, n: int, mem_cap: float | None = None, f: float = 1.0, b: float = 1.0,
              w: float = 1.0) -> Schedule:
     """V-shape schedule with the fewest bubbles whose peak activation stays <= ``mem_cap``

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..ir import Kind, Schedule, ScheduleError, interleaved_placement, sequential_placement
-from . import check_args, register
+from .registry import check_args, register
 
 F, BW = Kind.F, Kind.BW
 
@@ -47,7 +47,7 @@ def interleaved_table(n: int, v: int, group: int) -> list[tuple[int, int]]:
     return table
 
 
-@register("interleaved", min_n=lambda d: d)
+@register("interleaved", placement="interleaved", chunks_option="v", min_n=lambda d: d)
 def interleaved(d: int, n: int, v: int = 2, group: int | None = None) -> Schedule:
     """Interleaved 1F1B with ``v`` model chunks per rank (stage = chunk·d + rank)."""
     check_args("interleaved", d, n)

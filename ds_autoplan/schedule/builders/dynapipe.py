@@ -31,7 +31,7 @@ import numpy as np
 from ..costs import Costs
 from ..ir import Kind, Schedule, ScheduleError, sequential_placement, v_placement
 from ..simulator import SimResult, simulate
-from . import check_args, register
+from .registry import check_args, register
 
 F, BW = Kind.F, Kind.BW
 
@@ -151,7 +151,8 @@ def _per_mb(x, S: int, n: int, name: str, default: float):
     return a
 
 
-@register("dynapipe")
+@register("dynapipe", placement="option", min_d=1,
+          stages_of=lambda d, o: len(_placement(o.get("placement"), d)))
 def dynapipe(d: int, n: int, *, costs: Costs | None = None, mb_f=None, mb_b=None, mb_mem=None,
              p2p: float = 0.0, mem_limit: float | None = None, max_inflight: int | None = None,
              placement=None, report: bool = True) -> Schedule:
@@ -165,7 +166,7 @@ def dynapipe(d: int, n: int, *, costs: Costs | None = None, mb_f=None, mb_b=None
     ``meta`` gets the per-rank ``safety_stock``, ``peak_memory`` and the ``makespan`` of the
     wait-free replay (one simulation; planners that simulate anyway pass ``report=False``).
     """
-    check_args("dynapipe", d, n, min_d=1)
+    check_args("dynapipe", d, n)
     pl = _placement(placement, d)
     S = len(pl)
     if costs is None:

@@ -11,7 +11,7 @@ Unit costs F = R = 1, BW = 2: makespan 4m + 3(s-2) instead of 4m + 3(s-1).
 from __future__ import annotations
 
 from ..ir import Kind, Schedule, ScheduleError, sequential_placement
-from . import check_args, register
+from .registry import check_args, register
 
 F, R, BW = Kind.F, Kind.R, Kind.BW
 

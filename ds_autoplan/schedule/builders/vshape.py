@@ -17,7 +17,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ..ir import Kind, Schedule, ScheduleError, v_placement
-from . import check_args, register
+from .registry import check_args, register
 
 T = 6                              # repeating interval: F0 F1 B1 B0 W1 W0 (§1.2)
 F0, F1, B1, B0, W, W0 = range(6)   # W is W1 once W is split per chunk
@@ -289,19 +289,19 @@ def _build(name: str, d: int, n: int) -> Schedule:
     return slots_to_schedule(name, _cached(name, d, n), **meta)
 
 
-@register("v-min", min_n=lambda d: d)
+@register("v-min", placement="v", stages_per_rank=2, min_n=lambda d: d)
 def v_min(d: int, n: int) -> Schedule:
     """V-Min: δ0 = δ1 = 1, peak (d+4)//3 units (≈ 1/3 of 1F1B), bubble ≈ 2/3 of 1F1B's."""
     return _build("v-min", d, n)
 
 
-@register("v-half", min_n=lambda d: d)
+@register("v-half", placement="v", stages_per_rank=2, min_n=lambda d: d)
 def v_half(d: int, n: int) -> Schedule:
     """V-Half: (δ0, δ1) = (2, 1), peak (d+2)//2 units (≈ 1/2 of 1F1B), bubble ≈ 1/2 of 1F1B's."""
     return _build("v-half", d, n)
 
 
-@register("v-zb", min_n=lambda d: d)
+@register("v-zb", placement="v", stages_per_rank=2, min_n=lambda d: d)
 def v_zb(d: int, n: int) -> Schedule:
     """V-ZB: (δ0, δ1) = (4, 2), peak d units (= 1F1B), bubble d-1 unit slots."""
     return _build("v-zb", d, n)
@@ -448,7 +448,7 @@ def _greedy_best(d, n, cost, c, mem, cap, fill_f, fill_b, approved=None) -> "_Gr
     return g
 
 
-@register("v-zb-greedy", min_n=lambda d: d)
+@register("v-zb-greedy", placement="v", stages_per_rank=2, min_n=lambda d: d)
 def v_zb_greedy(d: int, n: int, f: float = 1.0, b: float = 1.0, w: float = 1.0, c: float = 0.0,
                 mem_cap: float | None = None) -> Schedule:
     """V-ZB built greedily with per-V-stage costs ``f, b, w``, comm ``c`` and an activation

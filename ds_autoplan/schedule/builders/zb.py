@@ -10,7 +10,7 @@ F = B = W the bubble is (d-1)(F+B-W), one third of 1F1B's (d-1)(F+B+W).
 from __future__ import annotations
 
 from ..ir import Kind, Schedule, sequential_placement
-from . import check_args, register
+from .registry import check_args, register
 
 F, B, W = Kind.F, Kind.B, Kind.W
 

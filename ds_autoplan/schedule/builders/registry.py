@@ -1,0 +1,72 @@
+"""The builder registry: every schedule builder with what callers need to know about it
+(placement, stages per rank, options, fewest ranks and micro-batches), so that no caller
+switches on a schedule's name."""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..ir import Schedule, ScheduleError
+
+
+def _one(d: int) -> int:
+    return 1
+
+
+@dataclass(frozen=True)
+class BuilderInfo:
+    """One registered builder ``fn(d, n, **options) -> Schedule``."""
+    name: str
+    fn: Callable[..., Schedule]
+    placement: str = "sequential"       # stage -> rank: sequential, v, interleaved, or "option"
+    stages_per_rank: int = 1            # model chunks per rank, unless an option sets them
+    chunks_option: str | None = None    # the option setting the chunks per rank (interleaved: v)
+    stages_of: Callable[[int, dict], int] | None = None   # (d, options) -> stages, "option" placement
+    min_d: int = 2                      # fewest ranks
+    min_n: Callable[[int], int] = _one  # fewest micro-batches for d ranks
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The builder's keyword options and their defaults (from its signature)."""
+        params = list(inspect.signature(self.fn).parameters.values())[2:]
+        return {p.name: p.default for p in params
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+    def num_stages(self, d: int, **options) -> int:
+        """Pipeline stages of the schedule built for ``d`` ranks with ``options``."""
+        if self.stages_of is not None:
+            return self.stages_of(d, options)
+        if self.chunks_option is not None:
+            return d * int(options.get(self.chunks_option, self.options[self.chunks_option]))
+        return d * self.stages_per_rank
+
+    def check(self, d: int, n: int) -> None:
+        """Uniform argument checks with one clear message."""
+        if not isinstance(d, int) or d < self.min_d:
+            raise ScheduleError(f"{self.name}: needs at least {self.min_d} pipeline "
+                                f"stages/devices, got d={d}")
+        need = self.min_n(d)
+        if not isinstance(n, int) or n < need:
+            raise ScheduleError(f"{self.name}: needs at least {need} micro-batches for d={d}, "
+                                f"got n={n}")
+
+
+REGISTRY: dict[str, BuilderInfo] = {}
+BUILDERS: dict[str, Callable[..., Schedule]] = {}
+
+
+def register(name: str, **info):
+    """Register the decorated builder under its CLI name with its :class:`BuilderInfo`
+    fields (``placement``, ``stages_per_rank``, ``chunks_option``, ``stages_of``, ``min_d``,
+    ``min_n``)."""
+    def deco(fn):
+        REGISTRY[name] = BuilderInfo(name, fn, **info)
+        BUILDERS[name] = fn
+        return fn
+    return deco
+
+
+def check_args(name: str, d: int, n: int) -> None:
+    """The registered builder's argument checks (builders call it, so do direct calls)."""
+    REGISTRY[name].check(d, n)

@@ -1,0 +1,116 @@
+"""Megatron cases of tests/test_resume.py (every rank, through ds_autoplan.runtime.launch):
+Megatron's own DDP and optimizer (Adam; ZeRO-1 = its DistributedOptimizer), our schedule
+runner; train 3 steps under plan A, save, train 3 more; then plan B's chunks from other
+weights load the checkpoint and train the same 3 steps."""
+from __future__ import annotations
+
+STEPS, N, BLOCKS = 3, 4, 4          # N micro-batches per step over all replicas
+
+
+def _plan(spec):
+    from ds_autoplan.plan import Plan
+    from ds_autoplan.models import megatron_gpt as T
+    from ds_autoplan.schedule import build
+    n = N // spec["dp"]
+    S = build(spec["schedule"], spec["pp"], n).num_stages
+    base, extra = divmod(BLOCKS, S)
+    return Plan(pp=spec["pp"], dp=spec["dp"], zero_stage=spec["zero"], micro_batch_size=T.MBS,
+                num_microbatches=n, global_batch_size=T.MBS * N, precision="fp32",
+                schedule=spec["schedule"], layers_per_stage=[base + (s < extra) for s in range(S)],
+                recompute_per_stage=[0.0] * S)
+
+
+class Run:
+    """One plan's model chunks (Megatron DDP), optimizer and schedule on this rank."""
+
+    def __init__(self, spec, reference_weights: bool):
+        import torch
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import (DistributedDataParallel,
+                                               DistributedDataParallelConfig, finalize_model_grads)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from ds_autoplan.runtime.megatron import cpu_shim, get_forward_backward_func, initialize
+        from ds_autoplan.models import megatron_gpt as T
+        ps.destroy_model_parallel()
+        self.plan = _plan(spec)
+        self.setup = initialize(self.plan)
+        chunks = T.build_chunks(self.setup)
+        if reference_weights:      # plan A starts from the whole model's weights
+            T.copy_weights(T.build_reference(BLOCKS), chunks, self.setup, self.plan.layers_per_stage)
+        zero = spec["zero"] > 0
+        with cpu_shim(remap_cuda_factories=True):
+            self.chunks = [DistributedDataParallel(c.config, DistributedDataParallelConfig(
+                use_distributed_optimizer=zero), c) for c in chunks]
+            self.opt = get_megatron_optimizer(OptimizerConfig(
+                optimizer="adam", lr=0.01, weight_decay=0.0, clip_grad=0.0, use_distributed_optimizer=zero,
+                params_dtype=torch.float32), self.chunks)
+        for c in self.chunks:
+            c.config.no_sync_func = [m.no_sync for m in self.chunks]
+            c.config.finalize_model_grads_func = finalize_model_grads
+        self.fb = get_forward_backward_func(self.plan)
+
+    def train(self, data, steps):
+        import torch
+        import torch.distributed as dist
+
+        from ds_autoplan.runtime.megatron import cpu_shim
+        from ds_autoplan.models import megatron_gpt as T
+        n, dp = self.plan.num_microbatches, self.plan.dp
+        r = _dp_rank()
+        out = []
+        for s in steps:
+            mine = data[s][r * n:(r + 1) * n]
+            self.opt.zero_grad()
+            for c in self.chunks:
+                c.zero_grad_buffer()
+            its = [iter(mine) for _ in self.chunks]
+            losses = self.fb(forward_step_func=T.forward_step, model=self.chunks,
+                             data_iterator=its if len(its) > 1 else its[0], num_microbatches=n,
+                             seq_length=T.SEQ, micro_batch_size=T.MBS)
+            with cpu_shim(remap_cuda_factories=True):
+                self.opt.step()
+            # the step's loss: mean over the replica's micro-batches, averaged over replicas
+            tot = torch.tensor(sum(float(x["loss"]) for x in losses) / n if losses else 0.0,
+                               dtype=torch.float64)
+            dist.all_reduce(tot)
+            out.append(float(tot) / dp)
+        return out
+
+
+def _dp_rank():
+    from megatron.core import parallel_state as ps
+    return ps.get_data_parallel_rank()
+
+
+def _data():
+    import torch
+
+    from ds_autoplan.models import megatron_gpt as T
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(2 * STEPS):
+        tok = torch.randint(0, T.VOCAB, (N, T.MBS, T.SEQ), generator=g)
+        out.append([(t, torch.roll(t, -1, 1)) for t in tok])
+    return out
+
+
+def resume_case(case) -> dict:
+    import torch.distributed as dist
+
+    from ds_autoplan.runtime.megatron.checkpoint import load_checkpoint, save_checkpoint
+    data = _data()
+    res = {"name": case["name"], "rank": dist.get_rank()}
+    if "a" in case:
+        run = Run(case["a"], reference_weights=True)
+        first = run.train(data, range(STEPS))
+        save_checkpoint(run.chunks, run.opt, case["dir"], plan=run.plan, step=STEPS)
+        res["uninterrupted"] = first + run.train(data, range(STEPS, 2 * STEPS))
+    if "b" in case:
+        run = Run(case["b"], reference_weights=False)
+        meta = load_checkpoint(run.chunks, run.opt, case["dir"])
+        res["resumed"] = run.train(data, range(STEPS, 2 * STEPS))
+        res["saved_under"] = meta["plan"]["schedule"]
+        res["stages"] = run.setup.stages
+    dist.barrier()
+    return res
