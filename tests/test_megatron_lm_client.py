@@ -104,6 +104,7 @@ def runs(client):
     for s in ("1f1b", "interleaved"):
         res["megatron-" + s] = _run(_train_command(train, s, tmp / s, ours=False), client,
                                     "megatron-" + s, tmp, MLM_CPU_SERIAL_P2P="1")
+    print(json.dumps({"megatron_lm_losses": {k: r.losses for k, r in res.items()}}))   # pytest -s
     return res
 
 

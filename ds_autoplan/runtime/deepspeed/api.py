@@ -108,7 +108,7 @@ def build_module(model_or_layers, plan, *, schedule: Schedule | None = None, los
 
 def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = None,
                config=None, loss_fn=None, track_memory: bool = False, module_kwargs=None,
-               swap=None, **ds_kwargs):
+               swap=None, config_defaults: bool = True, **ds_kwargs):
     """Like ``deepspeed.initialize``, for a layer list / ``nn.Sequential`` / ``PipelineModule``
     trained with ``plan`` (a Plan, dict or path).  Returns ``(engine, optimizer,
     training_dataloader, lr_scheduler)`` from ``deepspeed.initialize``.
@@ -117,6 +117,9 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
     ``plan.pp`` ranks and ``plan.num_microbatches``).  ``config`` (dict or JSON path) is
     merged over the keys the plan fixes; the plan itself is stored at
     ``config["pipeline"]["autoplan"]`` (DeepSpeed never validates ``pipeline``).
+    ``config_defaults=False`` takes nothing from the plan's emitted config beyond ``config``
+    (which then holds the plan's keys: ``emit.deepspeed.user_config``), so a user's own
+    config keeps DeepSpeed's defaults for what it leaves out.
     ``swap``: per-stage swap policies (``search.memopt.stage_memory_options(...)["swap"]``), see
     :meth:`AutoplanEngine.set_swap_policy`.
     """
@@ -128,7 +131,7 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
     if isinstance(config, (str, os.PathLike)):
         with open(config) as fh:
             config = json.load(fh)
-    cfg = _merge(config_from_plan(plan), config or {})
+    cfg = _merge(config_from_plan(plan) if config_defaults else {}, config or {})
     cfg.setdefault("pipeline", {})["autoplan"] = plan.to_dict()
     if any(x > 0 for x in plan.recompute_per_stage):
         # stage-aware recomputation is ours, per stage; DeepSpeed's switch is global
