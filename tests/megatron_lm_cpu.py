@@ -138,10 +138,14 @@ def _serial_p2p(model) -> None:
 
 def _report(model, fb, path: str) -> None:
     """One JSON line per rank: its chunks' global layer numbers, pre/post_process and
-    recomputation, and the class of the forward_backward_func train() will use."""
+    recomputation, its B/W-split linear layers, and the class of the forward_backward_func
+    train() will use."""
     from megatron.core.utils import unwrap_model
     chunks = [unwrap_model(c) for c in model]
+    from ds_autoplan.runtime.megatron import SplitColumnParallelLinear, SplitRowParallelLinear
+    split = (SplitColumnParallelLinear, SplitRowParallelLinear)
     rec = {"rank": torch.distributed.get_rank(), "forward_backward_func": type(fb).__name__,
+           "split_linears": sum(isinstance(m, split) for c in chunks for m in c.modules()),
            "chunks": [{"layers": [int(x.layer_number) for x in c.decoder.layers],
                        "pre_process": bool(c.pre_process), "post_process": bool(c.post_process),
                        "recompute": [c.config.recompute_granularity, c.config.recompute_num_layers]}

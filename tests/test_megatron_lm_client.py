@@ -99,8 +99,12 @@ def runs(client):
     _, train = readme_commands()
     tmp = client.parent
     res = {}
+    from ds_autoplan.plan import Plan
+    from ds_autoplan.schedule import Kind
     for s in SCHEDULES:
         res[s] = _run(_train_command(train, s, tmp / s, ours=True), client, s, tmp)
+        sched = Plan.load(tmp / s / "plan.json").build_schedule()
+        res[s].has_w = any(a.kind == Kind.W for r in sched.ranks for a in r)
     for s in ("1f1b", "interleaved"):
         res["megatron-" + s] = _run(_train_command(train, s, tmp / s, ours=False), client,
                                     "megatron-" + s, tmp, MLM_CPU_SERIAL_P2P="1")
@@ -145,6 +149,10 @@ def test_pretrain_gpt_trains_every_schedule(runs, schedule, ref, tol):
     assert max(abs(a - b) for a, b in zip(ours.losses, theirs.losses)) <= tol, (ours.losses, theirs.losses)
     assert {r["forward_backward_func"] for r in ours.report} == {"_LossesToLastRank"}
     assert {r["forward_backward_func"] for r in theirs.report} == {"function"}
+    # schedules with W get split-aware linear layers (qkv, proj, fc1, fc2 of 4 layers per rank)
+    split = 16 if ours.has_w else 0
+    assert [r["split_linears"] for r in ours.report] == [split, split]
+    assert ours.has_w == (schedule != "1f1b" and schedule != "interleaved")
     if schedule.startswith("v-"):
         # V placement through get_model: rank 0 holds layers 1-2 (embedding) and 7-8 (loss)
         r0, r1 = ours.report

@@ -16,7 +16,8 @@ four points, all reached through Megatron's own code path (``pretrain`` -> ``val
   gives ``model_provider`` the plan's ``pre_process``/``post_process`` per chunk, and
   ``parallel_state.is_pipeline_first/last_stage(ignore_virtual=False, vp_stage=c)`` answer for
   the chunk's stage (``pretrain_gpt.get_batch`` and the data loaders ask them);
-* per-stage recomputation: each chunk's config gets its stage's ``recompute_num_layers``.
+* per-stage recomputation: each chunk's config gets its stage's ``recompute_num_layers``;
+* schedules with W actions: ``gpt_builders``' local layer spec gets split-aware linear layers.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import sys
 import torch
 
 from ..errors import UserError
-from ..schedule import Schedule
+from ..schedule import Kind, Schedule
 
 ENV = "DS_AUTOPLAN_PLAN"
 
@@ -73,7 +74,22 @@ def install_megatron_lm(plan) -> Schedule | None:
     if sched.placement_kind == "v":
         _placement_predicates(sched)
     _hook_get_model(mt, plan, sched)
+    if any(a.kind == Kind.W for r in sched.ranks for a in r):
+        _split_local_spec()
     return sched
+
+
+def _split_local_spec() -> None:
+    """A schedule with W actions (ZB-H1, V-ZB, ...) gets a real B/W split with
+    ``--transformer-impl local``: the local layer spec ``gpt_builders`` asks for gets
+    split-aware linear layers (:func:`split_backward_spec`).  Transformer-Engine specs are left
+    as they are (B then does the whole backward and W has nothing to do: exact, no overlap)."""
+    from ..runtime.megatron import split_backward_spec
+    builders = sys.modules.get("gpt_builders")
+    local = getattr(builders, "get_gpt_layer_local_spec", None)
+    if local is None:
+        return
+    builders.get_gpt_layer_local_spec = lambda *a, **k: split_backward_spec(local(*a, **k))
 
 
 def check_args(args, plan, sched: Schedule) -> list[str]:
