@@ -41,7 +41,6 @@ from ds_autoplan.dynamic.lengths import LengthSampler  # noqa: E402
 from ds_autoplan.dynamic.microbatch import fixed_split, token_split  # noqa: E402
 from ds_autoplan.dynamic.planner import IterationPlanner, Prefetcher  # noqa: E402
 from ds_autoplan.dynamic.replay import run_threads  # noqa: E402
-from ds_autoplan.models.sleep import sleep  # noqa: E402
 
 
 def planners(cost: CostModel, S: int, max_len: int, mem_cap: float, device_mem: float,
@@ -140,16 +139,17 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     gbs = args.global_batch or (256 if args.quick else 512)
-    iters = args.iters or (3 if args.quick else 8)
-    if gbs < 1 or iters < 1 or args.stages < 1:
-        print("error: --global-batch, --iters and --stages must be positive", file=sys.stderr)
+    if gbs < 1 or args.stages < 1:
+        print("error: --global-batch and --stages must be positive", file=sys.stderr)
         return 2
+    iters = M.plan_iters(args.quick, args.iters or (None if args.quick else 8))
     sys.setswitchinterval(5e-4)  # a planner *thread* must not delay the rank threads much
 
     cost = CostModel.gpt(args.hidden, args.heads, args.layers, args.stages,
                          attention=args.attention, encdec=args.model == "t5")
     sampler = LengthSampler("encdec" if args.model == "t5" else "decoder", args.max_len, args.seed)
     batches = [sampler(gbs) for _ in range(iters)]
+    warm = sampler(gbs)          # planned once first by every method, not counted
     device_mem = args.device_mem_gb * 2**30
     mem_cap = device_mem / args.stages
     methods = planners(cost, args.stages, args.max_len, mem_cap, device_mem, batches)
@@ -158,9 +158,12 @@ def main(argv=None) -> int:
         _multiproc_worker(args, cost, batches, methods, scale)
         return 0
 
-    rows = {}
+    rows, per_it = {}, {}
     for name, pl in methods.items():
+        pl(warm)
         plans = [pl(b, step=i) for i, b in enumerate(batches)]
+        per_it[name] = {"sim_ms": [p.predicted_ms for p in plans],
+                        "plan_cpu_ms": [p.plan_cpu_seconds * 1e3 for p in plans]}
         rows[name] = {
             "setting": pl.split_opts,
             "sim_ms": float(np.mean([p.predicted_ms for p in plans])),
@@ -183,10 +186,14 @@ def main(argv=None) -> int:
         real_mode = ("threads: one per pipeline rank in one process, calibrated sleep per "
                      f"action, queue transfers in the planned order, background planner "
                      f"{args.planner_worker}")
+        # imported here: torch on the heap makes every full garbage collection while planning
+        # cost ~90 ms, and the planning rows above are timed without it
+        from ds_autoplan.models.sleep import sleep
         for name, pl in methods.items():
             pf = Prefetcher(_plan_job, [(pl, i, b) for i, b in enumerate(batches)], depth=1,
                             kind=args.planner_worker)
             runs, waits, before = [], [], 0.0
+            _plan_job((pl, -1, warm))
             for plan in pf:  # per iteration: wait for its plan (if not ready) + execute it
                 waits.append(pf.waited - before)
                 t0 = time.perf_counter()
@@ -198,6 +205,7 @@ def main(argv=None) -> int:
             rows[name]["real_s"] = float(np.mean(runs)) + exposed
             rows[name]["real_exposed_planning_s"] = exposed
             rows[name]["real_vs_sim"] = float(np.mean(runs)) / (rows[name]["sim_ms"] * scale / 1e3)
+            per_it[name]["real_s"] = runs
         rb = rows["packing"]["real_s"]
         for r in rows.values():
             r["real_speedup_vs_packing"] = rb / r["real_s"]
@@ -237,23 +245,32 @@ def main(argv=None) -> int:
         print(f"DeepSpeed PipelineEngine on {args.stages} CPU ranks (s per iteration, x packing): " +
               ", ".join(f"{k} {r['real_mp_s']:.3f} {r['real_mp_speedup_vs_packing']:.2f}"
                         for k, r in rows.items()))
-    dyn = rows["dynapipe-adaptive"]
-    out = {
-        "speedup_vs_packing": round(dyn["sim_speedup_vs_packing"], 4),
-        "real_speedup_vs_packing": round(dyn.get("real_speedup_vs_packing", float("nan")), 4),
-        "padding_efficiency": round(dyn["padding_efficiency"], 4),
-        "planning_fraction": round(dyn["plan_cpu_ms"] / dyn["sim_ms"], 4),
-        "planning_fraction_wall": round(dyn["plan_ms"] / dyn["sim_ms"], 4),
-        "adaptive_vs_1f1b": round(rows["dynapipe-1f1b"]["sim_ms"] / dyn["sim_ms"], 4),
-        "real_mode": real_mode,
+    dyn, it = rows["dynapipe-adaptive"], per_it["dynapipe-adaptive"]
+    rep = M.Report(iters)
+    # per iteration (the same global batch for every method): paired ratios
+    sim_x = M.ratio(per_it["packing"]["sim_ms"], it["sim_ms"], paired=True)
+    rep.add("speedup_vs_packing", sim_x, digits=4)
+    if "real_s" in it:
+        rep.add("real_speedup_vs_packing", M.ratio(per_it["packing"]["real_s"], it["real_s"],
+                                                   paired=True), bound=(None, sim_x[2]), digits=4)
+    else:
+        rep.out["real_speedup_vs_packing"] = None
+    rep.add("planning_fraction", M.figure([c / t for c, t in zip(it["plan_cpu_ms"], it["sim_ms"])]),
+            digits=4)
+    out = rep.finish(
+        {"planning_fraction<=0.05": rep.out["planning_fraction"] <= 0.05,
+         "speedup_vs_packing>=1.5": rep.out["speedup_vs_packing"] >= 1.5},
+        padding_efficiency=round(dyn["padding_efficiency"], 4),
+        planning_fraction_wall=round(dyn["plan_ms"] / dyn["sim_ms"], 4),
+        adaptive_vs_1f1b=round(rows["dynapipe-1f1b"]["sim_ms"] / dyn["sim_ms"], 4),
+        real_mode=real_mode,
         **({"real_multiproc_speedup_vs_packing": round(dyn["real_mp_speedup_vs_packing"], 4)}
            if args.real_multiproc else {}),
-        "methods": {k: {kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in r.items()}
-                    for k, r in rows.items()},
-        "config": {"model": args.model, "hidden": args.hidden, "layers": args.layers,
-                   "stages": args.stages, "attention": args.attention, "max_len": args.max_len,
-                   "global_batch": gbs, "iters": iters, "device_mem_gb": args.device_mem_gb},
-    }
+        methods={k: {kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in r.items()}
+                 for k, r in rows.items()},
+        config={"model": args.model, "hidden": args.hidden, "layers": args.layers,
+                "stages": args.stages, "attention": args.attention, "max_len": args.max_len,
+                "global_batch": gbs, "iters": iters, "device_mem_gb": args.device_mem_gb})
     print(json.dumps(out))
     return 0
 

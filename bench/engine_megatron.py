@@ -145,12 +145,17 @@ def bench_case(case) -> dict:
 # ----------------------------------------------------------------------------- driver side
 def predict(name: str, n: int, t: float, overheads=None) -> dict:
     """Simulated iteration seconds and peak bytes per rank: F = B = W = ``t`` per layer, per
-    layer (a_F, a_B, a_W) = (1 + INNER, 1 - INNER, -2) inputs, plus the runtime's overheads."""
-    from ds_autoplan.schedule import Costs, build, simulate
+    layer (a_F, a_B, a_W) = (1 + INNER, 1 - INNER, -2) inputs, plus the runtime's overheads.
+    A split backward (B, then W) holds the output gradient for W before autograd frees the
+    layer's internals: one input more while a B runs."""
+    from ds_autoplan.schedule import Costs, Kind, build, simulate
     s = build(name, D, n)
     lay = 2                                 # layers per 1F1B stage (one slice of the model)
-    act = lay * SHAPE[0] * SHAPE[1] * SHAPE[2] * 4
-    c = Costs.uniform(s, lay * t, lay * t, lay * t, act=act, mem_split=(1.0 + INNER, 1.0 - INNER, -2.0))
+    unit = SHAPE[0] * SHAPE[1] * SHAPE[2] * 4
+    c = Costs.uniform(s, lay * t, lay * t, lay * t, act=lay * unit,
+                      mem_split=(1.0 + INNER, 1.0 - INNER, -2.0))
+    if any(a.kind == Kind.B for a in s.actions()):
+        c = c.with_transient(unit)
     r = simulate(s, c.with_overheads(overheads) if overheads else c)
     return {"makespan": r.makespan, "peak": max(r.peak_memory)}
 

@@ -164,8 +164,33 @@ def test_plan_emit_megatron_args_is_one_line_of_flags(capsys):
     assert len(out) == 1
     line = out[0]
     assert "--pipeline-model-parallel-size 2" in line
-    # shell-quoted ('|' is a pipe to the shell), so it can be pasted onto pretrain_gpt.py's command
-    assert "--pipeline-model-parallel-layout 'Etttt|ttttL'" in line
+    # unquoted: `$(...)` output is only split at spaces, a quote would reach Megatron literally
+    assert "--pipeline-model-parallel-layout Etttt|ttttL" in line and "'" not in line
+
+
+@pytest.mark.parametrize("schedule,flags,absent", [
+    ("1f1b", ["--pipeline-model-parallel-layout Etttt|ttttL"], ["--num-virtual-stages-per-pipeline-rank"]),
+    ("interleaved", ["--pipeline-model-parallel-layout Ett|tt|tt|ttL"], ["--num-virtual-stages-per-pipeline-rank"]),
+    ("v-half", ["--num-virtual-stages-per-pipeline-rank 2", "--untie-embeddings-and-output-weights"],
+     ["--pipeline-model-parallel-layout"]),
+])
+def test_megatron_args_file_and_shell_expansion(tmp_path, schedule, flags, absent):
+    """megatron_args.txt is complete for the schedule, and `$(cat megatron_args.txt)` gives a
+    shell exactly the emitted tokens (no quote characters, no pipe)."""
+    out = tmp_path / "p"
+    cmd = (f"{sys.executable} -m ds_autoplan plan --model gpt-tiny --cluster cpu-2 --global-batch 8 "
+           f"--pp 2 --schedules {schedule} --precision fp32 --no-wide --quiet --out {out} "
+           f"--emit megatron-args")
+    r = subprocess.run(["bash", "-c", f'printf "%s\\n" $({cmd}); echo ==; printf "%s\\n" $(cat {out}/megatron_args.txt)'],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    emitted, from_file = r.stdout.split("==\n")
+    lines = (out / "megatron_args.txt").read_text().splitlines()
+    assert emitted.split() == from_file.split() == " ".join(lines).split()
+    for f in flags:
+        assert f in lines
+    assert not any(line.startswith(a) for line in lines for a in absent)
+    assert not any(c in emitted for c in "'\"")
 
 
 # -- sequence parallelism ----------------------------------------------------------------

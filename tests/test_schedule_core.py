@@ -220,3 +220,14 @@ def test_dispatch_is_paid_per_action_so_split_schedules_pay_more():
     assert grow["v-zb"] > grow["1f1b"] > 0
     with pytest.raises(ScheduleError):
         Overheads(dispatch=-1.0)
+
+
+def test_backward_transient_raises_the_peak_while_the_backward_runs():
+    # d=2, n=2, per stage F allocates 1 and BW frees it (schedules.md §0); a backward that
+    # also holds 0.5 from its start (a deferred W's output gradient, issue 14) peaks 0.5
+    # higher on both ranks: rank 0 holds two micro-batches when BW0.0 starts, rank 1 one
+    s = build("1f1b", 2, 2)
+    c = Costs.per_stage(2, 2, 1.0, 1.0, 0.0, mem_f=1.0, mem_b=-1.0, mem_w=0.0)
+    assert simulate(s, c).peak_memory == [2.0, 1.0]
+    assert simulate(s, c.with_transient(0.5)).peak_memory == [2.5, 1.5]
+    assert simulate(s, c.with_transient(0.5)).makespan == simulate(s, c).makespan

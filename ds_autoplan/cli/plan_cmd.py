@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import sys
 import tempfile
@@ -79,17 +78,11 @@ def seq_line(plan, model, seq_arg) -> str:
     return model.config.get("seq_note") or f"sequence length {plan.seq_len} (the model's; --seq to change)"
 
 
-def quoted_flags(plan, model=None) -> list[str]:
-    """Megatron-LM flags, one shell-quoted ``--flag value`` per item."""
-    from ..emit.megatron import megatron_args
-    return [" ".join(shlex.quote(x) for x in a.split(" ", 1)) for a in megatron_args(plan, model)]
-
-
 def write_outputs(res, out: str) -> list[str]:
     """Everything into a temporary sibling directory, then renamed into place: a failure
     never leaves a partial output directory."""
     from ..emit.deepspeed import ds_config
-    from ..emit.megatron import megatron_config
+    from ..emit.megatron import megatron_args, megatron_config
     from ..report import write_report
     from . import UserError
     out = os.path.abspath(out)
@@ -108,8 +101,8 @@ def write_outputs(res, out: str) -> list[str]:
             json.dump(ds_config(plan), f, indent=2)
         with open(os.path.join(tmp, "megatron.json"), "w") as f:
             json.dump(megatron_config(plan, res.model), f, indent=2)
-        with open(os.path.join(tmp, "megatron_args.txt"), "w") as f:
-            f.write("\n".join(quoted_flags(plan, res.model)) + "\n")
+        with open(os.path.join(tmp, "megatron_args.txt"), "w") as f:   # $(cat megatron_args.txt)
+            f.write("\n".join(megatron_args(plan, res.model)) + "\n")
         files = ["plan.json", "ds_config.json", "megatron.json", "megatron_args.txt"]
         files += write_report(res, tmp)
         old = None
@@ -144,8 +137,9 @@ def run(args) -> int:
                  runtime=args.runtime, headroom_gb=args.headroom_gb)
     files = write_outputs(res, args.out) if args.out else []
     plan = res.plan
-    if args.emit == "megatron-args":
-        print(" ".join(quoted_flags(plan, res.model)))
+    if args.emit == "megatron-args":   # unquoted on purpose: pretrain_gpt.py $(ds-autoplan plan ...)
+        from ..emit.megatron import megatron_args
+        print(" ".join(megatron_args(plan, res.model)))
     elif args.emit == "ds-config":
         from ..emit.deepspeed import ds_config
         print(json.dumps(ds_config(plan), indent=2))

@@ -116,9 +116,9 @@ def slice_table(a_sorted: np.ndarray, cost: CostModel, mem_cap: float | None = N
     N = len(a_sorted)
     i, j = np.arange(N)[:, None], np.arange(N)[None, :]       # slice i..j (inclusive)
     upper = j >= i
-    a = np.asarray(a_sorted, dtype=float)
+    a = np.asarray(a_sorted)
     # lengths are >= 0, so zeros left of the diagonal leave each row's running max intact
-    grid = np.where(upper[..., None], a[None], 0.0) if a.ndim == 2 else np.where(upper, a[None], 0.0)
+    grid = np.where(upper[..., None], a[None], 0) if a.ndim == 2 else np.where(upper, a[None], 0)
     L = cost.padded(np.maximum.accumulate(grid, axis=1))
     b = (j - i + 1).astype(float)
     t = cost.time(b, L)
@@ -130,6 +130,13 @@ def slice_table(a_sorted: np.ndarray, cost: CostModel, mem_cap: float | None = N
     return T
 
 
+def _first_feasible(T: np.ndarray, top: float) -> np.ndarray:
+    """Per end k: the first start j with ``T[j, k] <= top`` (``T[j, k]`` shrinks as j grows:
+    fewer, shorter samples), or -1 where none is."""
+    ok = T <= top
+    return np.where(ok.any(axis=0), ok.argmax(axis=0), -1)
+
+
 def _dp(T: np.ndarray, caps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """f(k; t_max) for every cap at once: ``f[c, k] = min_j f[c, j] + T[j, k]`` over
     ``T[j, k] <= caps[c]``.  Returns (f [K, N+1], argmin j [K, N+1])."""
@@ -138,15 +145,15 @@ def _dp(T: np.ndarray, caps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     f[:, 0] = 0.0
     arg = np.zeros((K, N + 1), dtype=np.int64)
     rows = np.arange(K)
-    top = caps.max()
+    first = _first_feasible(T, caps.max())
+    # the per-cap masks are only needed when some caps are finite
+    masked = bool(np.isfinite(caps).any())
     for k in range(1, N + 1):
-        col = T[:k, k]
-        ok = np.nonzero(col <= top)[0]
-        if not len(ok):
+        lo = first[k]
+        if lo < 0:
             continue
-        lo = ok[0]  # T[j, k] shrinks as j grows (fewer, shorter samples)
-        col = col[lo:]
-        v = f[:, lo:k] + np.where(col[None, :] <= caps[:, None], col[None, :], np.inf)
+        col = T[lo:k, k]
+        v = f[:, lo:k] + (np.where(col <= caps[:, None], col, np.inf) if masked else col)
         j = v.argmin(axis=1)
         f[:, k] = v[rows, j]
         arg[:, k] = j + lo

@@ -5,6 +5,7 @@ and ``ds_autoplan.initialize`` runs it (merged with the user's own keys, if any)
 from __future__ import annotations
 
 import contextlib
+import copy
 
 from ..plan import Plan
 
@@ -40,6 +41,45 @@ def ds_config(plan: Plan) -> dict:
     if plan.zero_stage >= 1:
         cfg["zero_optimization"].update({"overlap_comm": True, "contiguous_gradients": True})
     return cfg
+
+
+# what a plan decides in a DeepSpeed config: parallelism, batch, schedule (dotted paths)
+PLAN_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+             "zero_optimization.stage", "pipeline.activation_checkpoint_interval", "pipeline.stages",
+             "pipeline.partition", "pipeline.autoplan")
+_MISSING = object()
+
+
+def config_precision(cfg: dict) -> str:
+    """'bf16', 'fp16' or 'fp32': what a DeepSpeed config trains in."""
+    for p in ("bf16", "fp16"):
+        if isinstance(cfg.get(p), dict) and cfg[p].get("enabled"):
+            return p
+    return "fp32"
+
+
+def user_config(plan: Plan, user: dict) -> tuple[dict, list[str]]:
+    """A user's DeepSpeed config with the plan's :data:`PLAN_KEYS` set and everything else
+    (optimizer, scheduler, precision, clipping, logging) left as the user wrote it.  Returns
+    ``(config, changes)``: one line per key whose user value the plan replaced, and a line when
+    the plan was costed for another precision than the config trains in."""
+    full, out, changes = ds_config(plan), copy.deepcopy(user), []
+    for key in PLAN_KEYS:
+        *parents, leaf = key.split(".")
+        src, dst = full, out
+        for k in parents:
+            src = src[k]
+            if not isinstance(dst.get(k), dict):
+                dst[k] = {}
+            dst = dst[k]
+        old = dst.get(leaf, _MISSING)
+        if old is not _MISSING and old != src[leaf]:
+            changes.append(f"{key}: {old!r} -> {src[leaf]!r}")
+        dst[leaf] = copy.deepcopy(src[leaf])
+    if config_precision(user) != plan.precision:
+        changes.append(f"precision: the plan was costed for {plan.precision}; the config trains in "
+                       f"{config_precision(user)} (kept)")
+    return out, changes
 
 
 class _FakeMPU:

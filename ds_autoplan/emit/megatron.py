@@ -4,7 +4,13 @@ Megatron-LM's pretrain_gpt.py).  Uneven stage layer counts use megatron-core 0.1
 'L' loss, '|' between stages, ordered vpp0pp0, vpp0pp1, ...)."""
 from __future__ import annotations
 
+import re
+
 from ..plan import Plan
+
+# characters a value may hold so that the flags work unquoted: as `$(...)` output (word
+# splitting only, no quote removal) and as lines of megatron_args.txt ('|' is data there)
+_UNQUOTED_SAFE = re.compile(r"[A-Za-z0-9_.,:=+/@%|-]+")
 
 def _schedule(plan: Plan):
     """The plan's schedule (None for pp = 1); its placement decides what Megatron can express."""
@@ -82,9 +88,13 @@ def megatron_config(plan: Plan, model=None) -> dict:
                        "recompute_layers_per_stage": per_stage,
                        "layers_per_rank": layers_per_rank(plan)}
     if counts is None and plan.pp > 1:
+        # the embedding (stage 0) and the output layer (stage 2P-1) are two chunks of pp rank 0,
+        # which Megatron does not tie
+        cfg["share_embeddings_and_output_weights"] = False
         cfg["autoplan"]["note"] = (f"{plan.schedule} places stage i and 2P-1-i on rank i; Megatron's "
-                                   "layout cannot express that order: run with ds_autoplan's "
-                                   "Megatron schedule runtime")
+                                   "layout cannot express that order: the patched pretrain_gpt.py "
+                                   "(patches/megatron-lm-pretrain_gpt.patch) or ds_autoplan's "
+                                   "Megatron runtime builds it from the plan")
     if m is not None and m.arch not in ("gpt", "llama"):
         cfg["autoplan"]["note_arch"] = f"pretrain_gpt.py trains decoder-only models; {m.arch} needs its own script"
     return cfg
@@ -136,7 +146,10 @@ def layers_per_rank(plan: Plan) -> list[list[int]]:
 
 
 def megatron_args(plan: Plan, model=None) -> list[str]:
-    """Flags for Megatron-LM's pretrain_gpt.py."""
+    """Flags for Megatron-LM's pretrain_gpt.py, one ``--flag value`` per item.  No value needs
+    quoting, so the joined flags work verbatim as ``pretrain_gpt.py $(...)`` and as the lines
+    of megatron_args.txt (``$(cat megatron_args.txt)``): a quote would reach Megatron
+    literally, since ``$(...)`` output is only split at spaces."""
     c = megatron_config(plan, model)
     a = [f"--tensor-model-parallel-size {c['tensor_model_parallel_size']}",
          f"--pipeline-model-parallel-size {c['pipeline_model_parallel_size']}",
@@ -154,6 +167,13 @@ def megatron_args(plan: Plan, model=None) -> list[str]:
         a += _architecture_args(c)
     if c.get("pipeline_model_parallel_layout"):
         a.append(f"--pipeline-model-parallel-layout {c['pipeline_model_parallel_layout']}")
+    elif c["virtual_pipeline_model_parallel_size"]:
+        # a V placement: Megatron's layout string cannot say "stage 2P-1-r on rank r", so only
+        # the chunk count goes on the command line; the patched pretrain_gpt.py applies the
+        # plan's placement (ds_autoplan.runtime.megatron.megatron_lm)
+        a.append(f"--num-virtual-stages-per-pipeline-rank {c['virtual_pipeline_model_parallel_size']}")
+        if "--untie-embeddings-and-output-weights" not in a:   # (see megatron_config)
+            a.append("--untie-embeddings-and-output-weights")
     if c.get("microbatch_group_size_per_vp_stage"):
         a.append("--microbatch-group-size-per-virtual-pipeline-stage "
                  f"{c['microbatch_group_size_per_vp_stage']}")
@@ -170,4 +190,7 @@ def megatron_args(plan: Plan, model=None) -> list[str]:
         a.append("--bf16")
     elif c["fp16"]:
         a.append("--fp16")
+    for flag in a:
+        if not all(_UNQUOTED_SAFE.fullmatch(tok) for tok in flag.split(" ")):
+            raise ValueError(f"Megatron flag {flag!r} would need shell quoting")
     return a

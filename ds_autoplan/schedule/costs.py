@@ -55,6 +55,9 @@ class Costs:
     num_ranks: int | None = None  # for the "units of 1/d of the model" scale
     dispatch: float = 0.0       # a runtime's own time per compute action (issue 14)
     step: float = 0.0           # once per iteration after the last action (issue 14)
+    b_transient: float = 0.0    # bytes a backward (B, BW) holds from its start on, beyond its
+                                # net change, until its end (e.g. the output gradient a
+                                # deferred W keeps while the layer's internals are still saved)
 
     @classmethod
     def per_stage(cls, num_stages: int, n: int, f, b, w, *, r=None, mem_f=1.0, mem_b=None,
@@ -102,6 +105,12 @@ class Costs:
             raise ScheduleError(f"costs are for {self.shape[0]} stages x {self.shape[1]} "
                                 f"micro-batches; schedule has {sched.num_stages} x "
                                 f"{sched.num_microbatches}")
+
+    def with_transient(self, b_transient: float) -> "Costs":
+        """These costs with ``b_transient`` bytes held during every backward."""
+        if not b_transient >= 0:
+            raise ScheduleError("b_transient must be non-negative")
+        return replace(self, b_transient=float(b_transient))
 
     def with_overheads(self, ov: "Overheads") -> "Costs":
         """These costs plus a runtime's measured overheads (replacing p2p and send)."""

@@ -169,6 +169,10 @@ def simulate(sched: Schedule, costs: Costs, *, blocking: bool = False,
                 if a.kind.is_compute:
                     busy[rank] += dur
                     delta = float(costs.mem_delta(a.kind, a.stage, a.mb, (a.stage, a.mb) in dep.rec))
+                    tr = costs.b_transient if a.kind in BACKWARD_KINDS else 0.0
+                    if tr:      # held from the backward's start, its net change at its end
+                        events[rank].append((st, 1, tr))
+                        delta -= tr
                     if delta:
                         # allocations happen at start, frees at end (conservative peak)
                         events[rank].append((st if delta > 0 else en, 1 if delta > 0 else 0, delta))

@@ -46,37 +46,51 @@ class FastResult:
 
 
 def compile_schedule(sched) -> Compiled | None:
-    """The DAG of ``sched``; None when it has actions outside F/B/W/BW (use the simulator)."""
-    from ..schedule.ir import DependencyIndex, cross_stage_pred
-    acts = [a for lst in sched.ranks for a in lst]
-    if any(a.kind.value not in _KINDS for a in acts):
+    """The DAG of ``sched``; None when it has actions outside F/B/W/BW (use the simulator).
+    Dependencies as ``schedule.ir.DependencyIndex`` states them: F after F of the previous
+    stage; B/BW after its F and after the next stage's backward; W after its B."""
+    keys = [(a.kind.value, a.stage, a.mb) for lst in sched.ranks for a in lst]
+    if any(k not in _KINDS for k, _, _ in keys):
         return None
-    dep = DependencyIndex(sched)
-    index = {a.key: i for i, a in enumerate(acts)}
+    index = {k: i for i, k in enumerate(keys)}
+    bwd = {(s, m): k for k, s, m in keys if k in ("B", "BW")}
+    rank = np.repeat(np.arange(sched.num_ranks), [len(lst) for lst in sched.ranks])
+    place, S = sched.placement, sched.num_stages
     prev, preds = [], []
     for lst in sched.ranks:
-        prev += [-1] + [index[a.key] for a in lst[:-1]]
-    place = sched.placement
-    for a in acts:
-        xp = cross_stage_pred(a, dep)
-        preds.append(tuple((index[p], p == xp and place[p[1]] != a.rank) for p in dep.preds(a)))
+        base = len(prev)
+        prev += [-1] + list(range(base, base + len(lst) - 1))
+    for k, s, m in keys:
+        if k == "F":
+            ps = ((index[("F", s - 1, m)], place[s - 1] != place[s]),) if s > 0 else ()
+        elif k == "W":
+            ps = ((index[("B", s, m)], False),)
+        elif s + 1 < S:
+            ps = ((index[("F", s, m)], False), (index[(bwd[(s + 1, m)], s + 1, m)], place[s + 1] != place[s]))
+        else:
+            ps = ((index[("F", s, m)], False),)
+        preds.append(ps)
     # Kahn's order over rank-sequence and dependency edges
-    succ = [[] for _ in acts]
-    indeg = [0] * len(acts)
-    for i, (pv, ps) in enumerate(zip(prev, preds)):
-        for p in ([pv] if pv >= 0 else []) + [p for p, _ in ps]:
+    n = len(keys)
+    succ = [[] for _ in range(n)]
+    indeg = [0] * n
+    for i in range(n):
+        if prev[i] >= 0:
+            succ[prev[i]].append(i)
+            indeg[i] += 1
+        for p, _ in preds[i]:
             succ[p].append(i)
             indeg[i] += 1
-    order = [i for i, k in enumerate(indeg) if k == 0]
+    order = [i for i in range(n) if indeg[i] == 0]
     for i in order:
         for j in succ[i]:
             indeg[j] -= 1
             if indeg[j] == 0:
                 order.append(j)
-    if len(order) != len(acts):
+    if len(order) != n:
         return None                     # a deadlock: let the simulator report it
-    return Compiled(tuple(order), np.array([a.rank for a in acts]), np.array([a.stage for a in acts]),
-                    np.array([_KINDS.index(a.kind.value) for a in acts]), tuple(preds), tuple(prev),
+    return Compiled(tuple(order), rank, np.array([s for _, s, _ in keys]),
+                    np.array([_KINDS.index(k) for k, _, _ in keys]), tuple(preds), tuple(prev),
                     sched.num_ranks)
 
 

@@ -336,8 +336,8 @@ class Planner:
         ranked = scored
         fit = sorted((r for r in ranked if math.isfinite(r[0])), key=lambda r: r[0])
         oom = sorted((r for r in ranked if not math.isfinite(r[0])), key=lambda r: r[1])
-        todo = fit[:top] + oom[:oom_probe]
-        todo.sort(key=lambda r: r[1])
+        # configs that fit first (by lower bound), then the probes, bounded by the best so far
+        todo = sorted(fit[:top], key=lambda r: r[1]) + oom[:oom_probe]
         best, tried = None, []
         for est, lb, c in todo:
             if best is not None and lb >= best.time:
@@ -520,7 +520,6 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
     the user's configuration, as restrictions (:func:`ds_autoplan.search.fix.parse_fix`);
     ``runtime``: whose memory accounting the plan must fit ('any', 'megatron', 'deepspeed');
     ``headroom_gb``: memory kept free below the budget (cost/memory.py usable_budget)."""
-    t0 = time.perf_counter()
     if profile and _is_model_profile(profile):
         # a model profile (ds-autoplan profile MODEL --out profile.json): measured per-layer
         # costs replace the preset's; the cluster's FLOP/s turn them back into the same times
@@ -532,6 +531,7 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
         model = load_model(model, seq)
         cluster = load_cluster(cluster, profile)
     _validate(model, cluster, global_batch, world_size)
+    t0 = time.perf_counter()          # search time: not the loading (a profile imports torch)
     pl = Planner(model, cluster, global_batch, precision=precision, budget_gb=budget_gb,
                  partitioner=partitioner, schedules=schedules, progress=progress, units=units,
                  max_tp=max_tp, pp=pp, tp=tp, sequence_parallel=sequence_parallel, fix=fix,

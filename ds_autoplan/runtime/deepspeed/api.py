@@ -28,14 +28,15 @@ def as_plan(plan):
     return Plan.load(os.fspath(plan))
 
 
-def config_from_plan(plan, config=None) -> dict:
+def config_from_plan(plan, config=None, defaults: bool = True) -> dict:
     """The config ``initialize`` runs: the emitted ``ds_config(plan)`` (what ``ds-autoplan
-    plan`` writes to ds_config.json) with the user's ``config`` keys merged over it; the plan
-    stays at ``pipeline.autoplan`` and, when it recomputes, DeepSpeed's global checkpointing
-    switch stays off (the runtime recomputes per stage)."""
+    plan`` writes to ds_config.json; ``defaults=False``: nothing of it) with the user's
+    ``config`` keys merged over it; the plan stays at ``pipeline.autoplan`` and, when it
+    recomputes, DeepSpeed's global checkpointing switch stays off (the runtime recomputes per
+    stage)."""
     from ...emit.deepspeed import ds_config
-    cfg = _merge(ds_config(plan), config or {})
-    cfg["pipeline"]["autoplan"] = plan.to_dict()
+    cfg = _merge(ds_config(plan) if defaults else {}, config or {})
+    cfg.setdefault("pipeline", {})["autoplan"] = plan.to_dict()
     if any(x > 0 for x in plan.recompute_per_stage):
         cfg["pipeline"]["activation_checkpoint_interval"] = 0
     return cfg
@@ -126,7 +127,7 @@ def build_module(model_or_layers, plan, *, schedule: Schedule | None = None, los
 
 def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = None,
                config=None, loss_fn=None, track_memory: bool = False, module_kwargs=None,
-               swap=None, **ds_kwargs):
+               swap=None, config_defaults: bool = True, **ds_kwargs):
     """Like ``deepspeed.initialize``, for a layer list / ``nn.Sequential`` / ``PipelineModule``
     trained with ``plan`` (a Plan, dict or path).  Returns ``(engine, optimizer,
     training_dataloader, lr_scheduler)`` from ``deepspeed.initialize``.
@@ -136,6 +137,9 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
     merged over ``ds_config(plan)`` (:func:`config_from_plan`: without ``config`` the engine
     runs exactly the emitted ds_config.json); the plan itself is at
     ``config["pipeline"]["autoplan"]`` (DeepSpeed never validates ``pipeline``).
+    ``config_defaults=False`` takes nothing from the plan's emitted config beyond ``config``
+    (which then holds the plan's keys: ``emit.deepspeed.user_config``), so a user's own
+    config keeps DeepSpeed's defaults for what it leaves out.
     ``swap``: per-stage swap policies (``search.memopt.stage_memory_options(...)["swap"]``), see
     :meth:`AutoplanEngine.set_swap_policy`.
     """
@@ -147,7 +151,7 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
     if isinstance(config, (str, os.PathLike)):
         with open(config) as fh:
             config = json.load(fh)
-    cfg = config_from_plan(plan, config)
+    cfg = config_from_plan(plan, config, defaults=config_defaults)
     with startup_watchdog("DeepSpeed initialisation"):
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend=ds_kwargs.pop("dist_backend", None))

@@ -145,7 +145,10 @@ class AutoplanEngine(PipelineEngine):
         self.ap_loss_factors = None      # per micro-batch factor on the loss stage's loss
         self.ap_swap: dict = {}          # local stage -> runtime.swap.Swapper (set_swap_policy)
         self._ap_ready = True
-        if self.training_data and (self.is_first_stage() or self.is_last_stage()):
+        if self.training_data and (self.is_first_stage() or self.is_last_stage()) \
+                and getattr(self, "data_iterator", None) is None:
+            # only where PipelineEngine.__init__ has not: a second loader would draw from the
+            # global random stream again (DataLoader's base seed) and shift dropout masks
             self._build_data_iter(self.training_data)
 
     def set_step_schedule(self, sched: Schedule):

@@ -31,16 +31,19 @@ def get_forward_backward_func(plan=None, *, schedule=None, costs=None, tracker=N
     return ScheduleRunner(schedule, costs, tracker)
 
 
-def install(plan=None, *, schedule=None, costs=None):
+def install(plan=None, *, schedule=None, costs=None, wrap=None):
     """Make megatron-core's ``get_forward_backward_func`` return our function (patches the
     attribute in ``megatron.core.pipeline_parallel``, ``...schedules`` and, if imported,
-    ``megatron.training.training``).  Returns a function that undoes it."""
+    ``megatron.training.training``); ``wrap(fb)``, if given, is returned instead of ``fb``.
+    Returns a function that undoes it."""
     import sys
 
     import megatron.core.pipeline_parallel as pp_pkg
     from megatron.core.pipeline_parallel import schedules
 
     fb = get_forward_backward_func(plan, schedule=schedule, costs=costs)
+    if wrap is not None:
+        fb = wrap(fb)
 
     def get_fb(*_a, **_k):
         return fb

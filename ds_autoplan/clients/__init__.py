@@ -1,0 +1,3 @@
+"""ds_autoplan inside training scripts it did not write: ``deepspeed --autoplan train.py`` and
+``ds-autoplan launch train.py`` run every rank through :mod:`.bootstrap`, which installs
+:mod:`.deepspeed_hook` around ``deepspeed.initialize`` and then runs the unchanged script."""

@@ -1,0 +1,203 @@
+"""Megatron-LM's ``pretrain_gpt.py`` running a ds_autoplan plan.
+
+``patches/megatron-lm-pretrain_gpt.patch`` makes the script call :func:`install_from_env`
+before ``pretrain()`` when ``$DS_AUTOPLAN_PLAN`` names a ``plan.json``.  It hooks Megatron-LM at
+four points, all reached through Megatron's own code path (``pretrain`` -> ``validate_args`` ->
+``get_model(model_provider)`` -> ``train_step``):
+
+* ``validate_args``: after Megatron-LM's own checks, the arguments are compared with the plan
+  (sizes, micro-batches, layer split, virtual stages) and what cannot run is refused at start-up
+  with one message on every rank (before any process group exists, so nothing can hang);
+* ``get_forward_backward_func``: returns the plan's schedule (:func:`install`); the loss dicts
+  are handed to the last pipeline rank, where ``train_step`` averages and logs them (a V plan
+  computes the loss on pp rank 0);
+* V placements (stage ``i`` and ``2P-1-i`` on pp rank ``i``): ``args.pipeline_model_parallel_layout``
+  becomes a :class:`StageLayerLayout` (layer counts and offsets in stage order), ``get_model``
+  gives ``model_provider`` the plan's ``pre_process``/``post_process`` per chunk, and
+  ``parallel_state.is_pipeline_first/last_stage(ignore_virtual=False, vp_stage=c)`` answer for
+  the chunk's stage (``pretrain_gpt.get_batch`` and the data loaders ask them).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from ...errors import UserError
+from ...schedule import Schedule
+
+ENV = "DS_AUTOPLAN_PLAN"
+
+
+class MegatronLMPlanError(UserError):
+    """The Megatron-LM arguments and the plan cannot run together."""
+
+
+def install_from_env() -> None:
+    """What the patched ``pretrain_gpt.py`` calls: install the plan named by ``$DS_AUTOPLAN_PLAN``."""
+    from ...plan import Plan
+    path = os.environ[ENV]
+    try:
+        plan = Plan.load(path)
+    except (OSError, ValueError, KeyError) as e:
+        _refuse(f"cannot read the plan {path} (${ENV}): {e}")
+    install_megatron_lm(plan)
+
+
+def install_megatron_lm(plan) -> Schedule | None:
+    """Hook Megatron-LM's training loop (see the module docstring); returns the schedule
+    (None for a plan without pipeline parallelism, which needs no hook)."""
+    import megatron.training.initialize as mi
+    import megatron.training.training as mt
+
+    from . import install
+
+    if plan.pp < 2:
+        return None     # no pipeline: Megatron's own no-pipelining function is the plan's
+    sched = plan.build_schedule()
+    validate = mi.validate_args
+
+    def validate_args(args, defaults={}):   # noqa: B006 -- Megatron-LM's own signature
+        out = validate(args, defaults)
+        problems = check_args(args, plan, sched)
+        if problems:
+            _refuse(f"the Megatron-LM arguments do not fit the plan {os.environ.get(ENV, '')}: "
+                    + "; ".join(problems))
+        if sched.placement_kind == "v":
+            args.pipeline_model_parallel_layout = _v_layout(plan, sched)
+        return out
+    mi.validate_args = validate_args
+    install(plan, wrap=lambda fb: _LossesToLastRank(fb, sched.placement[sched.num_stages - 1]))
+    if sched.placement_kind == "v":
+        _place_chunks(mt, sched)
+    return sched
+
+
+def check_args(args, plan, sched: Schedule) -> list[str]:
+    """Every way Megatron-LM's (validated) ``args`` disagree with ``plan``, as messages."""
+    d, S = sched.num_ranks, sched.num_stages
+    v = S // d
+    got = {"--pipeline-model-parallel-size": (args.pipeline_model_parallel_size, d),
+           "--tensor-model-parallel-size": (args.tensor_model_parallel_size, plan.tp),
+           "--micro-batch-size": (args.micro_batch_size, plan.micro_batch_size),
+           "--num-layers": (args.num_layers, sum(plan.layers_per_stage)),
+           "virtual stages per pipeline rank": (args.virtual_pipeline_model_parallel_size or 1, v)}
+    out = [f"{k} is {a}, the plan has {b}" for k, (a, b) in got.items() if a != b]
+    n = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    if n != plan.num_microbatches:
+        out.append(f"--global-batch-size {args.global_batch_size} gives {n} micro-batches per "
+                   f"step (micro-batch {args.micro_batch_size}, data-parallel "
+                   f"{args.data_parallel_size}), the plan's schedule is for {plan.num_microbatches}")
+    if args.rampup_batch_size:
+        out.append("--rampup-batch-size changes the micro-batch count; a plan's schedule has a fixed one")
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        out.append("--overlap-moe-expert-parallel-comm runs Megatron's combined 1F1B, not the plan's schedule")
+    if sched.placement_kind == "v":
+        out += _v_problems(args)
+    elif not out:
+        counts = _megatron_counts(args, S)
+        if counts is not None and counts != list(plan.layers_per_stage):
+            out.append(f"Megatron builds {counts} layers per stage, the plan has "
+                       f"{list(plan.layers_per_stage)} (pass the plan's --pipeline-model-parallel-layout)")
+    return out
+
+
+def _v_problems(args) -> list[str]:
+    out = []
+    if not args.untie_embeddings_and_output_weights:
+        out.append("a V-shape plan keeps the embedding (first stage) and the output layer (last "
+                   "stage) in two model chunks of pp rank 0, which Megatron cannot tie: add "
+                   "--untie-embeddings-and-output-weights")
+    if args.pipeline_model_parallel_layout is not None:
+        out.append("a V-shape plan takes its layout from the plan: drop --pipeline-model-parallel-layout")
+    if args.tensor_model_parallel_size > 1:
+        out.append("a V-shape plan with tensor parallelism is not supported in pretrain_gpt.py "
+                   "(get_batch_on_this_tp_rank gives pp rank 0's other tensor-parallel ranks only "
+                   "the first stage's inputs, not the last stage's labels)")
+    if args.use_legacy_models:
+        out.append("a V-shape plan needs megatron-core models (drop --use-legacy-models)")
+    if args.mtp_num_layers:
+        out.append("a V-shape plan cannot place multi-token prediction layers (--mtp-num-layers)")
+    return out
+
+
+def _megatron_counts(args, num_stages: int) -> list[int] | None:
+    """Decoder layers per stage (vpp-major order) that Megatron-LM will build, or None when
+    the arguments use a split this check does not model (first/last-stage counts)."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+    if args.pipeline_model_parallel_layout is not None:
+        stages = PipelineParallelLayerLayout.parse_str_to_list(args.pipeline_model_parallel_layout)
+        return [st.count(LayerType.decoder) for st in stages]
+    if args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers:
+        return None
+    return [args.num_layers // num_stages] * num_stages
+
+
+def _v_layout(plan, sched: Schedule):
+    from .setup import StageLayerLayout, stage_layer_lists
+    return StageLayerLayout(stage_layer_lists(plan.layers_per_stage), sched.placement)
+
+
+class _LossesToLastRank:
+    """The forward_backward_func, with the loss dicts sent from the pp rank that computes the
+    loss to the last pp rank (where Megatron-LM's ``train_step`` reads them)."""
+
+    def __init__(self, fb, loss_rank: int):
+        self.fb, self.loss_rank = fb, loss_rank
+        self.__signature__ = getattr(fb, "__signature__", None)
+
+    def __call__(self, **kwargs):
+        from megatron.core import parallel_state
+        losses = self.fb(**kwargs)
+        group = parallel_state.get_pipeline_model_parallel_group()
+        last = group.size() - 1
+        if self.loss_rank == last:
+            return losses
+        me = group.rank()
+        box = [[{k: v.detach().cpu() for k, v in x.items()} for x in losses]
+               if me == self.loss_rank else None]
+        torch.distributed.broadcast_object_list(
+            box, src=torch.distributed.get_global_rank(group, self.loss_rank), group=group)
+        if me != last:
+            return losses
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        return [{k: v.to(dev) for k, v in x.items()} for x in box[0]]
+
+
+def _place_chunks(mt, sched: Schedule) -> None:
+    """V placement: ``get_model`` builds chunk ``c`` of pp rank ``r`` as stage
+    ``sched.stages_of(r)[c]``; first/last-stage questions per chunk follow the placement."""
+    from megatron.core import parallel_state as ps
+
+    def stage(vp_stage):
+        return sched.stages_of(ps.get_pipeline_model_parallel_rank())[vp_stage or 0]
+    last_stage = sched.num_stages - 1
+    first, last = ps.is_pipeline_first_stage, ps.is_pipeline_last_stage
+
+    def is_first(ignore_virtual=True, vp_stage=None):
+        return first(ignore_virtual, vp_stage) if ignore_virtual or vp_stage is None \
+            else stage(vp_stage) == 0
+
+    def is_last(ignore_virtual=True, vp_stage=None):
+        return last(ignore_virtual, vp_stage) if ignore_virtual or vp_stage is None \
+            else stage(vp_stage) == last_stage
+    ps.is_pipeline_first_stage, ps.is_pipeline_last_stage = is_first, is_last
+    get_model = mt.get_model
+
+    def get_model_v(model_provider_func, *args, **kwargs):
+        def provider(pre_process=True, post_process=True, vp_stage=None, **kw):
+            s = stage(vp_stage)
+            return model_provider_func(pre_process=s == 0, post_process=s == last_stage,
+                                       vp_stage=vp_stage, **kw)
+        return get_model(provider, *args, **kwargs)
+    mt.get_model = get_model_v
+
+
+def _refuse(msg: str):
+    """One line on stderr and exit status 2, before any collective call.  Every rank fails the
+    same check and prints the same line (a launcher may stop the other ranks as soon as one
+    exits, so no single rank can be relied on to print it)."""
+    print(f"ds_autoplan: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(2)

@@ -1,0 +1,199 @@
+"""Run Megatron-LM's ``pretrain_gpt.py`` on CPU ranks (gloo) -- a test-side shim, never a
+change to the client files.
+
+    torchrun --nproc_per_node 2 tests/megatron_lm_cpu.py COPY/pretrain_gpt.py <Megatron-LM flags>
+
+Megatron-LM's loop assumes CUDA (../shared/clients/README.md).  Before the script runs, this
+shim: lets ``initialize_megatron`` start without CUDA; stubs the CUDA-only calls the loop makes
+(streams, ``Tensor.cuda``, memory statistics, CUDA RNG state) and rewrites ``device="cuda"``
+tensor factories to the CPU (``ds_autoplan.runtime.megatron.cpu_shim``); skips
+``_compile_dependencies`` (the wheel ships the dataset helpers; the fused CUDA kernels are off);
+stands in for two GPU-only or missing imports (triton kernels, ``megatron.rl``).
+
+Test-only extras, switched by environment variables:
+
+* ``MLM_CPU_INIT_BY_NAME=1``: after ``get_model`` every parameter is re-drawn from a generator
+  seeded by its *global* name (layer index counted over the whole model), so runs with
+  different placements (1F1B, interleaved, V) start from the same weights.
+* ``MLM_CPU_SERIAL_P2P=1``: Megatron's own interleaved schedule sends one message at a time
+  (see :func:`_serial_p2p`), the mode in which it is exact on gloo.
+* ``MLM_CPU_REPORT=path``: each rank appends its model chunks' layers and pre/post_process.
+* ``MLM_CPU_LOSSES=path``: the last rank appends each step's logged ``lm loss`` (full
+  precision) to ``path`` as JSON lines.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import runpy
+import sys
+
+import torch
+
+
+class _Stream:
+    """Stand-in for ``torch.cuda.Stream``: every operation runs in order on the CPU."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, *a, **k):
+        return None
+
+
+def _stub_cuda() -> None:
+    c = torch.cuda
+    c.Stream = _Stream
+    c.current_stream = lambda *a, **k: _Stream()
+    c.stream = lambda *a, **k: contextlib.nullcontext()
+    c.set_device = lambda *a, **k: None
+    c.device_count = lambda: 1      # Megatron-LM sets up model parallelism only with devices
+    c.empty_cache = lambda: None
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
+                 "max_memory_reserved"):
+        setattr(c, name, lambda *a, **k: 0)
+    c.reset_peak_memory_stats = lambda *a, **k: None
+    c.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    c.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    c.manual_seed = lambda *a, **k: None
+    torch.Tensor.cuda = lambda self, *a, **k: self
+
+
+def _global_name(chunk, name: str) -> str:
+    """``decoder.layers.<local i>.x`` -> ``decoder.layers.<global i>.x`` (Megatron's
+    ``layer_number`` is global and 1-based)."""
+    parts = name.split(".")
+    if "layers" in parts:
+        i = parts.index("layers")
+        layers = chunk
+        for p in parts[:i + 1]:
+            layers = getattr(layers, p)
+        parts[i + 1] = str(layers[int(parts[i + 1])].layer_number - 1)
+    return ".".join(parts)
+
+
+def _init_by_name(model) -> None:
+    from megatron.core.utils import unwrap_model
+    with torch.no_grad():
+        for chunk in model:
+            inner = unwrap_model(chunk)
+            for name, p in inner.named_parameters():
+                key = _global_name(inner, name)
+                seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:7], "little")
+                g = torch.Generator().manual_seed(seed)
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * 0.02)
+
+
+def _stub_triton_kernels() -> None:
+    """megatron-core's batch-invariant kernels import triton (GPU only); Megatron-LM imports
+    ``enable_batch_invariant_mode`` from them and calls it only with --batch-invariant-mode."""
+    import types
+    name = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+    try:
+        __import__(name)
+    except ImportError:
+        mod = types.ModuleType(name)
+
+        def enable_batch_invariant_mode(*a, **k):
+            raise RuntimeError("--batch-invariant-mode needs triton (GPU)")
+        mod.enable_batch_invariant_mode = enable_batch_invariant_mode
+        sys.modules[name] = mod
+
+
+def _stub_rl_utils() -> None:
+    """training.py imports ``megatron.rl.parallel_utils`` unguarded (used by RL runs only); the
+    client folder does not hold ``megatron/rl``."""
+    import types
+    try:
+        __import__("megatron.rl.parallel_utils")
+    except ImportError:
+        pkg, mod = types.ModuleType("megatron.rl"), types.ModuleType("megatron.rl.parallel_utils")
+        pkg.__path__ = []
+
+        def build_inference_pg_collection(*a, **k):
+            raise RuntimeError("megatron.rl is not part of this Megatron-LM copy")
+        mod.build_inference_pg_collection = build_inference_pg_collection
+        sys.modules.update({"megatron.rl": pkg, "megatron.rl.parallel_utils": mod})
+
+
+def _serial_p2p(model) -> None:
+    """Megatron's interleaved schedule with one isend/irecv per message.  Megatron-LM forces
+    ``overlap_p2p_comm`` (or else ``batch_p2p_comm``) for interleaving on 2 pp ranks; with gloo
+    both post messages in both directions to the one peer at once and gloo pairs them in posting
+    order, so activations reach the wrong micro-batch (measured: step-1 loss of micro-batch 3
+    off by 0.02)."""
+    from megatron.core.utils import get_model_config
+    cfg = get_model_config(model[0])
+    cfg.overlap_p2p_comm = cfg.batch_p2p_comm = False
+
+
+def _report(model, fb, path: str) -> None:
+    """One JSON line per rank: its chunks' global layer numbers, pre/post_process, and the
+    class of the forward_backward_func train() will use."""
+    from megatron.core.utils import unwrap_model
+    chunks = [unwrap_model(c) for c in model]
+    rec = {"rank": torch.distributed.get_rank(), "forward_backward_func": type(fb).__name__,
+           "chunks": [{"layers": [int(x.layer_number) for x in c.decoder.layers],
+                       "pre_process": bool(c.pre_process), "post_process": bool(c.post_process)}
+                      for c in chunks]}
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def _install_hooks() -> None:
+    _stub_triton_kernels()
+    _stub_rl_utils()
+    import megatron.training.initialize as mi
+    import megatron.training.training as mt
+
+    mi._compile_dependencies = lambda: None     # dataset helpers (prebuilt) and CUDA kernels
+    mi._warmup_jit_function = lambda: None      # warms fused bias-gelu/dropout up on "cuda"
+    mt.initialize_megatron = functools.partial(mt.initialize_megatron, allow_no_cuda=True)
+    get_model = mt.get_model
+
+    def get_model_on_cpu(*a, **k):
+        model = get_model(*a, **k)
+        if os.environ.get("MLM_CPU_INIT_BY_NAME"):
+            _init_by_name(model)
+        if os.environ.get("MLM_CPU_SERIAL_P2P"):
+            _serial_p2p(model)
+        if os.environ.get("MLM_CPU_REPORT"):
+            _report(model, mt.get_forward_backward_func(), os.environ["MLM_CPU_REPORT"])
+        return model
+    mt.get_model = get_model_on_cpu
+    path = os.environ.get("MLM_CPU_LOSSES")
+    if path:
+        log = mt.training_log
+
+        def training_log(loss_dict, *a, **k):
+            if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+                with open(path, "a") as f:
+                    f.write(json.dumps({k_: float(v) for k_, v in loss_dict.items()}) + "\n")
+            return log(loss_dict, *a, **k)
+        mt.training_log = training_log
+
+
+def main() -> None:
+    script = sys.argv[1]
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    _stub_cuda()
+    from ds_autoplan.runtime.megatron import cpu_shim
+    _install_hooks()
+    with cpu_shim(remap_cuda_factories=True):
+        runpy.run_path(script, run_name="__main__")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Megatron-LM's real ``pretrain_gpt.py`` (../shared/clients, core_v0.16.1) with the shipped
+patch, on 2 CPU ranks (gloo, pp = 2), started with the README's "Train with Megatron-LM"
+command: the Megatron flags come verbatim from ``$(ds-autoplan plan ... --emit megatron-args)``.
+
+Every ds_autoplan schedule trains 3 steps; 1F1B and ZB-H1 give Megatron's own 1F1B losses and
+interleaved Megatron's own interleaved losses (1e-6); the V schedules give the losses of a
+non-V run (Megatron's 1F1B) from the same initial weights (1e-5).  The CPU shim
+(tests/megatron_lm_cpu.py) draws every parameter from its global name, so the placements
+start from the same weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHIM = ROOT / "tests" / "megatron_lm_cpu.py"
+PATCH = ROOT / "patches" / "megatron-lm-pretrain_gpt.patch"
+# flags a CPU run needs beyond the README's (no CUDA kernels, gloo, deterministic, no eval)
+CPU_FLAGS = ("--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion "
+             "--use-cpu-initialization --no-masked-softmax-fusion --no-bias-gelu-fusion "
+             "--no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm --clip-grad 0 "
+             "--eval-iters 0 --eval-interval 1000 --log-interval 1 --hidden-dropout 0 "
+             "--attention-dropout 0 --split 100,0,0 --no-create-attention-mask-in-dataloader")
+SCHEDULES = ["1f1b", "interleaved", "zb-h1", "v-half", "v-min", "v-zb"]
+
+
+def _client() -> pathlib.Path | None:
+    env = os.environ.get("DS_AUTOPLAN_CLIENTS")
+    cands = [pathlib.Path(env)] if env else [p / "shared" / "clients" for p in ROOT.parents]
+    for c in cands:
+        if (c / "megatron-lm-core_v0.16.1" / "pretrain_gpt.py").is_file():
+            return c / "megatron-lm-core_v0.16.1"
+    return None
+
+
+def readme_commands() -> tuple[str, str]:
+    """The patch and train commands of the README's "Train with Megatron-LM" section."""
+    text = (ROOT / "README.md").read_text()
+    sec = text.split("### Train with Megatron-LM", 1)[1].split("\n### ", 1)[0]
+    cmds = re.findall(r"^    (\S.*)$", sec, flags=re.M)
+    patch = next(c for c in cmds if "patch -p1" in c)
+    train = next(c for c in cmds if "pretrain_gpt.py" in c and "ds-autoplan plan" in c)
+    return patch, train
+
+
+def _train_command(train: str, schedule: str, out: pathlib.Path, ours: bool) -> str:
+    """The README's train command for ``schedule`` (ours) or, without ``DS_AUTOPLAN_PLAN``,
+    Megatron's own schedule on the plan's argument file; the CPU shim goes before the script."""
+    cmd = train.replace("--schedules v-half", f"--schedules {schedule}").replace("out/tiny", str(out))
+    if not ours:
+        cmd = re.sub(r"^DS_AUTOPLAN_PLAN=\S+ ", "", cmd)
+        cmd = re.sub(r"\$\(ds-autoplan plan [^)]*\)", f"$(cat {out}/megatron_args.txt)", cmd)
+    cmd = cmd.replace("torchrun --nproc_per_node 2 pretrain_gpt.py",
+                      f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 "
+                      f"{SHIM} pretrain_gpt.py")
+    return f"{cmd} {CPU_FLAGS}"
+
+
+def _run(cmd: str, cwd: pathlib.Path, tag: str, tmp: pathlib.Path, **env) -> SimpleNamespace:
+    losses, report = tmp / f"{tag}.losses", tmp / f"{tag}.report"
+    e = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+             PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
+             MLM_CPU_INIT_BY_NAME="1", MLM_CPU_LOSSES=str(losses), MLM_CPU_REPORT=str(report), **env)
+    r = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=e, capture_output=True, text=True, timeout=420)
+    read = (lambda p: [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else [])
+    return SimpleNamespace(rc=r.returncode, out=r.stdout + r.stderr, cmd=cmd,
+                           losses=[x["lm loss"] for x in read(losses)],
+                           report=sorted(read(report), key=lambda x: x["rank"]))
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    src = _client()
+    if src is None:
+        pytest.skip("../shared/clients/megatron-lm-core_v0.16.1 is not here (set DS_AUTOPLAN_CLIENTS)")
+    tmp = tmp_path_factory.mktemp("mlm")
+    dst = tmp / "Megatron-LM"
+    shutil.copytree(src, dst)
+    patch_cmd, _ = readme_commands()
+    patch_cmd = patch_cmd.replace("cd Megatron-LM && ", "").replace("/path/to/ds_autoplan", str(ROOT))
+    r = subprocess.run(["bash", "-c", patch_cmd], cwd=dst, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return dst
+
+
+@pytest.fixture(scope="module")
+def runs(client):
+    """Every schedule through the patch, and Megatron's own 1F1B / interleaved on the same
+    argument files (one 2-rank launch each)."""
+    _, train = readme_commands()
+    tmp = client.parent
+    res = {}
+    for s in SCHEDULES:
+        res[s] = _run(_train_command(train, s, tmp / s, ours=True), client, s, tmp)
+    for s in ("1f1b", "interleaved"):
+        res["megatron-" + s] = _run(_train_command(train, s, tmp / s, ours=False), client,
+                                    "megatron-" + s, tmp, MLM_CPU_SERIAL_P2P="1")
+    print(json.dumps({"megatron_lm_losses": {k: r.losses for k, r in res.items()}}))   # pytest -s
+    return res
+
+
+def _ok(run):
+    assert run.rc == 0, f"{run.cmd}\n{run.out[-4000:]}"
+    assert len(run.losses) == 3, run.out[-4000:]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("schedule,ref,tol", [("1f1b", "megatron-1f1b", 1e-6),
+                                              ("zb-h1", "megatron-1f1b", 1e-6),
+                                              ("interleaved", "megatron-interleaved", 1e-6),
+                                              ("v-half", "megatron-1f1b", 1e-5),
+                                              ("v-min", "megatron-1f1b", 1e-5),
+                                              ("v-zb", "megatron-1f1b", 1e-5)])
+def test_pretrain_gpt_trains_every_schedule(runs, schedule, ref, tol):
+    ours, theirs = runs[schedule], runs[ref]
+    _ok(ours)
+    _ok(theirs)
+    assert max(abs(a - b) for a, b in zip(ours.losses, theirs.losses)) <= tol, (ours.losses, theirs.losses)
+    assert {r["forward_backward_func"] for r in ours.report} == {"_LossesToLastRank"}
+    assert {r["forward_backward_func"] for r in theirs.report} == {"function"}
+    if schedule.startswith("v-"):
+        # V placement through get_model: rank 0 holds layers 1-2 (embedding) and 7-8 (loss)
+        r0, r1 = ours.report
+        assert [c["layers"] for c in r0["chunks"]] == [[1, 2], [7, 8]]
+        assert [c["layers"] for c in r1["chunks"]] == [[3, 4], [5, 6]]
+        assert [(c["pre_process"], c["post_process"]) for c in r0["chunks"]] == [(True, False), (False, True)]
+        assert not any(c["pre_process"] or c["post_process"] for c in r1["chunks"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_v_plan_with_tied_embeddings_is_refused_at_start(client):
+    """Without --untie-embeddings-and-output-weights a V plan stops before any process group
+    exists, with one ds_autoplan message (printed by each rank), instead of hanging."""
+    _, train = readme_commands()
+    tmp = client.parent
+    cmd = _train_command(train, "v-half", tmp / "tied", ours=True)
+    cmd = cmd.replace(" --untie-embeddings-and-output-weights", "")        # the README's model flag
+    cmd = cmd.replace("--emit megatron-args)",                                # and the plan's
+                      "--emit megatron-args | sed s/--untie-embeddings-and-output-weights//)")
+    run = _run(cmd, client, "tied", tmp)
+    assert run.rc != 0
+    lines = {x for x in run.out.splitlines() if x.startswith("ds_autoplan:")}   # same on each rank
+    assert len(lines) == 1 and "--untie-embeddings-and-output-weights" in lines.pop(), run.out[-3000:]
+    assert run.losses == [] and run.report == []
+
+
+# -- argument checks, in-process ---------------------------------------------------------
+def _args(**kw):
+    a = dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, micro_batch_size=1,
+             num_layers=8, virtual_pipeline_model_parallel_size=None, global_batch_size=8,
+             data_parallel_size=1, rampup_batch_size=None, overlap_moe_expert_parallel_comm=False,
+             untie_embeddings_and_output_weights=True, pipeline_model_parallel_layout=None,
+             use_legacy_models=False, mtp_num_layers=None, decoder_first_pipeline_num_layers=None,
+             decoder_last_pipeline_num_layers=None)
+    a.update(kw)
+    return SimpleNamespace(**a)
+
+
+def _plan(schedule, layers, **kw):
+    from ds_autoplan.plan import Plan
+    opts = {"v": 2} if schedule == "interleaved" else {}
+    return Plan(pp=2, micro_batch_size=1, num_microbatches=8, global_batch_size=8, precision="fp32",
+                schedule=schedule, schedule_options=opts, layers_per_stage=layers,
+                recompute_per_stage=[0.0] * len(layers), num_layers=sum(layers), **kw)
+
+
+@pytest.mark.parametrize("schedule,layers,args,expect", [
+    ("1f1b", [3, 5], dict(pipeline_model_parallel_layout="Ettt|tttttL"), None),
+    ("1f1b", [3, 5], dict(), "Megatron builds [4, 4] layers per stage"),
+    ("1f1b", [4, 4], dict(global_batch_size=16), "gives 16 micro-batches"),
+    ("1f1b", [4, 4], dict(pipeline_model_parallel_size=4), "--pipeline-model-parallel-size is 4"),
+    ("interleaved", [2, 2, 2, 2], dict(pipeline_model_parallel_layout="Ett|tt|tt|ttL",
+                                       virtual_pipeline_model_parallel_size=2), None),
+    ("interleaved", [2, 2, 2, 2], dict(), "virtual stages per pipeline rank is 1, the plan has 2"),
+    ("v-half", [2, 2, 2, 2], dict(virtual_pipeline_model_parallel_size=2), None),
+    ("v-half", [2, 2, 2, 2], dict(virtual_pipeline_model_parallel_size=2,
+                                  untie_embeddings_and_output_weights=False), "cannot tie"),
+    ("v-zb", [2, 2, 2, 2], dict(virtual_pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                                data_parallel_size=1), "tensor parallelism"),
+    ("v-min", [2, 2, 2, 2], dict(virtual_pipeline_model_parallel_size=2,
+                                 pipeline_model_parallel_layout="Ett|tt|tt|ttL"), "drop --pipeline"),
+])
+def test_check_args(schedule, layers, args, expect):
+    from ds_autoplan.runtime.megatron.megatron_lm import check_args
+    plan = _plan(schedule, layers)
+    problems = check_args(_args(**args), plan, plan.build_schedule())
+    if expect is None:
+        assert problems == []
+    else:
+        assert any(expect in p for p in problems), problems
