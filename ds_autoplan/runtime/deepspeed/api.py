@@ -10,6 +10,7 @@ import os
 import torch
 
 from ...schedule import Schedule, build
+from ...schedule.passes import single_stage
 from ..watchdog import startup_watchdog
 
 
@@ -72,34 +73,11 @@ def _engine_installed():
         deepspeed.PipelineEngine = saved
 
 
-def add_recompute(sched: Schedule, stages) -> Schedule:
-    """Insert ``R(s, mb)`` right before the backward of every micro-batch of ``stages`` that
-    has none.  A RECV only posts the receive and the backward waits for the gradient, so R
-    runs while the gradient is in flight (Merak's early recompute, partition-merak.md §5.2
-    step 1) and at most one recomputed micro-batch is materialised per rank at a time."""
-    from ...schedule import Action, Kind
-    stages = set(stages)
-    has = {(a.stage, a.mb) for a in sched.actions() if a.kind == Kind.R}
-    out = []
-    for r, lst in enumerate(sched.ranks):
-        new = []
-        for a in lst:
-            if a.kind.is_comm:
-                continue
-            if a.kind in (Kind.B, Kind.BW) and a.stage in stages and (a.stage, a.mb) not in has:
-                new.append(Action(r, Kind.R, a.stage, a.mb))
-            new.append(a)
-        out.append(new)
-    return sched.replace_lists(out, lowered=False)
-
-
 def plan_schedule(plan) -> Schedule:
-    """``plan.build_schedule()``; a plan without pipelining (pp = 1) runs F, BW per
-    micro-batch on its single stage."""
+    """``plan.build_schedule()``; a plan without pipelining (pp = 1) runs the single-stage
+    schedule (``schedule.passes.single_stage``)."""
     if plan.pp == 1:
-        from ...schedule import Kind
-        keys = [k for m in range(plan.num_microbatches) for k in ((Kind.F, 0, m), (Kind.BW, 0, m))]
-        return Schedule.from_keys("no-pipeline", plan.num_microbatches, [0], [keys])
+        return single_stage(plan.num_microbatches)
     return plan.build_schedule()
 
 
@@ -112,9 +90,6 @@ def build_module(model_or_layers, plan, *, schedule: Schedule | None = None, los
     S = sched.num_stages
     lps = plan.layers_per_stage if len(plan.layers_per_stage) == S else None
     rec = plan.recompute_per_stage if len(plan.recompute_per_stage) == S else None
-    if rec is not None and any(rec):
-        sched = add_recompute(sched, [s for s, x in enumerate(rec)
-                                      if x > 0 and (lps is None or round(x * lps[s]) > 0)])
     if lps is None and plan.layers_per_stage and len(plan.layers_per_stage) != 1:
         raise ValueError(f"plan.layers_per_stage has {len(plan.layers_per_stage)} entries but the "
                          f"schedule has {S} stages")
