@@ -77,13 +77,13 @@ def predict(cfg: dict, profs: list) -> dict:
     """Simulator prediction; stage s is timed with the profile taken on its rank.  Stage-aware
     recomputation as the adapter runs it: the first ``round(x * layers)`` layers of a stage
     keep only their input and are re-run by an early R action (partition-merak.md §5.2, §6)."""
-    from ds_autoplan.runtime.deepspeed.api import add_recompute
     from ds_autoplan.schedule import Costs, build, lower, simulate
+    from ds_autoplan.schedule.passes import add_recompute
     sched = build(cfg["schedule"], WORLD, cfg["n"], **cfg["options"])
     S, lps = sched.num_stages, cfg["layers_per_stage"]
     ks = [round(x * c) for x, c in zip(cfg["recompute"], lps)]
     if any(ks):
-        sched = add_recompute(sched, [s for s, k in enumerate(ks) if k])
+        sched = add_recompute(sched, ks)
     prof = profs[0]
     bounds, lo = [], 0
     for c in lps:

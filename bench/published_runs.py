@@ -88,7 +88,7 @@ def candidates(r: dict, model) -> list[Config]:
 def cost_published(r: dict):
     model, cluster = setup(r)
     cm = CostModel(model, cluster, r["precision"], r.get("runtime", "any"),
-                   overlap_grad_reduce=bool(r.get("overlap_grad_reduce", True)),
+                   overlap_grad_reduce=bool(r.get("overlap_grad_reduce", False)),
                    overlap_tp_comm=bool(r.get("overlap_tp_comm", True)))
     best, best_any = None, None
     E = usable_budget(cluster)[0]          # the planner's default budget, headroom kept

@@ -1,11 +1,11 @@
 """Train a small GPT with DeepSpeed's PipelineEngine and any ds_autoplan schedule, on CPU.
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/train_deepspeed.py --schedule v-zb --microbatches 4
-    ds-autoplan launch --num_gpus 2 examples/train_deepspeed.py          # plans first
-    deepspeed --autoplan --num_gpus 2 examples/train_deepspeed.py        # after `ds-autoplan patch deepspeed`
+    ds-autoplan launch --model gpt-tiny --num_gpus 2 examples/train_deepspeed.py   # plans first
+    DS_AUTOPLAN_MODEL=gpt-tiny deepspeed --autoplan --num_gpus 2 examples/train_deepspeed.py
 
-With a plan (``--plan plan.json``, or from ``--autoplan`` / ``ds-autoplan launch``, which also
-pass ``--deepspeed_config``) the plan decides parallelism, partition, schedule and
+With a plan (``--plan plan.json``, or ``$DS_AUTOPLAN_PLAN`` from ``--autoplan`` /
+``ds-autoplan launch`` given a model) the plan decides parallelism, partition, schedule and
 recomputation; otherwise the flags build a pure-pipeline plan for the world size.
 Prints the loss of every optimizer step on rank 0.
 """

@@ -137,13 +137,14 @@ def _serial_p2p(model) -> None:
 
 
 def _report(model, fb, path: str) -> None:
-    """One JSON line per rank: its chunks' global layer numbers, pre/post_process, and the
-    class of the forward_backward_func train() will use."""
+    """One JSON line per rank: its chunks' global layer numbers, pre/post_process and
+    recomputation, and the class of the forward_backward_func train() will use."""
     from megatron.core.utils import unwrap_model
     chunks = [unwrap_model(c) for c in model]
     rec = {"rank": torch.distributed.get_rank(), "forward_backward_func": type(fb).__name__,
            "chunks": [{"layers": [int(x.layer_number) for x in c.decoder.layers],
-                       "pre_process": bool(c.pre_process), "post_process": bool(c.post_process)}
+                       "pre_process": bool(c.pre_process), "post_process": bool(c.post_process),
+                       "recompute": [c.config.recompute_granularity, c.config.recompute_num_layers]}
                       for c in chunks]}
     with open(path, "a") as f:
         f.write(json.dumps(rec) + "\n")
@@ -166,10 +167,15 @@ def _install_hooks() -> None:
             _init_by_name(model)
         if os.environ.get("MLM_CPU_SERIAL_P2P"):
             _serial_p2p(model)
-        if os.environ.get("MLM_CPU_REPORT"):
-            _report(model, mt.get_forward_backward_func(), os.environ["MLM_CPU_REPORT"])
         return model
     mt.get_model = get_model_on_cpu
+    if os.environ.get("MLM_CPU_REPORT"):
+        train = mt.train
+
+        def train_reported(forward_step_func, model, *a, **k):   # the model as it trains
+            _report(model, mt.get_forward_backward_func(), os.environ["MLM_CPU_REPORT"])
+            return train(forward_step_func, model, *a, **k)
+        mt.train = train_reported
     path = os.environ.get("MLM_CPU_LOSSES")
     if path:
         log = mt.training_log

@@ -4,6 +4,8 @@ runner; train 3 steps under plan A, save, train 3 more; then plan B's chunks fro
 weights load the checkpoint and train the same 3 steps."""
 from __future__ import annotations
 
+import contextlib
+
 STEPS, N, BLOCKS = 3, 4, 4          # N micro-batches per step over all replicas
 
 
@@ -39,7 +41,7 @@ class Run:
         if reference_weights:      # plan A starts from the whole model's weights
             T.copy_weights(T.build_reference(BLOCKS), chunks, self.setup, self.plan.layers_per_stage)
         zero = spec["zero"] > 0
-        with cpu_shim(remap_cuda_factories=True):
+        with cpu_shim(remap_cuda_factories=True), _cuda_type_names():
             self.chunks = [DistributedDataParallel(c.config, DistributedDataParallelConfig(
                 use_distributed_optimizer=zero), c) for c in chunks]
             self.opt = get_megatron_optimizer(OptimizerConfig(
@@ -68,7 +70,7 @@ class Run:
             losses = self.fb(forward_step_func=T.forward_step, model=self.chunks,
                              data_iterator=its if len(its) > 1 else its[0], num_microbatches=n,
                              seq_length=T.SEQ, micro_batch_size=T.MBS)
-            with cpu_shim(remap_cuda_factories=True):
+            with cpu_shim(remap_cuda_factories=True), _cuda_type_names():
                 self.opt.step()
             # the step's loss: mean over the replica's micro-batches, averaged over replicas
             tot = torch.tensor(sum(float(x["loss"]) for x in losses) / n if losses else 0.0,
@@ -76,6 +78,25 @@ class Run:
             dist.all_reduce(tot)
             out.append(float(tot) / dp)
         return out
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """Megatron's DistributedOptimizer accepts parameters by ``param.type()`` naming a CUDA
+    tensor type only (distrib_optimizer.py); on CPU report the CUDA name of the same dtype."""
+    import torch
+    orig = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kw):
+        if dtype is None and self.device.type == "cpu":
+            name = orig(self)     # (may come back through this function for a Parameter)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return orig(self, dtype, non_blocking, **kw)
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = orig
 
 
 def _dp_rank():

@@ -23,7 +23,7 @@ LAYERS = [
     {"runtime.common"},                  # engine-neutral execution (runtime/*.py)
     {"runtime.deepspeed", "runtime.megatron"},   # the two engine adapters
     {"models"},                          # tiny models for examples, tests, benchmarks
-    {"cli"},                             # the ds-autoplan command
+    {"cli", "clients"},                  # the ds-autoplan command; hooks in users' scripts
     {"ds_autoplan", "__main__"},         # the package's own __init__ / __main__
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

@@ -104,7 +104,25 @@ def runs(client):
     for s in ("1f1b", "interleaved"):
         res["megatron-" + s] = _run(_train_command(train, s, tmp / s, ours=False), client,
                                     "megatron-" + s, tmp, MLM_CPU_SERIAL_P2P="1")
+    res["1f1b-recompute"] = _run(_recompute_command(train, tmp), client, "1f1b-recompute", tmp)
+    print(json.dumps({"megatron_lm_losses": {k: r.losses for k, r in res.items()}}))   # pytest -s
     return res
+
+
+def _recompute_command(train: str, tmp: pathlib.Path) -> str:
+    """The 1F1B plan with recomputation on its first stage only (2 of 4 layers), run through
+    its emitted argument file: Megatron-LM's --recompute-num-layers is one number, the patch
+    gives each stage its own."""
+    from ds_autoplan.emit.megatron import megatron_args
+    from ds_autoplan.plan import Plan
+    out = tmp / "1f1b-recompute"
+    out.mkdir()
+    d = Plan.load(tmp / "1f1b" / "plan.json").to_dict()
+    d["recompute_per_stage"] = [0.5, 0.0]
+    plan = Plan.from_dict(d)
+    plan.save(out / "plan.json")
+    (out / "megatron_args.txt").write_text("\n".join(megatron_args(plan)) + "\n")
+    return f"DS_AUTOPLAN_PLAN={out}/plan.json " + _train_command(train, "1f1b", out, ours=False)
 
 
 def _ok(run):
@@ -134,6 +152,15 @@ def test_pretrain_gpt_trains_every_schedule(runs, schedule, ref, tol):
         assert [c["layers"] for c in r1["chunks"]] == [[3, 4], [5, 6]]
         assert [(c["pre_process"], c["post_process"]) for c in r0["chunks"]] == [(True, False), (False, True)]
         assert not any(c["pre_process"] or c["post_process"] for c in r1["chunks"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(2400)
+def test_pretrain_gpt_recomputes_per_stage(runs):
+    run = runs["1f1b-recompute"]
+    _ok(run)
+    assert max(abs(a - b) for a, b in zip(run.losses, runs["megatron-1f1b"].losses)) <= 1e-6
+    assert [[c["recompute"] for c in r["chunks"]] for r in run.report] == [[["full", 2]], [[None, None]]]
 
 
 @pytest.mark.multiproc
@@ -191,7 +218,7 @@ def _plan(schedule, layers, **kw):
                                  pipeline_model_parallel_layout="Ett|tt|tt|ttL"), "drop --pipeline"),
 ])
 def test_check_args(schedule, layers, args, expect):
-    from ds_autoplan.runtime.megatron.megatron_lm import check_args
+    from ds_autoplan.clients.megatron_lm import check_args
     plan = _plan(schedule, layers)
     problems = check_args(_args(**args), plan, plan.build_schedule())
     if expect is None:

@@ -22,11 +22,33 @@ def spec(schedule, pp=2, dp=1, zero=0):
     return {"schedule": schedule, "pp": pp, "dp": dp, "zero": zero}
 
 
-def _run(world, cases, tmp, timeout):
-    path = tmp / f"cases{world}.json"
-    path.write_text(json.dumps(cases))
-    rows = results([WORKER, str(path)], world, timeout=timeout)
+def cases(ckpt, world, tag):
+    """The A -> B cases of one process group; ``tag`` keeps each framework's folders apart.
+    The 4-rank group loads the pp2 dp1 checkpoint the 2-rank group wrote."""
+    def d(name):
+        return str(ckpt / f"{tag}-{name}")
+    if world == 2:
+        return [dict(name="v-half->1f1b", dir=d("vhalf"), a=spec("v-half"), b=spec("1f1b")),
+                dict(name="1f1b->v-zb", dir=d("pp2dp1"), a=spec("1f1b"), b=spec("v-zb"))]
+    return [dict(name="pp2 dp1->pp2 dp2", dir=d("pp2dp1"), b=spec("1f1b", dp=2)),
+            dict(name="pp2->pp4", dir=d("pp2dp1"), b=spec("1f1b", pp=4)),
+            # Megatron: ZeRO-1 = its DistributedOptimizer
+            dict(name="ZeRO-0->ZeRO-1", dir=d("zero0"), a=spec("1f1b", dp=2), b=spec("1f1b", dp=2, zero=1)),
+            dict(name="pp2 ZeRO-1->pp4 ZeRO-0", dir=d("zero1"), a=spec("v-half", dp=2, zero=1),
+                 b=spec("1f1b", pp=4))]
+
+
+def _deepspeed(ckpt, world):
+    path = ckpt / f"cases{world}.json"
+    path.write_text(json.dumps(cases(ckpt, world, "ds")))
+    rows = results([WORKER, str(path)], world, timeout=300 * world)
     return {(r["name"], r["rank"]): r for r in rows}
+
+
+def _megatron(ckpt, world):
+    pytest.importorskip("megatron.core")
+    todo = [dict(c, fn=MEGATRON_CASE) for c in cases(ckpt, world, "m")]
+    return {(r["name"], r["rank"]): r for rows in launch(world, todo, timeout=300 * world) for r in rows}
 
 
 @pytest.fixture(scope="module")
@@ -36,40 +58,22 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_ranks(ckpt):
-    cases = [dict(name="v-half->1f1b", dir=str(ckpt / "vhalf"), a=spec("v-half"), b=spec("1f1b")),
-             dict(name="1f1b->v-zb", dir=str(ckpt / "pp2dp1"), a=spec("1f1b"), b=spec("v-zb"))]
-    return _run(2, cases, ckpt, 300)
+    return _deepspeed(ckpt, 2)
 
 
 @pytest.fixture(scope="module")
 def four_ranks(ckpt, two_ranks):
-    pp2dp1 = str(ckpt / "pp2dp1")        # written by the 2-rank group
-    cases = [dict(name="pp2 dp1->pp2 dp2", dir=pp2dp1, b=spec("1f1b", dp=2)),
-             dict(name="pp2->pp4", dir=pp2dp1, b=spec("1f1b", pp=4)),
-             dict(name="ZeRO-0->ZeRO-1", dir=str(ckpt / "zero0"), a=spec("1f1b", dp=2),
-                  b=spec("1f1b", dp=2, zero=1)),
-             dict(name="pp2 ZeRO-1->pp4 ZeRO-0", dir=str(ckpt / "zero1"),
-                  a=spec("v-half", dp=2, zero=1), b=spec("1f1b", pp=4))]
-    return _run(4, cases, ckpt, 400)
+    return _deepspeed(ckpt, 4)
 
 
 @pytest.fixture(scope="module")
 def megatron_two_ranks(ckpt):
-    pytest.importorskip("megatron.core")
-    cases = [dict(fn=MEGATRON_CASE, name=n, dir=str(ckpt / d), a=a, b=b) for n, d, a, b in (
-        ("v-half->1f1b", "m-vhalf", spec("v-half"), spec("1f1b")),
-        ("1f1b->v-zb", "m-pp2dp1", spec("1f1b"), spec("v-zb")))]
-    return {(r["name"], r["rank"]): r for rows in launch(2, cases, timeout=400) for r in rows}
+    return _megatron(ckpt, 2)
 
 
 @pytest.fixture(scope="module")
 def megatron_four_ranks(ckpt, megatron_two_ranks):
-    pp2dp1 = str(ckpt / "m-pp2dp1")      # written by the 2-rank group
-    cases = [dict(fn=MEGATRON_CASE, name="pp2 dp1->pp2 dp2", dir=pp2dp1, b=spec("1f1b", dp=2)),
-             dict(fn=MEGATRON_CASE, name="pp2->pp4", dir=pp2dp1, b=spec("1f1b", pp=4)),
-             dict(fn=MEGATRON_CASE, name="V-Half pp2 dp2->pp4", dir=str(ckpt / "m-vhalf-dp2"),
-                  a=spec("v-half", dp=2), b=spec("1f1b", pp=4))]
-    return {(r["name"], r["rank"]): r for rows in launch(4, cases, timeout=500) for r in rows}
+    return _megatron(ckpt, 4)
 
 
 def _close(a, b):
@@ -95,22 +99,24 @@ def test_resume_under_another_schedule_two_ranks(two_ranks, name):
 def test_resume_on_more_ranks(two_ranks, four_ranks, name):
     # against the uninterrupted run on 2 ranks
     _assert_resumed(four_ranks, name, 4, two_ranks[("1f1b->v-zb", 0)]["uninterrupted"][3:])
+    # pp4 holds fewer layers per rank than the pp2 plan the checkpoint was saved under
+    assert four_ranks[("pp2->pp4", 0)]["layers"] == [0, 1, 2]
+    assert four_ranks[("pp2 dp1->pp2 dp2", 0)]["layers"] == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("name", ["ZeRO-0->ZeRO-1", "pp2 ZeRO-1->pp4 ZeRO-0"])
-def test_resume_across_zero_stages(four_ranks, name):
-    _assert_resumed(four_ranks, name, 4)
-    # the pp4 plan holds fewer layers per rank than the pp2 plan it was saved under
-    assert len(four_ranks[("pp2->pp4", 0)]["layers"]) < len(four_ranks[("pp2 dp1->pp2 dp2", 0)]["layers"])
+@pytest.mark.parametrize("group", ["four_ranks", "megatron_four_ranks"])
+def test_resume_across_zero_stages(request, group, name):
+    _assert_resumed(request.getfixturevalue(group), name, 4)
 
 
 def test_checkpoint_info_names_the_plan(two_ranks, ckpt, capsys):
     from ds_autoplan.cli import main
-    assert main(["checkpoint", "info", str(ckpt / "vhalf")]) == 0
+    assert main(["checkpoint", "info", str(ckpt / "ds-vhalf")]) == 0
     out = capsys.readouterr().out
     assert "deepspeed, step 3, 8 layers" in out
     assert "schedule v-half" in out and "pp 2 tp 1 dp 1, ZeRO 0, fp32" in out
-    assert main(["checkpoint", "info", "--json", str(ckpt / "vhalf")]) == 0
+    assert main(["checkpoint", "info", "--json", str(ckpt / "ds-vhalf")]) == 0
     meta = json.loads(capsys.readouterr().out)
     assert meta["plan"]["layers_per_stage"] == [2, 2, 1, 1] and meta["optimizer"]["class"] == "Adam"
 
@@ -124,9 +130,9 @@ def test_not_a_checkpoint_is_one_clear_error(tmp_path, capsys):
 def test_wrong_framework_or_model_is_refused(two_ranks, ckpt):
     from ds_autoplan.runtime.checkpoint import CheckpointError, read_meta
     with pytest.raises(CheckpointError, match="saved by the deepspeed runtime"):
-        read_meta(ckpt / "vhalf", framework="megatron")
+        read_meta(ckpt / "ds-vhalf", framework="megatron")
     with pytest.raises(CheckpointError, match="8 layers, this model has 10"):
-        read_meta(ckpt / "vhalf", framework="deepspeed", num_layers=10)
+        read_meta(ckpt / "ds-vhalf", framework="deepspeed", num_layers=10)
 
 
 @pytest.mark.parametrize("name", ["v-half->1f1b", "1f1b->v-zb"])
@@ -143,8 +149,7 @@ def test_megatron_resume_on_more_ranks(megatron_two_ranks, megatron_four_ranks, 
                     megatron_two_ranks[("1f1b->v-zb", 0)]["uninterrupted"][3:])
 
 
-def test_megatron_resume_from_v_half_with_data_parallelism(megatron_four_ranks):
-    _assert_resumed(megatron_four_ranks, "V-Half pp2 dp2->pp4", 4)
+def test_megatron_pp4_holds_one_stage_per_rank(megatron_four_ranks):
     assert [megatron_four_ranks[("pp2->pp4", r)]["stages"] for r in range(4)] == [[0], [1], [2], [3]]
 
 

@@ -77,11 +77,12 @@ def test_plan_partition_and_placement_are_honoured(two_ranks):
 
 
 def test_add_recompute_and_parts():
-    from ds_autoplan.runtime.deepspeed.api import add_recompute
     from ds_autoplan.runtime.deepspeed.module import PartitionError, parts_from
     from ds_autoplan.schedule import Kind, build, validate
-    s = add_recompute(build("1f1b", 2, 3), [0])
+    from ds_autoplan.schedule.passes import add_recompute
+    s = add_recompute(build("1f1b", 2, 3), [2, 0])
     validate(s)
+    assert s.meta["recompute_layers"] == [2, 0]
     r0 = [a.short() for a in s.ranks[0]]
     assert r0.count("R0.0") == 1 and r0.index("R0.0") + 1 == r0.index("BW0.0")
     assert not any(a.kind == Kind.R for a in s.ranks[1])

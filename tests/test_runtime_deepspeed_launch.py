@@ -42,7 +42,9 @@ def test_patch_text_is_reversible_and_matches_shipped_patch():
 def test_deepspeed_autoplan_end_to_end(tmp_path):
     path = _runner()
     before = hashlib.sha256(path.read_bytes()).hexdigest()
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PWD=str(tmp_path), OMP_NUM_THREADS="1")
+    # a model description: planned before launch, DS_AUTOPLAN_PLAN read by the example
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PWD=str(tmp_path), OMP_NUM_THREADS="1",
+               DS_AUTOPLAN_MODEL="gpt-tiny")
     try:
         r = _cli("patch", "deepspeed", env=env)
         assert r.returncode == 0, r.stderr

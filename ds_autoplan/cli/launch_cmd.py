@@ -1,53 +1,77 @@
-"""`ds-autoplan launch [planner options] [deepspeed launcher options] train.py [args]`: plan
-for the launch's world size, write plan.json and ds_config.json, then run DeepSpeed's own
-launcher with ``--deepspeed_config ds_config.json`` appended to the script's arguments and
-``DS_AUTOPLAN_PLAN`` (the plan's path) in every rank's environment (integration.md §1.8).
-``deepspeed --autoplan`` (after ``ds-autoplan patch deepspeed``) calls :func:`apply_autoplan`.
+"""`ds-autoplan launch [planner options] [deepspeed launcher options] train.py [args]`: run
+DeepSpeed's own launcher with every rank going through ``ds_autoplan.clients.bootstrap``,
+which plans the model the unchanged script builds when it calls ``deepspeed.initialize``
+(integration.md §1.8) and merges the plan into the script's own DeepSpeed config.  With
+``--model`` (a preset, YAML or HF config.json) the plan is made here, before launch, and
+``DS_AUTOPLAN_PLAN`` points every rank to it.  ``deepspeed --autoplan`` (after ``ds-autoplan
+patch deepspeed``) calls :func:`apply_autoplan`.
 """
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 
 from . import UserError
 
 PLAN_ENV = "DS_AUTOPLAN_PLAN"
+BOOTSTRAP = "ds_autoplan.clients.bootstrap"
 
 
 def _planner_options(env) -> dict:
-    return {"model": env.get("DS_AUTOPLAN_MODEL", "gpt-tiny"),
-            "cluster": env.get("DS_AUTOPLAN_CLUSTER"),
-            "global_batch": int(env.get("DS_AUTOPLAN_GLOBAL_BATCH", "8")),
-            "out": env.get("DS_AUTOPLAN_OUT", "ds_autoplan_out")}
+    """Planner options from the environment (``deepspeed --autoplan`` has no flags of ours)."""
+    scheds = env.get("DS_AUTOPLAN_SCHEDULES")
+    return {"model": env.get("DS_AUTOPLAN_MODEL"), "cluster": env.get("DS_AUTOPLAN_CLUSTER"),
+            "global_batch": int(env["DS_AUTOPLAN_GLOBAL_BATCH"]) if env.get("DS_AUTOPLAN_GLOBAL_BATCH") else None,
+            "out": env.get("DS_AUTOPLAN_OUT", "ds_autoplan_out"),
+            "pp": int(env["DS_AUTOPLAN_PP"]) if env.get("DS_AUTOPLAN_PP") else None,
+            "schedules": scheds.split(",") if scheds else None}
 
 
-def apply_autoplan(args, world: int, env, model=None, cluster=None, global_batch=None, out=None):
-    """Plan ``model`` on ``cluster`` (default ``cpu-<world>``) for ``world`` ranks, write
-    ``plan.json`` and ``ds_config.json`` under ``out``, append ``--deepspeed_config`` to
-    ``args.user_args`` and put the plan's path in ``env``.  Returns (plan, config path)."""
+def _plan_model_now(model, cluster, global_batch, pp, schedules, world, out) -> str:
+    """Plan a model description before launch; returns plan.json's path."""
     from ..emit.deepspeed import ds_config
     from ..search import plan_model
-    o = _planner_options(env)
-    model, cluster = model or o["model"], cluster or o["cluster"] or f"cpu-{world}"
-    global_batch, out = global_batch or o["global_batch"], out or o["out"]
+    from ..spec import SpecError
     try:
-        plan = plan_model(model, cluster, global_batch)
-    except (ValueError, KeyError) as e:
+        plan = plan_model(model, cluster, global_batch, pp=pp, schedules=schedules)
+    except (SpecError, ValueError, KeyError) as e:
         raise UserError(f"planning {model} on {cluster} failed: {e}") from None
     if plan.world != world:
         raise UserError(f"the plan uses {plan.world} ranks (cluster {cluster}) but the launch has "
                         f"{world}; pass a cluster with {world} devices")
-    os.makedirs(out, exist_ok=True)
-    plan_path, cfg_path = os.path.abspath(f"{out}/plan.json"), os.path.abspath(f"{out}/ds_config.json")
+    plan_path = os.path.join(out, "plan.json")
     plan.save(plan_path)
-    with open(cfg_path, "w") as fh:
+    with open(os.path.join(out, "ds_config.json"), "w") as fh:
         json.dump(ds_config(plan), fh, indent=2)
-    args.user_args = list(args.user_args) + ["--deepspeed_config", cfg_path]
-    env[PLAN_ENV] = plan_path
     print(f"ds-autoplan: {model} on {cluster} ({world} ranks): pp={plan.pp} tp={plan.tp} "
-          f"dp={plan.dp} schedule={plan.schedule} -> {plan_path}, {cfg_path}", flush=True)
-    return plan, cfg_path
+          f"dp={plan.dp} schedule={plan.schedule} -> {plan_path}", flush=True)
+    return plan_path
+
+
+def apply_autoplan(args, world: int, env, model=None, cluster=None, global_batch=None, out=None,
+                   pp=None, schedules=None) -> dict:
+    """Rewrite the parsed launcher ``args`` so every rank runs the script through the
+    bootstrap with the planner options (``--ds-autoplan=`` base64 JSON, shell-safe for
+    multi-node launchers); with a ``model`` description, plan it now.  Returns the options."""
+    o = _planner_options(env)
+    if getattr(args, "no_python", False):
+        raise UserError("--autoplan runs the script in Python ranks; drop --no_python")
+    out = os.path.abspath(out or o["out"])
+    os.makedirs(out, exist_ok=True)
+    opts = {"cluster": cluster or o["cluster"], "global_batch": global_batch or o["global_batch"],
+            "pp": pp or o["pp"], "schedules": schedules or o["schedules"], "out": out,
+            "module": bool(args.module)}
+    model = model or o["model"]
+    if model:
+        opts["plan"] = env[PLAN_ENV] = _plan_model_now(
+            model, opts["cluster"] or f"cpu-{world}", opts["global_batch"] or 8, opts["pp"],
+            opts["schedules"], world, out)
+    blob = base64.urlsafe_b64encode(json.dumps(opts).encode()).decode()
+    args.user_args = [f"--ds-autoplan={blob}", args.user_script, *args.user_args]
+    args.user_script, args.module = BOOTSTRAP, True
+    return opts
 
 
 def launch_world(a) -> int:
@@ -63,20 +87,27 @@ def launch_world(a) -> int:
 
 def _own_parser():
     p = argparse.ArgumentParser(prog="ds-autoplan launch", add_help=False)
-    p.add_argument("--model", default=None, help="model preset or file (default gpt-tiny)")
+    p.add_argument("--model", default=None,
+                   help="plan this model description (preset, YAML, HF config.json) before launch; "
+                        "default: the model the script builds, profiled at deepspeed.initialize")
     p.add_argument("--cluster", default=None, help="cluster preset or file (default cpu-<world>)")
-    p.add_argument("--global-batch", type=int, default=None)
-    p.add_argument("--out", default=None, help="directory for plan.json, ds_config.json")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="default: the script's DeepSpeed config (train_batch_size)")
+    p.add_argument("--pp", type=int, default=None, help="restrict the search to this pipeline degree")
+    p.add_argument("--schedules", default=None, help="comma-separated candidate schedules")
+    p.add_argument("--out", default=None, help="directory for plan.json, ds_config.json (default "
+                                                "ds_autoplan_out)")
     return p
 
 
 def add_parser(subparsers):
     # every argument is passed through untouched ("+" is no option prefix for deepspeed or us):
-    # ours (--model, --cluster, --global-batch, --out) are taken from the part before the script
+    # ours (--model, --cluster, --global-batch, --pp, --schedules, --out) are taken from the
+    # part before the script
     p = subparsers.add_parser("launch", prefix_chars="+", add_help=False,
-                              help="plan, write ds_config.json, run the deepspeed launcher "
-                                   "(options: --model --cluster --global-batch --out, then "
-                                   "deepspeed launcher options, script, script args)",
+                              help="run the deepspeed launcher with the script's model planned "
+                                   "(options: --model --cluster --global-batch --pp --schedules "
+                                   "--out, then deepspeed launcher options, script, script args)",
                               description=__doc__.splitlines()[0])
     p.add_argument("argv", nargs=argparse.REMAINDER)
     p.set_defaults(func=run)
@@ -97,8 +128,10 @@ def run(args) -> int:
     if not a.module and not os.path.exists(a.user_script):
         raise UserError(f"training script not found: {a.user_script}")
     cut = len(argv) - len(a.user_args) - 1
-    apply_autoplan(a, launch_world(a), os.environ, own.model, own.cluster, own.global_batch, own.out)
-    runner.main(argv[:cut] + [a.user_script] + a.user_args)
+    scheds = own.schedules.split(",") if own.schedules else None
+    apply_autoplan(a, launch_world(a), os.environ, own.model, own.cluster, own.global_batch,
+                   own.out, own.pp, scheds)
+    runner.main(argv[:cut] + ["--module", a.user_script] + a.user_args)
     return 0
 
 

@@ -3,7 +3,8 @@ DeepSpeed launcher (``deepspeed/launcher/runner.py``), or take it out again.
 
 The edit is the one in ``patches/deepspeed-autoplan.patch``: one launcher option and, once the
 launch's resources are known, a call to :func:`ds_autoplan.cli.launch_cmd.apply_autoplan`
-(plan for the world size, write ds_config.json, pass it and the plan to the script).  Every
+(every rank runs the script through ds_autoplan's bootstrap, which plans the model the script
+builds and merges the plan into the script's DeepSpeed config).  Every
 inserted line ends with a marker, so applying is idempotent and ``--revert`` restores the
 original file byte for byte.  Only DeepSpeed versions whose launcher was checked are patched.
 """
@@ -21,8 +22,8 @@ SUPPORTED = ("0.19.8",)
 _EDITS = [
     ('    parser.add_argument("user_script", type=str, help="User script to launch, followed by any required "\n',
      ['    parser.add_argument("--autoplan", action="store_true",',
-      '                        help="ds_autoplan: plan for this launch\'s world size, write ds_config.json and "',
-      '                        "pass it (--deepspeed_config) and the plan ($DS_AUTOPLAN_PLAN) to the script")'],
+      '                        help="ds_autoplan: plan the model the script builds for this launch\'s world "',
+      '                        "size and merge the plan into the script\'s DeepSpeed config")'],
      "before"),
     ("    active_resources = apply_num_nodes_and_gpus(active_resources, args.num_nodes, args.num_gpus)\n",
      ["    if args.autoplan:",

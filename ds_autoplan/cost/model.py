@@ -87,14 +87,18 @@ class LayerTables:
 class CostModel:
     """``runtime``: whose memory accounting holds ('any' = the larger of Megatron's and
     DeepSpeed's, see cost/memory.py).  ``overlap_grad_reduce``: the data-parallel gradient
-    reduction overlaps the last micro-batch's backward (Galvatron §2.4, DeepSpeed's
-    overlap_comm, Megatron's --overlap-grad-reduce); False: it follows the backward (Megatron-LM
-    2021).  The optimizer step and ZeRO's parameter all-gather after it are never hidden.
+    reduction (ZeRO 0/1) overlaps the last micro-batch's backward (Galvatron §2.4; Megatron's
+    --overlap-grad-reduce).  Default False, what the emitted engines do: DeepSpeed 0.19.8 reduces
+    after the backward (the pipeline engine's ReduceGrads instruction follows the last
+    BackwardPass; without pipelines ZeRO-0/1 reduce in allreduce_gradients at the boundary, only
+    ZeRO-2's per-micro-batch reduce-scatter runs in backward hooks) and the emitted Megatron-LM
+    flags do not set --overlap-grad-reduce.  The optimizer step and ZeRO's parameter all-gather
+    after it are never hidden.
     ``overlap_tp_comm``: the backward TP all-reduce of the column-parallel input gradient runs
     beside their weight-gradient GEMMs (Megatron since its 2022 releases; False: Megatron-LM 2021)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str = "bf16",
-                 runtime: str = "any", overlap_grad_reduce: bool = True, overlap_tp_comm: bool = True):
+                 runtime: str = "any", overlap_grad_reduce: bool = False, overlap_tp_comm: bool = True):
         from ..spec import SpecError
         if precision not in PRECISIONS:
             raise SpecError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")

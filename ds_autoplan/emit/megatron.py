@@ -170,7 +170,7 @@ def megatron_args(plan: Plan, model=None) -> list[str]:
     elif c["virtual_pipeline_model_parallel_size"]:
         # a V placement: Megatron's layout string cannot say "stage 2P-1-r on rank r", so only
         # the chunk count goes on the command line; the patched pretrain_gpt.py applies the
-        # plan's placement (ds_autoplan.runtime.megatron.megatron_lm)
+        # plan's placement (ds_autoplan.clients.megatron_lm)
         a.append(f"--num-virtual-stages-per-pipeline-rank {c['virtual_pipeline_model_parallel_size']}")
         if "--untie-embeddings-and-output-weights" not in a:   # (see megatron_config)
             a.append("--untie-embeddings-and-output-weights")

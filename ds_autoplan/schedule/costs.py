@@ -4,7 +4,10 @@ Memory model (schedules.md §0, §8 decision 2): F allocates ``mem_f``; B change
 ``mem_b`` (<= 0) and W by ``mem_w`` (<= 0), with mem_f + mem_b + mem_w = 0; a fused BW
 frees ``mem_b + mem_w``.  The paper's analysis uses (1, 0, -1)·m: everything is held until W.
 With recomputation (an R action for that stage/mb), F keeps only ``keep_ckpt`` (the
-boundary input) and R allocates the rest again.
+input of the recomputed prefix and what the layers after it save; schedule/passes.py) and R
+allocates the rest again.  ``b_transient``: bytes a backward holds from its start beyond its
+net change until its end (a split layer's B stashes its output gradient for W while the
+saved inputs are still held); one value, or one per stage / per (stage, micro-batch).
 
 Runtime overheads (issue 14): a real engine also spends time the per-layer costs leave out.
 :class:`Overheads` holds what one runtime measured once (``bench/_measure.py``): ``dispatch``
@@ -55,9 +58,10 @@ class Costs:
     num_ranks: int | None = None  # for the "units of 1/d of the model" scale
     dispatch: float = 0.0       # a runtime's own time per compute action (issue 14)
     step: float = 0.0           # once per iteration after the last action (issue 14)
-    b_transient: float = 0.0    # bytes a backward (B, BW) holds from its start on, beyond its
-                                # net change, until its end (e.g. the output gradient a
-                                # deferred W keeps while the layer's internals are still saved)
+    b_transient: float | np.ndarray = 0.0   # bytes a backward (B, BW) holds from its start
+                                # on, beyond its net change, until its end (e.g. the output
+                                # gradient a deferred W keeps while the layer's internals are
+                                # still saved); a float or a [S, n] array
 
     @classmethod
     def per_stage(cls, num_stages: int, n: int, f, b, w, *, r=None, mem_f=1.0, mem_b=None,
@@ -106,11 +110,24 @@ class Costs:
                                 f"micro-batches; schedule has {sched.num_stages} x "
                                 f"{sched.num_microbatches}")
 
-    def with_transient(self, b_transient: float) -> "Costs":
-        """These costs with ``b_transient`` bytes held during every backward."""
-        if not b_transient >= 0:
+    def with_transient(self, b_transient) -> "Costs":
+        """These costs with ``b_transient`` bytes held during every backward (a scalar, or
+        per stage, or per (stage, micro-batch))."""
+        if np.ndim(b_transient) == 0:
+            if not b_transient >= 0:
+                raise ScheduleError("b_transient must be non-negative")
+            return replace(self, b_transient=float(b_transient))
+        a = _grid(b_transient, *self.shape, "b_transient")
+        if np.any(a < 0):
             raise ScheduleError("b_transient must be non-negative")
-        return replace(self, b_transient=float(b_transient))
+        return replace(self, b_transient=a)
+
+    def transient(self, kind: Kind, s: int, m: int) -> float:
+        """Bytes held beyond the net change during action ``kind`` (backwards only)."""
+        if kind not in (Kind.B, Kind.BW):
+            return 0.0
+        tr = self.b_transient
+        return float(tr if np.ndim(tr) == 0 else tr[s, m])
 
     def with_overheads(self, ov: "Overheads") -> "Costs":
         """These costs plus a runtime's measured overheads (replacing p2p and send)."""

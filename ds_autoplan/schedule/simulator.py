@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .costs import Costs
-from .ir import (BACKWARD_KINDS, Action, DependencyIndex, Kind, Schedule, ScheduleError,
+from .ir import (Action, DependencyIndex, Kind, Schedule, ScheduleError,
                  cross_stage_pred, matching_recv_key, validate)
 
 
@@ -169,7 +169,7 @@ def simulate(sched: Schedule, costs: Costs, *, blocking: bool = False,
                 if a.kind.is_compute:
                     busy[rank] += dur
                     delta = float(costs.mem_delta(a.kind, a.stage, a.mb, (a.stage, a.mb) in dep.rec))
-                    tr = costs.b_transient if a.kind in BACKWARD_KINDS else 0.0
+                    tr = costs.transient(a.kind, a.stage, a.mb)
                     if tr:      # held from the backward's start, its net change at its end
                         events[rank].append((st, 1, tr))
                         delta -= tr

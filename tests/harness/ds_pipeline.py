@@ -231,11 +231,11 @@ def run_one(name, args, world, rank, ref):
 
 
 def _all_recompute(engine):
+    """Stage -> module layers R re-runs, for every stage (the whole-schedule simulation)."""
+    from ds_autoplan.schedule.passes import recompute_layers
     mod = engine.module
-    # every rank needs every stage's recompute count for the whole-schedule simulation
-    S = len(mod._ap_placement)
-    parts = mod.parts
-    return {s: round(mod._ap_recompute[s] * (parts[s + 1] - parts[s])) for s in range(S)}
+    ks = recompute_layers(engine.ap_schedule, mod.plan_layer_counts)
+    return {s: k + (1 if mod._joined and s == 0 and k else 0) for s, k in enumerate(ks)}
 
 
 def main(argv=None):

@@ -10,6 +10,7 @@ import os
 import torch
 
 from ...schedule import Schedule, build
+from ...schedule.passes import single_stage
 from ..watchdog import startup_watchdog
 
 
@@ -28,23 +29,17 @@ def as_plan(plan):
     return Plan.load(os.fspath(plan))
 
 
-def config_from_plan(plan) -> dict:
-    """The DeepSpeed config keys a plan fixes (the emitter's ``ds_config`` when available)."""
-    try:
-        from ...emit.deepspeed import ds_config
-        return ds_config(plan)
-    except ImportError:
-        pass
-    cfg = {"train_micro_batch_size_per_gpu": plan.micro_batch_size,
-           "gradient_accumulation_steps": plan.num_microbatches,
-           "train_batch_size": plan.micro_batch_size * plan.num_microbatches * plan.dp}
-    if plan.zero_stage:
-        cfg["zero_optimization"] = {"stage": plan.zero_stage}
-        cfg["zero_allow_untested_optimizer"] = True
-    if plan.precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    elif plan.precision == "fp16":
-        cfg["fp16"] = {"enabled": True}
+def config_from_plan(plan, config=None, defaults: bool = True) -> dict:
+    """The config ``initialize`` runs: the emitted ``ds_config(plan)`` (what ``ds-autoplan
+    plan`` writes to ds_config.json; ``defaults=False``: nothing of it) with the user's
+    ``config`` keys merged over it; the plan stays at ``pipeline.autoplan`` and, when it
+    recomputes, DeepSpeed's global checkpointing switch stays off (the runtime recomputes per
+    stage)."""
+    from ...emit.deepspeed import ds_config
+    cfg = _merge(ds_config(plan) if defaults else {}, config or {})
+    cfg.setdefault("pipeline", {})["autoplan"] = plan.to_dict()
+    if any(x > 0 for x in plan.recompute_per_stage):
+        cfg["pipeline"]["activation_checkpoint_interval"] = 0
     return cfg
 
 
@@ -78,34 +73,11 @@ def _engine_installed():
         deepspeed.PipelineEngine = saved
 
 
-def add_recompute(sched: Schedule, stages) -> Schedule:
-    """Insert ``R(s, mb)`` right before the backward of every micro-batch of ``stages`` that
-    has none.  A RECV only posts the receive and the backward waits for the gradient, so R
-    runs while the gradient is in flight (Merak's early recompute, partition-merak.md §5.2
-    step 1) and at most one recomputed micro-batch is materialised per rank at a time."""
-    from ...schedule import Action, Kind
-    stages = set(stages)
-    has = {(a.stage, a.mb) for a in sched.actions() if a.kind == Kind.R}
-    out = []
-    for r, lst in enumerate(sched.ranks):
-        new = []
-        for a in lst:
-            if a.kind.is_comm:
-                continue
-            if a.kind in (Kind.B, Kind.BW) and a.stage in stages and (a.stage, a.mb) not in has:
-                new.append(Action(r, Kind.R, a.stage, a.mb))
-            new.append(a)
-        out.append(new)
-    return sched.replace_lists(out, lowered=False)
-
-
 def plan_schedule(plan) -> Schedule:
-    """``plan.build_schedule()``; a plan without pipelining (pp = 1) runs F, BW per
-    micro-batch on its single stage."""
+    """``plan.build_schedule()``; a plan without pipelining (pp = 1) runs the single-stage
+    schedule (``schedule.passes.single_stage``)."""
     if plan.pp == 1:
-        from ...schedule import Kind
-        keys = [k for m in range(plan.num_microbatches) for k in ((Kind.F, 0, m), (Kind.BW, 0, m))]
-        return Schedule.from_keys("no-pipeline", plan.num_microbatches, [0], [keys])
+        return single_stage(plan.num_microbatches)
     return plan.build_schedule()
 
 
@@ -118,9 +90,6 @@ def build_module(model_or_layers, plan, *, schedule: Schedule | None = None, los
     S = sched.num_stages
     lps = plan.layers_per_stage if len(plan.layers_per_stage) == S else None
     rec = plan.recompute_per_stage if len(plan.recompute_per_stage) == S else None
-    if rec is not None and any(rec):
-        sched = add_recompute(sched, [s for s, x in enumerate(rec)
-                                      if x > 0 and (lps is None or round(x * lps[s]) > 0)])
     if lps is None and plan.layers_per_stage and len(plan.layers_per_stage) != 1:
         raise ValueError(f"plan.layers_per_stage has {len(plan.layers_per_stage)} entries but the "
                          f"schedule has {S} stages")
@@ -133,15 +102,19 @@ def build_module(model_or_layers, plan, *, schedule: Schedule | None = None, los
 
 def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = None,
                config=None, loss_fn=None, track_memory: bool = False, module_kwargs=None,
-               swap=None, **ds_kwargs):
+               swap=None, config_defaults: bool = True, **ds_kwargs):
     """Like ``deepspeed.initialize``, for a layer list / ``nn.Sequential`` / ``PipelineModule``
     trained with ``plan`` (a Plan, dict or path).  Returns ``(engine, optimizer,
     training_dataloader, lr_scheduler)`` from ``deepspeed.initialize``.
 
     ``schedule`` overrides the plan's (a Schedule object or a builder name, built for
     ``plan.pp`` ranks and ``plan.num_microbatches``).  ``config`` (dict or JSON path) is
-    merged over the keys the plan fixes; the plan itself is stored at
+    merged over ``ds_config(plan)`` (:func:`config_from_plan`: without ``config`` the engine
+    runs exactly the emitted ds_config.json); the plan itself is at
     ``config["pipeline"]["autoplan"]`` (DeepSpeed never validates ``pipeline``).
+    ``config_defaults=False`` takes nothing from the plan's emitted config beyond ``config``
+    (which then holds the plan's keys: ``emit.deepspeed.user_config``), so a user's own
+    config keeps DeepSpeed's defaults for what it leaves out.
     ``swap``: per-stage swap policies (``search.memopt.stage_memory_options(...)["swap"]``), see
     :meth:`AutoplanEngine.set_swap_policy`.
     """
@@ -153,11 +126,7 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
     if isinstance(config, (str, os.PathLike)):
         with open(config) as fh:
             config = json.load(fh)
-    cfg = _merge(config_from_plan(plan), config or {})
-    cfg.setdefault("pipeline", {})["autoplan"] = plan.to_dict()
-    if any(x > 0 for x in plan.recompute_per_stage):
-        # stage-aware recomputation is ours, per stage; DeepSpeed's switch is global
-        cfg["pipeline"]["activation_checkpoint_interval"] = 0
+    cfg = config_from_plan(plan, config, defaults=config_defaults)
     with startup_watchdog("DeepSpeed initialisation"):
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend=ds_kwargs.pop("dist_backend", None))

@@ -15,6 +15,8 @@ a ``batch_sampler``; the torch loader above feeds ``train_batch``'s data iterato
 * Schedule: ``plan.lowered`` (every rank's F/BW and send/recv order, proven deadlock-free
   by the simulator) replaces the engine's action list for the step; DeepSpeed's
   ``gradient_accumulation_steps`` is set to the plan's micro-batch count.
+* Per-step state goes in as one ``runtime.common.StepState`` (``engine.set_step``, the same
+  contract as the Megatron adapter): schedule, shapes and loss weights of the step.
 * Shapes (§5.6): the receiver allocates ``(mbs, padded len, hidden)`` from ``plan.shapes``
   -- no shape handshake; the sender checks its tensors against the same plan.
 * Loss weights: micro-batch k's loss (a mean over its tokens or samples) is weighted by its
@@ -41,6 +43,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ...dynamic.step import check_same_plan, loss_shares
+from ..common import StepState
 
 
 def static_plan(pp: int, *, dp: int = 1, layers_per_stage=None, zero_stage: int = 0,
@@ -70,16 +73,23 @@ def _weight_of(batch, weight, ignore_index) -> float:
     raise ValueError(f"weight must be 'tokens', 'samples', a callable or a list, got {weight!r}")
 
 
-def loss_factors(engine, batches, weight="tokens", ignore_index: int = -100) -> list[float]:
-    """Per micro-batch factor ``c_k = n · loss_shares(w)_k`` on the loss rank: with
-    DeepSpeed's division by gradient_accumulation_steps (n) and the data-parallel average,
-    micro-batch k's gradient counts with its share ``w_k / Σ w`` of the step."""
+def loss_weights(engine, batches, weight="tokens", ignore_index: int = -100) -> list[float]:
+    """Per micro-batch share ``w_k / Σ w`` of the step over all data-parallel replicas (on the
+    loss rank), the ``StepState.loss_weights`` of the step."""
     if isinstance(weight, Sequence) and not isinstance(weight, str):
         w = [float(x) for x in weight]
     else:
         w = [_weight_of(b, weight, ignore_index) for b in batches]
     group = engine.grid.get_data_parallel_group() if engine.dp_world_size > 1 else None
-    return [len(w) * x for x in loss_shares(w, group)]
+    return loss_shares(w, group)
+
+
+def loss_factors(engine, batches, weight="tokens", ignore_index: int = -100) -> list[float]:
+    """Per micro-batch factor ``c_k = n · loss_shares(w)_k`` on the loss rank: with
+    DeepSpeed's division by gradient_accumulation_steps (n) and the data-parallel average,
+    micro-batch k's gradient counts with its share ``w_k / Σ w`` of the step."""
+    w = loss_weights(engine, batches, weight, ignore_index)
+    return [len(w) * x for x in w]
 
 
 def gpt_shapes(hidden: int, dtype: torch.dtype) -> Callable:
@@ -110,7 +120,6 @@ def train_batch(engine, plan, data_iter: Iterator | None = None, *, hidden: int 
             raise ValueError("give hidden= (the activation width) or shapes=")
         dtype = next(engine.module.parameters()).dtype
         shapes = gpt_shapes(hidden, dtype)
-    engine.set_step_schedule(plan.lowered)
     batches = None
     loads = loads_data(engine)
     if loads:
@@ -122,13 +131,9 @@ def train_batch(engine, plan, data_iter: Iterator | None = None, *, hidden: int 
                 raise ValueError(f"step {plan.step}: micro-batch {k} from the loader has shape "
                                  f"{tuple(x.shape)}, the plan says {tuple(plan.shapes[k])} "
                                  f"(same pad_to in collate and cost model?)")
-    engine.ap_shape_plan = lambda stage, mb: shapes(stage, plan.shapes[mb])
-    try:
-        if engine.is_last_stage():
-            engine.ap_loss_factors = loss_factors(engine, batches, weight, ignore_index)
-        return engine.train_batch(iter(batches) if loads else None)
-    finally:
-        engine.ap_shape_plan = engine.ap_loss_factors = None
+    w = loss_weights(engine, batches, weight, ignore_index) if engine.is_last_stage() else None
+    engine.set_step(StepState(plan.lowered, plan.shapes, w), shapes=shapes)
+    return engine.train_batch(iter(batches) if loads else None)
 
 
 def loads_data(engine) -> bool:

@@ -26,8 +26,10 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe import schedule as ds_sched
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from ...schedule import Kind, Schedule, lower, validate
+from ...schedule import Kind, Schedule
 from .. import splitgrad
+from ..common import StepState, accept, dispatch_table, recomputed
+from ..common.memory import ActionMemory
 from ..memtrack import MemTracker, hold
 from ..rng import RngState
 from .module import AutoplanPipelineModule
@@ -49,10 +51,12 @@ class PipelineRankError(RuntimeError):
     """A peer rank failed or stopped answering; raised instead of hanging."""
 
 
-_INSTR = {Kind.F: ds_sched.ForwardPass, Kind.B: BackwardInputPass, Kind.BW: ds_sched.BackwardPass,
-          Kind.W: WeightPass, Kind.R: RecomputePass, Kind.SEND_F: ds_sched.SendActivation,
-          Kind.RECV_F: ds_sched.RecvActivation, Kind.SEND_B: ds_sched.SendGrad,
-          Kind.RECV_B: ds_sched.RecvGrad}
+# the adapter's dispatch table: action kind -> DeepSpeed instruction (-> _INSTRUCTION_MAP)
+_INSTR = dispatch_table({
+    Kind.F: ds_sched.ForwardPass, Kind.B: BackwardInputPass, Kind.BW: ds_sched.BackwardPass,
+    Kind.W: WeightPass, Kind.R: RecomputePass, Kind.SEND_F: ds_sched.SendActivation,
+    Kind.RECV_F: ds_sched.RecvActivation, Kind.SEND_B: ds_sched.SendGrad,
+    Kind.RECV_B: ds_sched.RecvGrad}, "DeepSpeed adapter")
 
 
 class ActionSchedule(ds_sched.PipeSchedule):
@@ -102,6 +106,14 @@ class _Slot:
             setattr(self, k, None)
 
 
+def _measured(kind, fn):
+    """A compute handler whose tracked-memory change and rise are recorded (common contract)."""
+    def run(self, buffer_id, stage=None):
+        with self.ap_memory.measure(kind, stage, buffer_id):
+            return fn(self, buffer_id, stage)
+    return run
+
+
 class AutoplanEngine(PipelineEngine):
     """``PipelineEngine`` that executes the action lists of a ds_autoplan schedule."""
 
@@ -114,24 +126,15 @@ class AutoplanEngine(PipelineEngine):
         sched: Schedule = mod.autoplan_schedule
         if sched is None:
             raise ValueError("the AutoplanPipelineModule carries no schedule")
-        if sched.num_ranks != self.num_stages or sched.num_microbatches != self.micro_batches:
-            raise ValueError(f"schedule is for {sched.num_ranks} ranks x {sched.num_microbatches} "
-                             f"micro-batches; the engine has {self.num_stages} pipeline ranks and "
-                             f"gradient_accumulation_steps={self.micro_batches}")
-        if tuple(sched.placement) != mod._ap_placement:
-            raise ValueError("schedule placement differs from the module's placement")
-        validate(sched)
-        self.ap_schedule = lower(sched) if not sched.has_comm() else sched
-        self.ap_actions = self.ap_schedule.ranks[self.stage_id]
         self.S = sched.num_stages
-        self.placement = tuple(sched.placement)
+        self.placement = tuple(mod._ap_placement)
         self._loss_rank = self.placement[-1]
-        self._split = any(a.kind == Kind.W for a in self.ap_actions)
-        if self._split:
-            splitgrad.install(mod)
+        self._split = False
+        self._take_schedule(sched, self.micro_batches)
         self.memtracker = MemTracker(exclude=list(mod.parameters()) + list(mod.buffers())) \
             if mod.track_memory else None
         self.ap_mem_trace: list = []      # (action, bytes after it) of the last batch, if tracked
+        self.ap_memory = ActionMemory(self.memtracker)   # (delta, rise) per compute action
         self._p2p_timeout = datetime.timedelta(seconds=float(os.environ.get("DS_AUTOPLAN_P2P_TIMEOUT", 600)))
         self._slots: dict = {}
         self._sends: list = []
@@ -144,8 +147,12 @@ class AutoplanEngine(PipelineEngine):
         self.ap_shape_plan = None        # (stage, mb) -> (is_tensor, [(dtype, shape)]) or None
         self.ap_loss_factors = None      # per micro-batch factor on the loss stage's loss
         self.ap_swap: dict = {}          # local stage -> runtime.swap.Swapper (set_swap_policy)
+        self._step_state = None          # StepState of the next train_batch (set_step)
         self._ap_ready = True
-        if self.training_data and (self.is_first_stage() or self.is_last_stage()):
+        if self.training_data and (self.is_first_stage() or self.is_last_stage()) \
+                and getattr(self, "data_iterator", None) is None:
+            # only where PipelineEngine.__init__ has not: a second loader would draw from the
+            # global random stream again (DataLoader's base seed) and shift dropout masks
             self._build_data_iter(self.training_data)
 
     def set_step_schedule(self, sched: Schedule):
@@ -156,16 +163,48 @@ class AutoplanEngine(PipelineEngine):
             raise ValueError(f"step schedule for {sched.num_ranks} ranks with placement "
                              f"{tuple(sched.placement)}; the engine has {self.num_stages} pipeline "
                              f"ranks with placement {self.placement}")
-        validate(sched)
-        self.ap_schedule = sched if sched.has_comm() else lower(sched)
-        self.ap_actions = self.ap_schedule.ranks[self.stage_id]
-        if any(a.kind == Kind.W for a in self.ap_actions) and not self._split:
-            splitgrad.install(self.module)
-            self._split = True
         n = sched.num_microbatches
+        self._take_schedule(self.module.with_recompute(sched), n)
         if n != self.micro_batches:
             self.set_train_batch_size(self.train_micro_batch_size_per_gpu() * n * self.dp_world_size)
             self.micro_batches = n
+
+    def set_step(self, state: StepState, shapes=None):
+        """Per-step state for the next ``train_batch`` only (``runtime.common.StepState``, as
+        the Megatron adapter's ``set_step``): its schedule (:meth:`set_step_schedule`), its
+        micro-batch shapes -- ``shapes(stage, (mbs, length)) -> (is_tensor, [(dtype, shape)])``
+        is the activation entering a stage, so receives need no handshake -- and its loss
+        weights (on the loss rank micro-batch m's loss is multiplied by n·w_m)."""
+        if state.schedule is not None:
+            self.set_step_schedule(state.schedule)
+        n = self.micro_batches
+        state.check(n)
+        if state.shapes is not None and shapes is None:
+            raise ValueError("StepState.shapes needs shapes=: (stage, (mbs, length)) -> "
+                             "(is_tensor, [(dtype, shape)])")
+        self.ap_shape_plan = None if state.shapes is None else \
+            (lambda stage, mb: shapes(stage, state.shapes[mb]))
+        self.ap_loss_factors = None if state.loss_weights is None else \
+            [state.loss_factor(m, n) for m in range(n)]
+        self._step_state = state
+
+    def train_batch(self, data_iter=None):
+        try:
+            return super().train_batch(data_iter)
+        finally:
+            if self._step_state is not None:      # set_step's state lasts one step
+                self._step_state = self.ap_shape_plan = self.ap_loss_factors = None
+
+    def _take_schedule(self, sched: Schedule, n: int):
+        """Accept ``sched`` (common contract: validated, lowered) for the next steps."""
+        self.ap_schedule = accept(sched, num_ranks=self.num_stages, num_microbatches=n,
+                                  placement=self.placement, who="DeepSpeed adapter")
+        self.ap_actions = self.ap_schedule.ranks[self.stage_id]
+        self._recompute = self.module.recompute_plan(self.ap_schedule)
+        self._recomputed = recomputed(self.ap_actions)
+        if any(a.kind == Kind.W for a in self.ap_actions) and not self._split:
+            splitgrad.install(self.module)
+            self._split = True
 
     def set_swap_policy(self, policies):
         """Offload the saved tensors chosen per stage to host memory during its forwards
@@ -230,6 +269,7 @@ class AutoplanEngine(PipelineEngine):
         self._batch_used = {}
         self._next_mb = 0
         self.ap_mem_trace = []
+        self.ap_memory.by_action = {}
         tr = self.memtracker
         if tr is not None:
             tr.reset_peak()
@@ -394,8 +434,8 @@ class AutoplanEngine(PipelineEngine):
         mb, slot = buffer_id, self._slot(stage, buffer_id)
         slot.inp = self._stage_input(stage, mb, slot)
         x = _cloned(slot.inp)
-        k = self.module.recompute_layers.get(stage, 0)
-        if k and torch.is_grad_enabled():
+        k = self._recompute[stage] if (stage, mb) in self._recomputed and torch.is_grad_enabled() else 0
+        if k:
             # stage-aware recomputation: the first k layers keep only their input (checkpoint)
             slot.rng = RngState()      # R replays this forward's dropout
             slot.ckpt = [hold(self.memtracker, t) for t in _as_list(slot.inp)]
@@ -403,7 +443,7 @@ class AutoplanEngine(PipelineEngine):
                 h = self.module(x)
             slot.h = x = _detached_leaf(h)
         sw = self.ap_swap.get(stage) if torch.is_grad_enabled() else None
-        with self.module.activated(stage, k if torch.is_grad_enabled() else 0), \
+        with self.module.activated(stage, k), \
                 (sw.forward() if sw is not None else contextlib.nullcontext()):
             out = DeepSpeedEngine.forward(self, x)
         slot.out = out
@@ -435,11 +475,12 @@ class AutoplanEngine(PipelineEngine):
     def _exec_recompute(self, buffer_id, stage):
         slot = self._slot(stage, buffer_id)
         if slot.h is None or slot.h2 is not None:
-            return
-        k = self.module.recompute_layers[stage]
+            raise RuntimeError(f"R for stage {stage} micro-batch {buffer_id}: its F did not keep "
+                               f"a recompute checkpoint, or it was recomputed already")
+        k = self._recompute[stage]
+        slot.ckpt = None        # the prefix's layers save their (cloned) input from here on
         with slot.rng.replay(), torch.enable_grad(), self.module.activated(stage, 0, k):
             slot.h2 = self.module(_cloned(slot.inp))
-        slot.ckpt = None
         self._trace("R", stage, buffer_id)
 
     def _output_grad(self, stage, mb, slot):
@@ -454,12 +495,12 @@ class AutoplanEngine(PipelineEngine):
 
     def _backward(self, mb, stage, split):
         slot = self._slot(stage, mb)
-        if slot.h is not None:
-            self._exec_recompute(mb, stage)
+        if slot.h is not None and slot.h2 is None:
+            raise RuntimeError(f"backward of stage {stage} micro-batch {mb} before its R")
         store = splitgrad.WeightGradStore() if split else None
         grads = None if stage == self.S - 1 else self._output_grad(stage, mb, slot)
         ctx = (lambda: store.deferring(self.memtracker)) if split else _nullctx
-        k = self.module.recompute_layers.get(stage, 0) if slot.h is not None else 0
+        k = self._recompute[stage] if slot.h is not None else 0
         # the stage's layers stay active: DeepSpeed's checkpoint function re-runs
         # module.forward_funcs[start:end] during backward
         with ctx(), self.module.activated(stage, k):
@@ -525,11 +566,11 @@ class AutoplanEngine(PipelineEngine):
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
         ds_sched.LoadMicroBatch: _exec_load_micro_batch,
-        ds_sched.ForwardPass: _exec_forward_pass,
-        ds_sched.BackwardPass: _exec_backward_pass,
-        BackwardInputPass: _exec_backward_input,
-        WeightPass: _exec_weight_pass,
-        RecomputePass: _exec_recompute,
+        ds_sched.ForwardPass: _measured(Kind.F, _exec_forward_pass),
+        ds_sched.BackwardPass: _measured(Kind.BW, _exec_backward_pass),
+        BackwardInputPass: _measured(Kind.B, _exec_backward_input),
+        WeightPass: _measured(Kind.W, _exec_weight_pass),
+        RecomputePass: _measured(Kind.R, _exec_recompute),
         ds_sched.SendActivation: _exec_send_activations,
         ds_sched.RecvActivation: _exec_recv_activations,
         ds_sched.SendGrad: _exec_send_grads,

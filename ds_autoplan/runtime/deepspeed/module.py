@@ -14,9 +14,16 @@ from itertools import accumulate
 
 from deepspeed.runtime.pipe.module import PipelineModule
 
+from ...schedule.passes import add_recompute, recompute_counts, recompute_layers
+
 
 class PartitionError(ValueError):
     """The plan's partition does not fit the model's layer list."""
+
+
+def _joins_ends(counts, num_layers: int) -> bool:
+    """Plan counts of transformer layers only, on ``[embedding, blocks..., head]``."""
+    return sum(counts) == num_layers - 2
 
 
 def parts_from(layers_per_stage, num_layers: int) -> list[int]:
@@ -28,7 +35,7 @@ def parts_from(layers_per_stage, num_layers: int) -> list[int]:
     counts = [int(c) for c in layers_per_stage]
     if any(c < 0 for c in counts):
         raise PartitionError(f"negative layer count in layers_per_stage {counts}")
-    if sum(counts) == num_layers - 2:
+    if _joins_ends(counts, num_layers):
         counts[0] += 1
         counts[-1] += 1
     parts = [0, *accumulate(counts)]
@@ -45,7 +52,11 @@ class AutoplanPipelineModule(PipelineModule):
     S); ``layers_per_stage`` (S counts) fixes the partition, otherwise ``partition_method``
     splits the layers into S parts as DeepSpeed does.  ``recompute_per_stage[s]`` is the
     fraction of stage ``s``'s layers whose activations are recomputed (Merak's 1-α_i, seed 001
-    §5.2; the *first* layers of the stage, partition-merak.md §6.3 [decision]).
+    §5.2; the *first* layers of the stage, partition-merak.md §6.3 [decision]): when the
+    schedule has no R actions, the R pass (``schedule.passes.add_recompute``) adds them once
+    the partition is known.  ``recompute_layers[s]`` (local stages) is then the number of
+    module layers R re-runs: the schedule's count of plan layers, plus the embedding on
+    stage 0 when it joins the first stage (:func:`parts_from`).
     """
 
     def __init__(self, layers, placement, layers_per_stage=None, recompute_per_stage=None,
@@ -86,9 +97,35 @@ class AutoplanPipelineModule(PipelineModule):
         rank = self.stage_id
         self.local_stages = [s for s, r in enumerate(self._ap_placement) if r == rank]
         self.chunk_bounds = [(self.parts[s], self.parts[s + 1]) for s in self.local_stages]
-        self.recompute_layers = {s: round(self._ap_recompute[s] * (self.parts[s + 1] - self.parts[s]))
-                                 for s in self.local_stages}
+        self._set_recompute()
         self._set_bounds(*self.chunk_bounds[0])
+
+    def _set_recompute(self):
+        S, n = len(self._ap_placement), len(self._layer_specs)
+        self._joined = self._ap_lps is not None and _joins_ends(self._ap_lps, n)
+        self.plan_layer_counts = list(self._ap_lps) if self._joined else \
+            [self.parts[s + 1] - self.parts[s] for s in range(S)]
+        if self.autoplan_schedule is not None:
+            object.__setattr__(self, "autoplan_schedule", self.with_recompute(self.autoplan_schedule))
+            self.recompute_layers = self.recompute_plan(self.autoplan_schedule)
+        else:
+            ks = recompute_counts(self._ap_recompute, self.plan_layer_counts)
+            self.recompute_layers = self._module_units(ks)
+
+    def _module_units(self, ks) -> dict:
+        return {s: ks[s] + (1 if self._joined and s == 0 and ks[s] else 0) for s in self.local_stages}
+
+    def recompute_plan(self, sched) -> dict:
+        """Local stage -> number of module layers an R of ``sched`` re-runs (0: none)."""
+        return self._module_units(recompute_layers(sched, self.plan_layer_counts))
+
+    def with_recompute(self, sched):
+        """``sched`` with this module's recompute fractions applied by the R pass when it has
+        no R actions of its own."""
+        from ...schedule import Kind
+        if any(self._ap_recompute) and not any(a.kind == Kind.R for a in sched.actions()):
+            sched = add_recompute(sched, recompute_counts(self._ap_recompute, self.plan_layer_counts))
+        return sched
 
     def stage_owner(self, layer_idx):
         """The pipeline rank that owns ``layer_idx``."""

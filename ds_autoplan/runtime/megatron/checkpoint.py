@@ -3,7 +3,7 @@ Megatron-core's own plan-independent format: ``dist_checkpointing`` over the chu
 ``sharded_state_dict`` (every ShardedTensor is keyed by *global* layer: the layer offsets come
 from the plan's layout, :class:`..setup.StageLayerLayout` for V placements) and the Megatron
 optimizer's ``sharded_state_dict`` (optimizer state keyed by the same parameter keys; the
-DistributedOptimizer in its ``fully_sharded_model_space`` form).  Next to it,
+DistributedOptimizer (ZeRO-1) in its ``fully_reshardable`` form).  Next to it,
 ``autoplan_checkpoint.json`` records the plan (:mod:`ds_autoplan.runtime.checkpoint`).
 
     save_checkpoint(chunks, optimizer, "ckpt", plan=plan, step=it)    # every rank
@@ -19,11 +19,43 @@ from ..checkpoint import read_meta, write_meta
 from .shim import cpu_shim
 
 
+def _metadata() -> dict:
+    """The DistributedOptimizer's canonical per-parameter form (its default in 0.16.1,
+    'fully_sharded_model_space', is deprecated and fails ShardedTensor validation on load);
+    without CUDA it must gather over its gloo groups (the other path moves tensors to CUDA)."""
+    import torch
+    return {"distrib_optim_sharding_type": "fully_reshardable",
+            "distrib_optim_fully_reshardable_mem_efficient": not torch.cuda.is_available()}
+
+
 def _sharded(chunks, optimizer, is_loading: bool) -> dict:
     """One sharded state dict: ``model<c>`` per local chunk and ``optimizer`` (Megatron-LM's
-    layout of a checkpoint)."""
+    layout of a checkpoint); on save, also the fp32 masters a DistributedOptimizer reads."""
     model = {f"model{c}": _unwrapped(m).sharded_state_dict() for c, m in enumerate(chunks)}
-    return {**model, "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading)}
+    out = {**model, "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading,
+                                                              metadata=_metadata())}
+    if not is_loading:
+        out["fp32_masters"] = _fp32_masters(model, optimizer)
+    return out
+
+
+def _fp32_masters(model_sd, optimizer) -> dict:
+    """``optimizer.state.param.<key>`` for every fp32 parameter a non-distributed optimizer
+    steps in place: the DistributedOptimizer's ``fully_reshardable`` state has these fp32 main
+    weights, a plain optimizer's has none, so without them a ZeRO-0 checkpoint could not load
+    under ZeRO-1 (megatron-core 0.16.1)."""
+    import torch
+    from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                            make_sharded_optimizer_tensor)
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    out = {}
+    for i, opt in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
+        if isinstance(opt, DistributedOptimizer):
+            continue
+        params = [p for g in opt.optimizer.param_groups for p in g["params"] if p.dtype == torch.float32]
+        for j, sh in get_param_id_to_sharded_param_map(model_sd, params).items():
+            out[f"{i}.{j}"] = make_sharded_optimizer_tensor(sh, sh.data, "optimizer.state.param")
+    return out
 
 
 def _unwrapped(chunk):
@@ -51,17 +83,75 @@ def save_checkpoint(chunks, optimizer, save_dir, *, plan, step: int) -> None:
     dist.barrier()
 
 
+def _init_fresh_state(optimizer) -> None:
+    """Give a fresh (never stepped) Megatron optimizer the state its first step would create:
+    megatron-core 0.16.1 without Apex/TE reads Adam's per-parameter ``step`` in
+    ``DistributedOptimizer.state_dict()`` (asserts exactly one value), and its
+    ``init_state_fn`` creates ``exp_avg``/``exp_avg_sq`` but no ``step``."""
+    import torch
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner, init = getattr(opt, "optimizer", None), getattr(opt, "init_state_fn", None)
+        if inner is None or init is None or any(len(st) for st in inner.state.values()):
+            continue
+        init(inner, opt.config)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.tensor(0.0))
+
+
+def _in_own_layout(loaded: dict, optimizer) -> dict:
+    """The loaded optimizer state with the non-tensor part (parameter groups, Adam's step) in
+    the layout of ``optimizer``: dist_checkpointing restores non-tensor state as the *saving*
+    optimizer wrote it, and the plain optimizer (``{"state", "param_groups"}``) and the
+    DistributedOptimizer (``{"optimizer": {"param_groups"}, ...}``) differ."""
+    own = optimizer.state_dict()
+    by_distributed = "param_groups" in loaded.get("optimizer", {})
+    step = (loaded["optimizer"]["param_groups"][0].get("step") if by_distributed
+            else (loaded.get("state") or {}).get("common_step"))
+    if "optimizer" in own and not by_distributed:             # plain -> DistributedOptimizer
+        loaded["optimizer"] = {**own["optimizer"], "param_groups": [
+            {**g, "step": step} for g in own["optimizer"]["param_groups"]]}
+        loaded["param_state_sharding_type"] = _metadata()["distrib_optim_sharding_type"]
+    if "optimizer" not in own and by_distributed:             # DistributedOptimizer -> plain
+        loaded["param_groups"] = own["param_groups"]
+        if step is not None:
+            loaded["state"]["common_step"] = step
+    return loaded
+
+
+def _load_optimizer(optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)``; for a DistributedOptimizer the per-parameter part
+    is loaded with torch Adam's per-parameter ``step`` set aside: megatron-core 0.16.1's
+    ``load_parameter_state_from_fully_reshardable`` skips ``step`` in the source but copies
+    every key of the destination state (KeyError without Apex/TE).  Every parameter keeps its
+    own ``step`` tensor (torch's Adam advances it in place)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(opts) != 1 or not isinstance(opts[0], DistributedOptimizer):
+        optimizer.load_state_dict(state)
+        return
+    opt, param_state = opts[0], state.pop("param_state")
+    opt.load_state_dict(state)
+    steps = {p: st.pop("step") for p, st in opt.optimizer.state.items() if "step" in st}
+    try:
+        opt.load_parameter_state_from_fully_reshardable(param_state)
+    finally:
+        for p, step in steps.items():
+            opt.optimizer.state[p]["step"] = step.clone()
+
+
 def load_checkpoint(chunks, optimizer, load_dir) -> dict:
     """Load a checkpoint written by :func:`save_checkpoint` under any plan for the same model
     into ``chunks`` (this rank's model chunks of the new plan) and ``optimizer``.  Returns the
     checkpoint's metadata (``meta["plan"]``: the plan it was saved under)."""
     from megatron.core import dist_checkpointing
     meta = read_meta(load_dir, framework="megatron", num_layers=_num_layers(chunks))
+    _init_fresh_state(optimizer)
     with cpu_shim(remap_cuda_factories=True):
         loaded = dist_checkpointing.load(_sharded(chunks, optimizer, True), load_dir)
     for c, m in enumerate(chunks):
         _unwrapped(m).load_state_dict(loaded[f"model{c}"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    _load_optimizer(optimizer, _in_own_layout(loaded["optimizer"], optimizer))
     dist.barrier()
     return meta
 

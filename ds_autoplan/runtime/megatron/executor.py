@@ -9,8 +9,10 @@ functions (taken from the installed ``forward_backward_pipelining_without_interl
 * ``B``   -- Megatron's ``backward_step`` while a runtime ``WeightGradStore`` (one per stage and
   micro-batch) defers the weight GEMMs of split-aware layers; ``W`` runs that store (B/W split);
   ``BW``  -- plain ``backward_step``;
-* ``R``   -- stage-aware recomputation: the F of a (stage, micro-batch) that has an R action
-  runs without autograd and keeps only its input; R re-runs it with autograd before B;
+* ``R``   -- recomputation with the one meaning of ``schedule/passes.py``: the F of a (stage,
+  micro-batch) that has an R action runs the chunk's embedding and first k transformer layers
+  without autograd and keeps only their input, the rest from a leaf; R re-runs that prefix
+  with autograd (replaying the forward's random state); B runs the rest, then the prefix;
 * ``RECV_*`` post a receive (Megatron's ``P2PCommunicator``, non-blocking ops), the consuming
   compute action waits for it; ``SEND_*`` start a send, completed at the end.  This is the
   simulator's non-blocking model, so a list the simulator finishes cannot deadlock here.
@@ -50,12 +52,16 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as _ms
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.utils import get_model_config, get_model_type
+from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
 
 from ...schedule import Costs, Kind, Schedule, ScheduleError, lower
-from .shim import cpu_shim
+from ...schedule.passes import stage_recompute
+from ..common import StepState, accept, dispatch_table, recomputed
+from ..common.memory import ActionMemory
+from ..memtrack import hold
 from ..rng import RngState
 from ..splitgrad import WeightGradStore
+from .shim import cpu_shim
 
 SIGNATURE = inspect.signature(_ms.forward_backward_pipelining_without_interleaving)
 
@@ -156,233 +162,358 @@ class ScheduleRunner:
         self.tracker = tracker          # optional runtime.memtrack.MemTracker
         self.timeline: list = []        # (kind, stage, mb, t0, t1) of the last call, this rank
         self.record_timeline = False
-        self.mem_deltas: dict = {}      # (kind, stage, mb) -> tracked bytes change (with tracker)
+        self.memory = ActionMemory(tracker)   # (delta, rise) per compute action (with tracker)
         self.peak_bytes = 0             # peak tracked saved-activation bytes of the last call
+        self._next: StepState | None = None
         self.__signature__ = SIGNATURE
+
+    @property
+    def mem_deltas(self) -> dict:
+        """(kind value, stage, mb) -> tracked bytes change of the last call."""
+        return {(k.value, s, m): v[0] for (k, s, m), v in self.memory.by_action.items()}
+
+    def set_step(self, state: StepState) -> None:
+        """Per-step state for the next call only (the common contract, runtime.common)."""
+        self._next = state
 
     def __call__(self, *args, **kwargs):
         if args:
             raise TypeError("forward_backward_func takes keyword arguments only")
         extra = {k: kwargs.pop(k) for k in self.EXTRA if k in kwargs}
+        state, self._next = self._next or StepState(), None
+        if extra:     # the keyword form of the same per-step state
+            state = StepState(extra.get("schedule", state.schedule),
+                              extra.get("microbatch_shapes", state.shapes),
+                              extra.get("microbatch_weights", state.loss_weights))
         b = SIGNATURE.bind(**kwargs)
         b.apply_defaults()
         with cpu_shim():
-            return self._run(**b.arguments, **extra)
+            return _Step(self, state, b.arguments).run()
 
-    # ------------------------------------------------------------------------------------
-    def _run(self, *, forward_step_func, data_iterator, model, num_microbatches, seq_length,
-             micro_batch_size, decoder_seq_length=None, forward_only=False,
-             collect_non_loss_data=False, first_val_step=None, adjust_tensor_shapes_fn=None,
-             p2p_communicator=None, pg_collection=None, force_all_reduce=False,
-             schedule=None, microbatch_shapes=None, microbatch_weights=None):
-        sched = self.schedule if schedule is None else lower(schedule, self.costs)
+
+class _PrefixDone(Exception):
+    """Raised by the hook after the recomputed prefix's last layer during R (stops the rest)."""
+
+    def __init__(self, hidden):
+        super().__init__("recompute prefix done")
+        self.hidden = hidden
+
+
+def _chunk_layers(chunk):
+    dec = get_attr_wrapped_model(chunk, "decoder", allow_none=True)
+    return list(dec.layers) if dec is not None else []
+
+
+@contextlib.contextmanager
+def _prefix_hooks(chunk, k: int, after, grad: bool):
+    """Run the chunk's embedding and first ``k`` transformer layers with autograd ``grad``;
+    at the output of layer k-1, ``after(hidden)`` returns what the next layers get (with
+    autograd on), or raises."""
+    layers = _chunk_layers(chunk)
+    last = len(layers) == k
+
+    def pre(_m, _args):
+        torch.set_grad_enabled(grad)
+
+    def post(_m, _args, out):
+        torch.set_grad_enabled(True)
+        hidden, ctx = out
+        h = after(hidden)
+        return (h.clone() if last else h), ctx
+    hs = [chunk.register_forward_pre_hook(pre), layers[k - 1].register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for h in hs:
+            h.remove()
+
+
+class _Step:
+    """One call of the forward_backward_func: the state per (stage, micro-batch) and one
+    handler per action kind (the adapter's dispatch table)."""
+
+    def __init__(self, runner: ScheduleRunner, state: StepState, args: dict):
+        self.runner, self.a, self.state = runner, args, state
+        sched = state.schedule if state.schedule is not None else runner.schedule
         if sched is None:
             raise ScheduleError("this forward_backward_func holds no schedule: pass schedule=")
-        for nm, xs in (("microbatch_shapes", microbatch_shapes),
-                       ("microbatch_weights", microbatch_weights)):
-            if xs is not None and len(xs) != num_microbatches:
-                raise ScheduleError(f"{len(xs)} {nm} for num_microbatches={num_microbatches}")
-        model = model if isinstance(model, list) else [model]
-        if pg_collection is None:
-            pg_collection = _default_pgs()
-        pp_group = p2p_communicator.pp_group if p2p_communicator is not None else pg_collection.pp
-        rank, d = pp_group.rank(), pp_group.size()
-        if d != sched.num_ranks:
-            raise ScheduleError(f"schedule is for {sched.num_ranks} pipeline ranks, pp group has {d}")
-        if num_microbatches != sched.num_microbatches:
-            raise ScheduleError(f"schedule is for {sched.num_microbatches} micro-batches, "
-                                f"called with num_microbatches={num_microbatches}")
-        stages = sched.stages_of(rank)
-        if len(model) != len(stages):
-            raise ScheduleError(f"pp rank {rank} holds stages {stages} of the schedule but got "
-                                f"{len(model)} model chunk(s)")
-        chunk = {s: i for i, s in enumerate(stages)}
-        S = sched.num_stages
-        its = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(model)
-        if not isinstance(data_iterator, list) and len(model) > 1 and data_iterator is not None:
-            raise ScheduleError("several model chunks need a list of data iterators (one per chunk)")
-        feeds = [None if it is None else _Feed(it) for it in its]
-        config = get_model_config(model[0])
-        model_type = get_model_type(model[0])
+        state.check(args["num_microbatches"])        # before any communication
+        self.forward_only = args["forward_only"]
+        self.model = args["model"] if isinstance(args["model"], list) else [args["model"]]
+        self.config = get_model_config(self.model[0])
+        self.pgs = args["pg_collection"] or _default_pgs()
+        p2pc = args["p2p_communicator"]
+        self.pp_group = p2pc.pp_group if p2pc is not None else self.pgs.pp
+        self.rank = self.pp_group.rank()
+        self.sched = accept(sched, num_ranks=self.pp_group.size(),
+                            num_microbatches=args["num_microbatches"], costs=runner.costs,
+                            who="Megatron adapter")
+        self.n, self.S = self.sched.num_microbatches, self.sched.num_stages
+        self.stages = self.sched.stages_of(self.rank)
+        self.chunk = {s: i for i, s in enumerate(self.stages)}
+        self._check_chunks()
+        self.shapes = self._shapes(state.shapes)
+        self.mine = self.sched.ranks[self.rank]
+        self.rec = recomputed(self.mine)
+        self.rec_k = {s: stage_recompute(self.sched, s, len(_chunk_layers(self.model[c])))
+                      for s, c in self.chunk.items()}
+        self.p2p = _P2P(self.pp_group, self.config) if self.pp_group.size() > 1 else None
+        self.table = dispatch_table({
+            Kind.F: self.forward, Kind.R: self.recompute, Kind.B: self.backward,
+            Kind.BW: self.backward, Kind.W: self.weight, Kind.RECV_F: self.recv,
+            Kind.RECV_B: self.recv, Kind.SEND_F: self.send_f, Kind.SEND_B: self.send_b},
+            "Megatron adapter")
+        for nm in ("recvd", "inputs", "outputs", "local_in", "local_grad", "in_grads", "stores",
+                   "rngs", "losses", "ckpt", "hleaf", "hrec"):
+            setattr(self, nm, {})
+        self.total_tokens = torch.zeros([], dtype=torch.int)
+        self.seen_first: set = set()
 
-        def tensor_shape(mbs, seq, dec):
-            sh = _ms.get_tensor_shapes(seq_length=seq, micro_batch_size=mbs, decoder_seq_length=dec,
-                                       config=config, tp_group=pg_collection.tp,
-                                       cp_group=pg_collection.cp)
-            if adjust_tensor_shapes_fn is not None:
-                sh, _ = adjust_tensor_shapes_fn(sh, sh)
-            return sh[0]
-        if microbatch_shapes is None:
-            shape = tensor_shape(micro_batch_size, seq_length, decoder_seq_length)
-            shapes = [shape] * num_microbatches
-        else:
-            shapes = [tensor_shape(int(b), *((int(L), None) if not isinstance(L, (tuple, list))
-                                             else (int(L[0]), int(L[1]))))
-                      for b, L in microbatch_shapes]
-        if microbatch_weights is not None and config.calculate_per_token_loss:
+    # -- set-up --------------------------------------------------------------------------
+    def _check_chunks(self):
+        if len(self.model) != len(self.stages):
+            raise ScheduleError(f"pp rank {self.rank} holds stages {self.stages} of the schedule "
+                                f"but got {len(self.model)} model chunk(s)")
+        it = self.a["data_iterator"]
+        if not isinstance(it, list) and len(self.model) > 1 and it is not None:
+            raise ScheduleError("several model chunks need a list of data iterators (one per chunk)")
+        its = it if isinstance(it, list) else [it] * len(self.model)
+        self.feeds = [None if x is None else _Feed(x) for x in its]
+        if self.state.loss_weights is not None and self.config.calculate_per_token_loss:
             raise ScheduleError("microbatch_weights and config.calculate_per_token_loss both "
                                 "rescale the loss; use one of them")
-        p2p = _P2P(pp_group, config) if d > 1 else None
-        cp_size = pg_collection.cp.size()
-        rec = {(a.stage, a.mb) for a in sched.ranks[rank] if a.kind == Kind.R}
 
-        no_sync = config.no_sync_func
-        if isinstance(no_sync, list):
-            ns_list = no_sync
-            no_sync = lambda: _stack(f() for f in ns_list)  # noqa: E731
-        no_sync = no_sync or contextlib.nullcontext
-        # Megatron's rule: gradients are reduced (DDP hooks fire) only in the last backward of
-        # each chunk; here the last B, W or BW of each stage runs with grad sync enabled
-        mine = sched.ranks[rank]
-        final = {max(i for i, a in enumerate(mine) if a.kind == k and a.stage == s)
-                 for s in stages for k in (Kind.B, Kind.W, Kind.BW)
-                 if any(a.kind == k and a.stage == s for a in mine)}
-        grad_sync = _GradSync(no_sync)
+    def _tensor_shape(self, mbs, seq, dec):
+        sh = _ms.get_tensor_shapes(seq_length=seq, micro_batch_size=mbs, decoder_seq_length=dec,
+                                   config=self.config, tp_group=self.pgs.tp, cp_group=self.pgs.cp)
+        fn = self.a["adjust_tensor_shapes_fn"]
+        if fn is not None:
+            sh, _ = fn(sh, sh)
+        return sh[0]
 
-        recvd: dict = {}        # (kind, stage, mb) -> (tensor, reqs)
-        inputs: dict = {}       # (stage, mb) -> input tensor (None on stage 0)
-        outputs: dict = {}      # (stage, mb) -> output tensor (or [tensor])
-        local_in: dict = {}     # (stage, mb) -> input handed over from the previous local stage
-        local_grad: dict = {}   # (stage, mb) -> output grad handed over from the next local stage
-        in_grads: dict = {}     # (stage, mb) -> input grad to send
-        stores: dict = {}
-        rngs: dict = {}         # (stage, mb) -> RngState of a forward that R re-runs
-        losses: dict = {}
-        total_tokens = torch.zeros([], dtype=torch.int)
-        tracker = self.tracker
-        track = tracker.track if tracker is not None else contextlib.nullcontext
-        self.timeline, self.mem_deltas = [], {}
+    def _shapes(self, given):
+        if given is None:
+            a = self.a
+            return [self._tensor_shape(a["micro_batch_size"], a["seq_length"],
+                                       a["decoder_seq_length"])] * self.n
+        return [self._tensor_shape(int(b), *((int(L), None) if not isinstance(L, (tuple, list))
+                                             else (int(L[0]), int(L[1]))))
+                for b, L in given]
+
+    # -- the step ------------------------------------------------------------------------
+    def run(self):
+        r, tracker = self.runner, self.runner.tracker
+        r.timeline, r.memory.by_action = [], {}
+        base = tracker.current if tracker is not None else 0
         if tracker is not None:
             tracker.reset_peak()
-            base = tracker.current
-        seen_first = set()
-
-        def fwd(s, m, with_grad=True, store_into=None):
-            c = chunk[s]
-            inp = inputs[(s, m)]
-            feed = feeds[c].at(m) if feeds[c] is not None else None
-            first = c not in seen_first
-            seen_first.add(c)
-            store = [] if store_into is None else store_into
-            grad_ctx = torch.enable_grad() if with_grad and not forward_only else torch.no_grad()
-            fsf = forward_step_func if microbatch_weights is None or s != S - 1 else \
-                _weighted(forward_step_func, num_microbatches * float(microbatch_weights[m]))
-            with grad_ctx, (track() if with_grad and not forward_only else contextlib.nullcontext()):
-                out, ntok = _ms.forward_step(
-                    fsf, feed, model[c], num_microbatches, inp, store, config,
-                    cp_size, collect_non_loss_data,
-                    is_first_microbatch=_ms.check_first_val_step(first_val_step, forward_only, first),
-                    current_microbatch=m, vp_stage=None, is_last_stage=(s == S - 1))
-            if store and s == S - 1 and store_into is None:
-                losses[m] = store[-1]
-            return out, ntok
-
-        def output_tensor(s, m):
-            o = outputs[(s, m)]
-            return o[0] if isinstance(o, list) else o
-
-        for i, a in enumerate(mine):
-            k, s, m = a.kind, a.stage, a.mb
-            if forward_only and k not in (Kind.F, Kind.SEND_F, Kind.RECV_F):
+        sync = _GradSync(_no_sync_func(self.config))
+        final = self._final_backwards()
+        for i, act in enumerate(self.mine):
+            if self.forward_only and act.kind not in (Kind.F, Kind.SEND_F, Kind.RECV_F):
                 continue
-            sync = i in final and not forward_only
-            if sync:
-                grad_sync.enable()
-            t0 = time.perf_counter() if self.record_timeline else 0.0
-            m0 = tracker.current if tracker is not None else 0
-            if k == Kind.RECV_F or k == Kind.RECV_B:
-                recvd[(k, s, m)] = p2p.recv(a.peer, shapes[m])
-            elif k == Kind.SEND_F:
-                if microbatch_shapes is not None:
-                    _check_shape(output_tensor(s, m), shapes[m], "output", s, m)
-                p2p.send(a.peer, output_tensor(s, m))
-                if forward_only:
-                    outputs.pop((s, m))
-                elif (s, m) not in rec:
-                    _ms.deallocate_output_tensor(output_tensor(s, m), config.deallocate_pipeline_outputs)
-            elif k == Kind.SEND_B:
-                g = in_grads.pop((s, m))
-                g = g[0] if isinstance(g, list) else g
-                if microbatch_shapes is not None:
-                    _check_shape(g, shapes[m], "input gradient", s, m)
-                p2p.send(a.peer, g)
-            elif k == Kind.F:
-                if s == 0:
-                    inp = None
-                elif (s, m) in local_in:
-                    inp = local_in.pop((s, m))
-                else:
-                    inp = _wait(recvd.pop((Kind.RECV_F, s, m)))
-                inputs[(s, m)] = inp
-                if (s, m) in rec and not forward_only:   # R replays this forward's dropout
-                    rngs[(s, m)] = RngState()
-                out, ntok = fwd(s, m, with_grad=(s, m) not in rec)
-                total_tokens += ntok.to(total_tokens.dtype).cpu() if torch.is_tensor(ntok) else ntok
-                outputs[(s, m)] = out
-                if s + 1 < S and sched.placement[s + 1] == rank:
-                    o = out[0] if isinstance(out, list) else out
-                    local_in[(s + 1, m)] = o.detach().requires_grad_(not forward_only)
-                    if not forward_only and (s, m) not in rec:
-                        _ms.deallocate_output_tensor(o, config.deallocate_pipeline_outputs)
-                if forward_only:
-                    inputs.pop((s, m))
-                    if s + 1 >= S or sched.placement[s + 1] == rank:
-                        outputs.pop((s, m))
-            elif k == Kind.R:
-                with rngs.pop((s, m)).replay():
-                    out, _ = fwd(s, m, with_grad=True, store_into=[])
-                outputs[(s, m)] = out
-                if s + 1 < S:  # only its grad_fn is needed from here on (as after a send)
-                    _ms.deallocate_output_tensor(output_tensor(s, m), config.deallocate_pipeline_outputs)
-            elif k in (Kind.B, Kind.BW):
-                if s == S - 1:
-                    og = None
-                elif (s, m) in local_grad:
-                    og = local_grad.pop((s, m))
-                else:
-                    og = _wait(recvd.pop((Kind.RECV_B, s, m)))
-                inp, out = inputs.pop((s, m)), outputs.pop((s, m))
-                if k == Kind.B:
-                    store = stores[(s, m)] = WeightGradStore()
-                    with store.deferring(tracker):
-                        gin = _ms.backward_step(inp, out, og, model_type, config)
-                else:
-                    gin = _ms.backward_step(inp, out, og, model_type, config)
-                del out
-                if s > 0:
-                    if sched.placement[s - 1] == rank:
-                        local_grad[(s - 1, m)] = gin[0] if isinstance(gin, list) else gin
-                    else:
-                        in_grads[(s, m)] = gin
-                del inp, gin
-            elif k == Kind.W:
-                stores.pop((s, m)).run_all()
-            if self.record_timeline and k.is_compute:
-                self.timeline.append((k.value, s, m, t0, time.perf_counter()))
-            if tracker is not None and k.is_compute:
-                self.mem_deltas[(k.value, s, m)] = tracker.current - m0
-            if sync:
-                grad_sync.disable()
-
-        if p2p is not None:
-            p2p.finish()
+            if i in final:
+                sync.enable()
+            self._timed(act)
+            if i in final:
+                sync.disable()
+        if self.p2p is not None:
+            self.p2p.finish()
         if tracker is not None:
-            self.peak_bytes = tracker.peak - base
-        if recvd or stores or (not forward_only and (inputs or outputs)):
-            raise ScheduleError(f"pp rank {rank}: schedule left work undone "
-                                f"({len(recvd)} receives, {len(stores)} W, {len(outputs)} outputs)")
-        grad_sync.enable()
-        if not forward_only:
-            if config.grad_sync_func is not None:
-                fns = config.grad_sync_func if isinstance(config.grad_sync_func, list) \
-                    else [config.grad_sync_func] * len(model)
-                for f, mchunk in zip(fns, model):
-                    f(mchunk.parameters())
-            if config.finalize_model_grads_func is not None:
-                config.finalize_model_grads_func(
-                    model, total_tokens if config.calculate_per_token_loss else None,
-                    pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-        return [losses[m] for m in sorted(losses)]
+            r.peak_bytes = tracker.peak - base
+        self._check_done()
+        sync.enable()
+        if not self.forward_only:
+            self._finalize()
+        return [self.losses[m] for m in sorted(self.losses)]
+
+    def _final_backwards(self) -> set:
+        """Megatron's rule: gradients are reduced (DDP hooks fire) only in the last backward
+        of each chunk; here the last B, W or BW of each stage runs with grad sync enabled."""
+        if self.forward_only:
+            return set()
+        last = {}
+        for i, a in enumerate(self.mine):
+            if a.kind in (Kind.B, Kind.W, Kind.BW):
+                last[(a.kind, a.stage)] = i
+        return set(last.values())
+
+    def _timed(self, act):
+        r = self.runner
+        if act.kind.is_comm:
+            return self.table[act.kind](act)
+        t0 = time.perf_counter() if r.record_timeline else 0.0
+        with r.memory.measure(act.kind, act.stage, act.mb):
+            self.table[act.kind](act)
+        if r.record_timeline:
+            r.timeline.append((act.kind.value, act.stage, act.mb, t0, time.perf_counter()))
+
+    def _check_done(self):
+        left = self.recvd or self.stores or self.hleaf or \
+            (not self.forward_only and (self.inputs or self.outputs))
+        if left:
+            raise ScheduleError(f"pp rank {self.rank}: schedule left work undone "
+                                f"({len(self.recvd)} receives, {len(self.stores)} W, "
+                                f"{len(self.outputs)} outputs, {len(self.hleaf)} recomputes)")
+
+    def _finalize(self):
+        cfg = self.config
+        if cfg.grad_sync_func is not None:
+            fns = cfg.grad_sync_func if isinstance(cfg.grad_sync_func, list) \
+                else [cfg.grad_sync_func] * len(self.model)
+            for f, mchunk in zip(fns, self.model):
+                f(mchunk.parameters())
+        if cfg.finalize_model_grads_func is not None:
+            cfg.finalize_model_grads_func(
+                self.model, self.total_tokens if cfg.calculate_per_token_loss else None,
+                pg_collection=self.pgs, force_all_reduce=self.a["force_all_reduce"])
+
+    # -- forward pieces ----------------------------------------------------------------------
+    def _fwd(self, s, m, with_grad=True, keep_loss=True):
+        c = self.chunk[s]
+        feed = self.feeds[c].at(m) if self.feeds[c] is not None else None
+        first = c not in self.seen_first
+        self.seen_first.add(c)
+        store = []
+        train = with_grad and not self.forward_only
+        fsf = self.a["forward_step_func"]
+        factor = self.state.loss_factor(m, self.n) if s == self.S - 1 else None
+        if factor is not None:
+            fsf = _weighted(fsf, factor)
+        tracker = self.runner.tracker
+        with (torch.enable_grad() if train else torch.no_grad()), \
+                (tracker.track() if train and tracker is not None else contextlib.nullcontext()):
+            out, ntok = _ms.forward_step(
+                fsf, feed, self.model[c], self.n, self.inputs[(s, m)], store, self.config,
+                self.pgs.cp.size(), self.a["collect_non_loss_data"],
+                is_first_microbatch=_ms.check_first_val_step(self.a["first_val_step"],
+                                                             self.forward_only, first),
+                current_microbatch=m, vp_stage=None, is_last_stage=(s == self.S - 1))
+        if store and s == self.S - 1 and keep_loss:
+            self.losses[m] = store[-1]
+        return out, ntok
+
+    def _incoming(self, s, m, local: dict, kind: Kind):
+        """What (s, m) gets from its neighbour stage: handed over on this rank, or received."""
+        if (s, m) in local:
+            return local.pop((s, m))
+        return _wait(self.recvd.pop((kind, s, m)))
+
+    def forward(self, a):
+        s, m = a.stage, a.mb
+        self.inputs[(s, m)] = inp = None if s == 0 else self._incoming(s, m, self.local_in, Kind.RECV_F)
+        if (s, m) in self.rec and not self.forward_only:
+            out, ntok = self._forward_with_prefix(s, m, inp)
+        else:
+            out, ntok = self._fwd(s, m, with_grad=True)
+        self.total_tokens += ntok.to(self.total_tokens.dtype).cpu() if torch.is_tensor(ntok) else ntok
+        self.outputs[(s, m)] = out
+        if s + 1 < self.S and self.sched.placement[s + 1] == self.rank:
+            o = _first(out)
+            self.local_in[(s + 1, m)] = o.detach().requires_grad_(not self.forward_only)
+            if not self.forward_only:
+                _ms.deallocate_output_tensor(o, self.config.deallocate_pipeline_outputs)
+        if self.forward_only:
+            self.inputs.pop((s, m))
+            if s + 1 >= self.S or self.sched.placement[s + 1] == self.rank:
+                self.outputs.pop((s, m))
+
+    def _forward_with_prefix(self, s, m, inp):
+        """F of a recomputed (s, m): the prefix runs without autograd and keeps only its
+        input (counted as held); the rest of the stage runs from a leaf ``h``."""
+        self.rngs[(s, m)] = RngState()          # R replays this forward's dropout
+        self.ckpt[(s, m)] = hold(self.runner.tracker, inp) if inp is not None else None
+
+        def leaf(hidden):
+            self.hleaf[(s, m)] = h = hidden.detach().requires_grad_(True)
+            return h
+        with _prefix_hooks(self.model[self.chunk[s]], self.rec_k[s], leaf, grad=False):
+            return self._fwd(s, m, with_grad=True)
+
+    def recompute(self, a):
+        s, m = a.stage, a.mb
+        if (s, m) not in self.hleaf or (s, m) in self.hrec:
+            raise ScheduleError(f"R{s}.{m}: its F kept no recompute checkpoint, or it ran already")
+
+        def stop(hidden):
+            raise _PrefixDone(hidden)
+        with self.rngs.pop((s, m)).replay(), \
+                _prefix_hooks(self.model[self.chunk[s]], self.rec_k[s], stop, grad=True):
+            try:
+                self._fwd(s, m, with_grad=True, keep_loss=False)
+            except _PrefixDone as done:
+                self.hrec[(s, m)] = done.hidden
+            else:
+                raise ScheduleError(f"R{s}.{m}: the recomputed prefix did not run")
+        self.ckpt.pop((s, m))
+
+    # -- backward pieces ---------------------------------------------------------------------
+    def backward(self, a):
+        s, m = a.stage, a.mb
+        og = None if s == self.S - 1 else self._incoming(s, m, self.local_grad, Kind.RECV_B)
+        inp, out = self.inputs.pop((s, m)), self.outputs.pop((s, m))
+        store = None
+        if a.kind == Kind.B:
+            store = self.stores[(s, m)] = WeightGradStore()
+        ctx = store.deferring(self.runner.tracker) if store is not None else contextlib.nullcontext()
+        with ctx:
+            gin = self._backward_through(s, m, inp, out, og)
+        del out
+        if s > 0:
+            if self.sched.placement[s - 1] == self.rank:
+                self.local_grad[(s - 1, m)] = _first(gin)
+            else:
+                self.in_grads[(s, m)] = gin
+
+    def _backward_through(self, s, m, inp, out, og):
+        mt, cfg = get_model_type(self.model[0]), self.config
+        if (s, m) not in self.hleaf:
+            return _ms.backward_step(inp, out, og, mt, cfg)
+        if (s, m) not in self.hrec:
+            raise ScheduleError(f"backward of stage {s} micro-batch {m} before its R")
+        h, h2 = self.hleaf.pop((s, m)), self.hrec.pop((s, m))
+        gh = _ms.backward_step(h, out, og, mt, cfg)        # the layers after the prefix
+        if inp is not None:
+            inp.retain_grad()
+        torch.autograd.backward(h2, gh)                    # the recomputed prefix
+        return inp.grad if inp is not None else None
+
+    def weight(self, a):
+        self.stores.pop((a.stage, a.mb)).run_all()
+
+    # -- communication -------------------------------------------------------------------------
+    def recv(self, a):
+        self.recvd[a.key] = self.p2p.recv(a.peer, self.shapes[a.mb])
+
+    def send_f(self, a):
+        s, m = a.stage, a.mb
+        o = _first(self.outputs[(s, m)])
+        if self.state.shapes is not None:
+            _check_shape(o, self.shapes[m], "output", s, m)
+        self.p2p.send(a.peer, o)
+        if self.forward_only:
+            self.outputs.pop((s, m))
+        else:
+            _ms.deallocate_output_tensor(o, self.config.deallocate_pipeline_outputs)
+
+    def send_b(self, a):
+        s, m = a.stage, a.mb
+        g = _first(self.in_grads.pop((s, m)))
+        if self.state.shapes is not None:
+            _check_shape(g, self.shapes[m], "input gradient", s, m)
+        self.p2p.send(a.peer, g)
+
+
+def _first(x):
+    return x[0] if isinstance(x, list) else x
+
+
+def _no_sync_func(config):
+    no_sync = config.no_sync_func
+    if isinstance(no_sync, list):
+        ns_list = no_sync
+        return lambda: _stack(f() for f in ns_list)
+    return no_sync or contextlib.nullcontext
 
 
 def _check_shape(t, shape, what, s, m):

@@ -15,7 +15,8 @@ four points, all reached through Megatron's own code path (``pretrain`` -> ``val
   becomes a :class:`StageLayerLayout` (layer counts and offsets in stage order), ``get_model``
   gives ``model_provider`` the plan's ``pre_process``/``post_process`` per chunk, and
   ``parallel_state.is_pipeline_first/last_stage(ignore_virtual=False, vp_stage=c)`` answer for
-  the chunk's stage (``pretrain_gpt.get_batch`` and the data loaders ask them).
+  the chunk's stage (``pretrain_gpt.get_batch`` and the data loaders ask them);
+* per-stage recomputation: each chunk's config gets its stage's ``recompute_num_layers``.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ import sys
 
 import torch
 
-from ...errors import UserError
-from ...schedule import Schedule
+from ..errors import UserError
+from ..schedule import Schedule
 
 ENV = "DS_AUTOPLAN_PLAN"
 
@@ -36,7 +37,7 @@ class MegatronLMPlanError(UserError):
 
 def install_from_env() -> None:
     """What the patched ``pretrain_gpt.py`` calls: install the plan named by ``$DS_AUTOPLAN_PLAN``."""
-    from ...plan import Plan
+    from ..plan import Plan
     path = os.environ[ENV]
     try:
         plan = Plan.load(path)
@@ -51,7 +52,7 @@ def install_megatron_lm(plan) -> Schedule | None:
     import megatron.training.initialize as mi
     import megatron.training.training as mt
 
-    from . import install
+    from ..runtime.megatron import install
 
     if plan.pp < 2:
         return None     # no pipeline: Megatron's own no-pipelining function is the plan's
@@ -70,7 +71,8 @@ def install_megatron_lm(plan) -> Schedule | None:
     mi.validate_args = validate_args
     install(plan, wrap=lambda fb: _LossesToLastRank(fb, sched.placement[sched.num_stages - 1]))
     if sched.placement_kind == "v":
-        _place_chunks(mt, sched)
+        _placement_predicates(sched)
+    _hook_get_model(mt, plan, sched)
     return sched
 
 
@@ -136,7 +138,7 @@ def _megatron_counts(args, num_stages: int) -> list[int] | None:
 
 
 def _v_layout(plan, sched: Schedule):
-    from .setup import StageLayerLayout, stage_layer_lists
+    from ..runtime.megatron.setup import StageLayerLayout, stage_layer_lists
     return StageLayerLayout(stage_layer_lists(plan.layers_per_stage), sched.placement)
 
 
@@ -166,33 +168,61 @@ class _LossesToLastRank:
         return [{k: v.to(dev) for k, v in x.items()} for x in box[0]]
 
 
-def _place_chunks(mt, sched: Schedule) -> None:
-    """V placement: ``get_model`` builds chunk ``c`` of pp rank ``r`` as stage
-    ``sched.stages_of(r)[c]``; first/last-stage questions per chunk follow the placement."""
+def _stage(sched: Schedule, vp_stage) -> int:
+    """The plan's stage held by this pp rank's model chunk ``vp_stage``."""
     from megatron.core import parallel_state as ps
+    return sched.stages_of(ps.get_pipeline_model_parallel_rank())[vp_stage or 0]
 
-    def stage(vp_stage):
-        return sched.stages_of(ps.get_pipeline_model_parallel_rank())[vp_stage or 0]
+
+def _placement_predicates(sched: Schedule) -> None:
+    """``is_pipeline_first/last_stage(ignore_virtual=False, vp_stage=c)`` answer for the stage
+    of chunk ``c`` in the plan's placement (V: chunk 1 of pp rank 0 is the last stage)."""
+    from megatron.core import parallel_state as ps
     last_stage = sched.num_stages - 1
     first, last = ps.is_pipeline_first_stage, ps.is_pipeline_last_stage
 
     def is_first(ignore_virtual=True, vp_stage=None):
         return first(ignore_virtual, vp_stage) if ignore_virtual or vp_stage is None \
-            else stage(vp_stage) == 0
+            else _stage(sched, vp_stage) == 0
 
     def is_last(ignore_virtual=True, vp_stage=None):
         return last(ignore_virtual, vp_stage) if ignore_virtual or vp_stage is None \
-            else stage(vp_stage) == last_stage
+            else _stage(sched, vp_stage) == last_stage
     ps.is_pipeline_first_stage, ps.is_pipeline_last_stage = is_first, is_last
+
+
+def _hook_get_model(mt, plan, sched: Schedule) -> None:
+    """Megatron-LM's ``get_model`` with chunk ``c`` of pp rank ``r`` built as the plan's stage
+    ``sched.stages_of(r)[c]``: for a V placement ``model_provider`` gets that stage's
+    ``pre_process``/``post_process``; with recomputation in the plan each chunk's config then
+    gets its own stage's ``recompute_num_layers`` (Megatron-LM's flag is one number for every
+    stage; its block method reads the config at forward time, integration.md §4.3)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
+
+    from ..runtime.megatron.setup import MegatronSetup, plan_overrides
+    over, rec_layers, layout = plan_overrides(plan, sched)
+    v, last_stage = sched.placement_kind == "v", sched.num_stages - 1
     get_model = mt.get_model
 
-    def get_model_v(model_provider_func, *args, **kwargs):
+    def get_model_planned(model_provider_func, *args, **kwargs):
         def provider(pre_process=True, post_process=True, vp_stage=None, **kw):
-            s = stage(vp_stage)
-            return model_provider_func(pre_process=s == 0, post_process=s == last_stage,
+            if v:
+                s = _stage(sched, vp_stage)
+                pre_process, post_process = s == 0, s == last_stage
+            return model_provider_func(pre_process=pre_process, post_process=post_process,
                                        vp_stage=vp_stage, **kw)
-        return get_model(provider, *args, **kwargs)
-    mt.get_model = get_model_v
+        model = get_model(provider, *args, **kwargs)
+        if any(rec_layers):
+            rank = ps.get_pipeline_model_parallel_rank()
+            setup = MegatronSetup(sched, rank, over, sched.stages_of(rank), rec_layers, layout)
+            for c, chunk in enumerate(model):
+                cfg = unwrap_model(chunk).config
+                for k, val in setup.chunk_overrides(c).items():
+                    if k.startswith("recompute"):
+                        setattr(cfg, k, val)
+        return model
+    mt.get_model = get_model_planned
 
 
 def _refuse(msg: str):

@@ -1,0 +1,59 @@
+"""Every rank of ``deepspeed --autoplan`` / ``ds-autoplan launch``::
+
+    python -m ds_autoplan.clients.bootstrap [--local_rank=N] --ds-autoplan=B64JSON train.py ARGS
+
+installs the ``deepspeed.initialize`` hook (:mod:`.deepspeed_hook`) with the launcher's options
+(urlsafe base64 of JSON: plan, cluster, global_batch, pp, schedules, out, module), then runs the unchanged
+script as ``python train.py [--local_rank=N] ARGS`` would (``-m`` for a module).  A refusal
+is one line on rank 0 and exit status 2."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import runpy
+import sys
+
+FLAG = "--ds-autoplan="
+
+
+def split_argv(argv: list[str]) -> tuple[dict, list[str], list[str]]:
+    """(options, launcher-inserted args, script argv) from the bootstrap's own argv."""
+    opts, inserted = None, []
+    rest = list(argv)
+    while rest and (rest[0].startswith(FLAG) or rest[0].startswith("--local_rank=")):
+        tok = rest.pop(0)
+        if tok.startswith(FLAG):
+            opts = json.loads(base64.urlsafe_b64decode(tok[len(FLAG):]))
+        else:
+            inserted.append(tok)
+    if opts is None or not rest:
+        raise SystemExit("usage: python -m ds_autoplan.clients.bootstrap [--local_rank=N] "
+                         f"{FLAG}JSON SCRIPT [ARGS]")
+    return opts, inserted, [rest[0], *inserted, *rest[1:]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..errors import UserError
+    from .deepspeed_hook import install
+    opts, _, script_argv = split_argv(sys.argv[1:] if argv is None else argv)
+    install(opts)
+    sys.argv = script_argv
+    try:
+        if opts.get("module"):
+            runpy.run_module(script_argv[0], run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(script_argv[0]))
+            runpy.run_path(script_argv[0], run_name="__main__")
+    except UserError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"ds-autoplan: error: {e}", file=sys.stderr, flush=True)
+        import torch.distributed as dist
+        if dist.is_initialized():        # a live gloo group aborts the process at exit
+            dist.destroy_process_group()
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

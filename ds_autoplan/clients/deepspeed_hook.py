@@ -1,0 +1,224 @@
+"""``deepspeed.initialize`` for an unchanged ``PipelineModule`` script, planned (integration.md
+§1.8, the bootstrap mode).
+
+When the script calls ``deepspeed.initialize(model=PipelineModule(...), ...)``, the hook:
+
+1. reads the user's DeepSpeed config (``config=`` or ``args.deepspeed_config``);
+2. gets a plan: the launcher's (``--model`` given: a preset planned before launch), or one for
+   the layers this script built: rank 0 profiles them on one micro-batch of ``training_data``
+   (:func:`ds_autoplan.profile.layers.profile_layer_list`), plans for the config's
+   ``train_batch_size`` and precision, and sends the plan to every rank;
+3. sets the plan's parallel, batch and schedule keys in the user's config, leaving the
+   optimizer, precision, clipping and logging as written, and reports every replaced value
+   (:func:`ds_autoplan.emit.deepspeed.user_config`);
+4. trains the script's layers and loss in ds_autoplan's engine (``ds_autoplan.initialize``).
+
+What it cannot plan it refuses with one message: a model that is no ``PipelineModule``, no
+example input to profile, no batch size, a plan for another layer count.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+
+import torch
+
+from ..errors import UserError
+
+
+class AutoplanRefused(UserError):
+    """ds_autoplan cannot plan what the script passed to ``deepspeed.initialize``."""
+
+
+_STATE: dict = {"original": None, "options": {}}
+
+
+def install(options: dict) -> None:
+    """Wrap ``deepspeed.initialize`` (once) with the launcher's ``options``: ``plan`` (path of a
+    plan made before launch), ``cluster``, ``global_batch``, ``pp``, ``schedules``, ``out``."""
+    import deepspeed
+    if _STATE["original"] is None:
+        _STATE["original"] = deepspeed.initialize
+    _STATE["options"] = dict(options)
+    deepspeed.initialize = autoplan_initialize
+
+
+def autoplan_initialize(args=None, model=None, optimizer=None, model_parameters=None,
+                        training_data=None, lr_scheduler=None, collate_fn=None, config=None,
+                        config_params=None, **kwargs):
+    """``deepspeed.initialize`` with the model planned; same arguments and return value."""
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    from ..runtime.deepspeed.api import initialize
+    from ..runtime.deepspeed.module import AutoplanPipelineModule
+    if isinstance(model, AutoplanPipelineModule):         # ds_autoplan.initialize, already planned
+        return _STATE["original"](args=args, model=model, optimizer=optimizer,
+                                  model_parameters=model_parameters, training_data=training_data,
+                                  lr_scheduler=lr_scheduler, collate_fn=collate_fn, config=config,
+                                  config_params=config_params, **kwargs)
+    if not isinstance(model, PipelineModule):
+        raise AutoplanRefused(f"the script passes {type(model).__name__} to deepspeed.initialize, not a "
+                              "deepspeed.pipe.PipelineModule: --autoplan plans pipeline models layer by "
+                              "layer; build a PipelineModule or launch without --autoplan")
+    user = _user_config(args, config if config is not None else config_params)
+    plan = _shared_plan(model, user, training_data, collate_fn)
+    from ..emit.deepspeed import user_config
+    cfg, changes = user_config(plan, user)
+    _report(plan, cfg, changes, model)
+    if isinstance(model_parameters, (list, tuple)) and any(isinstance(g, dict) for g in model_parameters):
+        raise AutoplanRefused("parameter groups (dicts) in model_parameters cannot follow the plan's "
+                              "partition; pass the optimizer settings in the DeepSpeed config")
+    kw = {k: v for k, v in (("optimizer", optimizer), ("training_data", training_data),
+                             ("lr_scheduler", lr_scheduler), ("collate_fn", collate_fn)) if v is not None}
+    return initialize(model, plan, config=cfg, config_defaults=False, args=_without_config(args),
+                      module_kwargs=_module_kwargs(model), **kw, **kwargs)
+
+
+# -- the user's side -------------------------------------------------------------------------
+def _user_config(args, config) -> dict:
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+    for name in ("deepspeed_config", "deepscale_config"):
+        path = getattr(args, name, None)
+        if path is not None:
+            if config is not None:
+                raise AutoplanRefused(f"the script gives both --{name} and config=")
+            config = path
+    return copy.deepcopy(load_ds_config(config)) if config is not None else {}
+
+
+def _without_config(args):
+    """The script's args without the config path (the merged config is passed instead)."""
+    if args is None:
+        return None
+    a = copy.copy(args)
+    for name in ("deepspeed_config", "deepscale_config"):
+        if hasattr(a, name):
+            setattr(a, name, None)
+    return a
+
+
+def _module_kwargs(m) -> dict:
+    """The script's PipelineModule settings that the plan does not decide."""
+    return {"seed_layers": m.seed_layers, "seed_fn": m.seed_fn, "base_seed": m.base_seed,
+            "activation_checkpoint_func": m.activation_checkpoint_func,
+            "checkpointable_layers": m.checkpointable_layers}
+
+
+def _sample(training_data, collate_fn, mbs: int):
+    """One micro-batch of ``training_data`` as DeepSpeed's loader batches it: (inputs, labels)."""
+    from torch.utils.data import default_collate
+    n = min(mbs, len(training_data))
+    batch = (collate_fn or default_collate)([training_data[i] for i in range(n)])
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise AutoplanRefused("training_data must yield (inputs, labels) pairs, as PipelineModule "
+                              f"training expects; got a batch of type {type(batch).__name__}")
+    return batch[0], batch[1]
+
+
+def _global_batch(user: dict, world: int, stages: int) -> int:
+    """--global-batch, else the config's train_batch_size (or micro-batch x steps x replicas)."""
+    if _STATE["options"].get("global_batch"):
+        return int(_STATE["options"]["global_batch"])
+    if user.get("train_batch_size"):
+        return int(user["train_batch_size"])
+    mbs, gas = user.get("train_micro_batch_size_per_gpu"), user.get("gradient_accumulation_steps")
+    if mbs and gas:
+        return int(mbs) * int(gas) * max(1, world // max(1, stages))
+    raise AutoplanRefused("no batch size to plan for: set train_batch_size in the DeepSpeed config "
+                          "(or --global-batch)")
+
+
+# -- planning ---------------------------------------------------------------------------------
+def plan_pipeline_module(model, user: dict, training_data, collate_fn, world: int, options: dict):
+    """The plan for ``model``'s layers (this process profiles them)."""
+    from ..emit.deepspeed import config_precision
+    from ..plan import Plan
+    from ..profile import to_model_spec
+    from ..profile.layers import profile_layer_list
+    from ..search import search
+    from ..spec import SpecError, load_cluster
+    if options.get("plan"):
+        return Plan.load(options["plan"])
+    if training_data is None:
+        raise AutoplanRefused(f"cannot profile the script's {len(model._layer_specs)} layers: "
+                              "deepspeed.initialize got no training_data to take an example input "
+                              "from; pass training_data=, or plan a model description with "
+                              "--model (preset, YAML or Hugging Face config.json)")
+    B = _global_batch(user, world, model.num_stages)
+    inputs, labels = _sample(training_data, collate_fn, int(user.get("train_micro_batch_size_per_gpu") or 1))
+    name = f"{os.path.basename(sys.argv[0]) or 'script'}:PipelineModule"
+    prof = profile_layer_list(model._layer_specs, inputs, labels, model.loss_fn, name=name)
+    if options.get("out"):
+        prof.save(os.path.join(options["out"], "profile.json"))
+    try:
+        cluster = load_cluster(options.get("cluster") or _default_cluster(world))
+        res = search(to_model_spec(prof, flops_ref=cluster.flops), cluster, B,
+                     precision=config_precision(user), tp=1, pp=options.get("pp"),
+                     schedules=options.get("schedules"), wide=False, baselines=False,
+                     keep_sim=False, world_size=world)
+    except SpecError as e:
+        raise AutoplanRefused(f"planning the script's {len(prof.units)} layers failed: {e}") from None
+    plan = res.plan
+    if plan.zero_stage > 1:
+        raise AutoplanRefused(f"the plan uses ZeRO-{plan.zero_stage}, which DeepSpeed's pipeline "
+                              "engine cannot run; restrict it with --pp 2 (or more)")
+    plan.notes.append("profiled layers: " + ", ".join(u.name for u in prof.units))
+    return plan
+
+
+def _default_cluster(world: int) -> str:
+    if torch.cuda.is_available():
+        raise AutoplanRefused("on GPUs give the cluster to plan for: --cluster PRESET|YAML "
+                              "(or DS_AUTOPLAN_CLUSTER)")
+    return f"cpu-{world}"
+
+
+def _shared_plan(model, user, training_data, collate_fn):
+    """Rank 0 plans; every rank gets the same plan, or the same refusal (never a hang)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from ..plan import Plan
+    if not dist.is_initialized():          # as deepspeed.initialize would
+        deepspeed.init_distributed()
+    world = dist.get_world_size()
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = plan_pipeline_module(model, user, training_data, collate_fn, world,
+                                          _STATE["options"]).to_dict()
+        except UserError as e:
+            box[0] = {"error": str(e)}
+    dist.broadcast_object_list(box, src=0)
+    if "error" in box[0]:
+        raise AutoplanRefused(box[0]["error"])
+    plan = Plan.from_dict(box[0])
+    n = len(model._layer_specs)
+    if sum(plan.layers_per_stage) not in (n, n - 2):
+        raise AutoplanRefused(f"the plan ({plan.model}) partitions {sum(plan.layers_per_stage)} layers, "
+                              f"the script's PipelineModule has {n}: plan this script's model "
+                              "(launch without --model) or give a matching model")
+    return plan
+
+
+def _report(plan, cfg: dict, changes: list, model) -> None:
+    """Rank 0: one summary, the config changes, plan.json and ds_config.json under ``out``."""
+    import torch.distributed as dist
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    out = _STATE["options"].get("out") or "ds_autoplan_out"
+    os.makedirs(out, exist_ok=True)
+    plan.save(os.path.join(out, "plan.json"))
+    with open(os.path.join(out, "ds_config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=2)
+    print(f"ds-autoplan: {plan.model} on {plan.cluster}: pp={plan.pp} dp={plan.dp} "
+          f"ZeRO-{plan.zero_stage} schedule={plan.schedule} micro-batch "
+          f"{plan.micro_batch_size} x {plan.num_microbatches}, layers per stage "
+          f"{plan.layers_per_stage} -> {os.path.abspath(out)}/plan.json, ds_config.json", flush=True)
+    if model.num_stages != plan.pp:
+        print(f"ds-autoplan: the script asked for {model.num_stages} pipeline stages; the plan uses "
+              f"pp={plan.pp}", flush=True)
+    for line in changes:
+        print(f"ds-autoplan: ds_config {line}", flush=True)

@@ -1,0 +1,16 @@
+"""The executor contract both runtime adapters implement (issue 13).
+
+* Vocabulary: the action kinds of :class:`ds_autoplan.schedule.Kind` with one meaning
+  (schedule/ir.py; R: :mod:`ds_autoplan.schedule.passes`): F, B (input gradient; weight
+  work deferred to W), W, BW, R, and SEND_F/RECV_F/SEND_B/RECV_B, where a RECV only posts the
+  receive and the consuming compute waits for the data, a SEND is started and completed at
+  the end of the step (the simulator's non-blocking model, schedule/simulator.py).
+* :func:`accept`: the same checks of every list an adapter receives, lowered or not.
+* :class:`StepState`: the per-step state (schedule, shapes, loss weights) an adapter takes
+  with ``set_step`` before the step it applies to.
+* :func:`dispatch_table`: each adapter executes a list through a table kind -> handler that
+  must cover every kind.
+"""
+from .contract import KINDS, StepState, accept, dispatch_table, recomputed
+
+__all__ = ["KINDS", "StepState", "accept", "dispatch_table", "recomputed"]

@@ -1,0 +1,37 @@
+"""Test-side CPU shim for DeepSpeedExamples' pipeline_parallelism/train.py, on the PYTHONPATH of
+its ranks (never an edit of the client): ``torch.cuda.set_device`` is a no-op on CPU ranks;
+rank 0 prints every ``train_batch`` loss (``SHIM_LOSS``); with ``SHIM_PARTS`` (layer
+boundaries, e.g. "0,10,22") DeepSpeed's own PipelineModule uses that partition, so a
+reference run can cut the layers where a plan did."""
+import os
+
+import torch
+
+torch.cuda.set_device = lambda *a, **k: None
+
+
+def _patch_deepspeed():
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.runtime.pipe.module import PipelineModule
+    train_batch = PipelineEngine.train_batch
+
+    def logged(self, *a, **k):
+        loss = train_batch(self, *a, **k)
+        if torch.distributed.get_rank() == 0:
+            print(f"SHIM_LOSS {float(loss):.10e}", flush=True)
+        return loss
+    PipelineEngine.train_batch = logged
+    parts = os.environ.get("SHIM_PARTS")
+    if parts:
+        partition = PipelineModule._partition_layers
+
+        def fixed(self, method="uniform"):
+            if type(self) is not PipelineModule:
+                return partition(self, method)
+            self.parts = [int(x) for x in parts.split(",")]
+            self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+        PipelineModule._partition_layers = fixed
+
+
+if "RANK" in os.environ:          # the ranks, not the launcher
+    _patch_deepspeed()

@@ -1,0 +1,217 @@
+"""`deepspeed --autoplan` / `ds-autoplan launch` on DeepSpeedExamples' unchanged
+pipeline_parallelism/train.py (AlexNet as a PipelineModule; copied from ../shared/clients to a
+temporary folder), 2 CPU ranks.  Test-side only: tests/deepspeedexamples_shim (torchvision
+stand-in with random CIFAR-like tensors, ``torch.cuda.set_device`` neutralised, loss lines).
+
+The plan is for AlexNet's 22 layers (profiled in the ranks); the script's ds_config.json keeps
+its optimizer and logging, only parallel/batch/schedule keys change (reported); 1F1B losses
+equal DeepSpeed's own engine (TrainSchedule) run with the same config and partition; V-ZB
+trains; a script that passes no PipelineModule is refused with one message."""
+import hashlib
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+from ds_autoplan.cli import patch_cmd  # noqa: E402
+from ds_autoplan.runtime.launch import free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CLIENT = Path("/work/shared/clients") if Path("/work/shared/clients").is_dir() else ROOT.parent / "shared" / "clients"
+CLIENT = CLIENT / "deepspeedexamples-pipeline_parallelism" / "training" / "pipeline_parallelism"
+SHIM = Path(__file__).with_name("deepspeedexamples_shim")
+BIN = Path(sys.executable).parent
+ARGS = ["--deepspeed_config=ds_config.json", "-p", "2", "--steps=2", "--backend", "gloo"]   # the README's
+ALEXNET = ["Conv2d", "ReLU", "MaxPool2d", "Conv2d", "ReLU", "MaxPool2d", "Conv2d", "ReLU", "Conv2d",
+           "ReLU", "Conv2d", "ReLU", "MaxPool2d", "AdaptiveAvgPool2d", "<lambda>", "Dropout", "Linear",
+           "ReLU", "Dropout", "Linear", "ReLU", "Linear"]
+
+pytestmark = pytest.mark.skipif(not CLIENT.is_dir(), reason="../shared/clients is not here")
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pipeline_parallelism")
+    for f in CLIENT.iterdir():
+        shutil.copy(f, d / f.name)
+        os.chmod(d / f.name, 0o644)
+    return d
+
+
+def _env(**kw):
+    path = os.pathsep.join([str(SHIM), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=path, **kw)
+
+
+def _run(cmd, cwd, env, timeout=600):
+    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    out = r.stdout + r.stderr
+    return r.returncode, out, [float(ln.split()[1]) for ln in out.splitlines() if ln.startswith("SHIM_LOSS ")]
+
+
+def _readme_commands() -> dict:
+    """The README's "Train with DeepSpeed" lines that train the example: {launcher: (env, argv)},
+    with a free --master_port added."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Train with DeepSpeed"):text.index("With a model description")]
+    out = {}
+    for line in section.splitlines():
+        toks = shlex.split(line) if line.startswith("    ") else []
+        if "train.py" not in toks:
+            continue
+        env = dict(t.split("=", 1) for t in toks if re.match(r"^[A-Z_]+=", t))
+        argv = [t for t in toks if not re.match(r"^[A-Z_]+=", t)]
+        at = argv.index("--num_gpus") + 2
+        argv[at:at] = ["--master_port", str(free_port())]
+        key = argv[0]
+        argv[:1] = [str(BIN / "deepspeed")] if key == "deepspeed" else [sys.executable, "-m", "ds_autoplan"]
+        out[key] = (env, argv)
+    assert set(out) == {"deepspeed", "ds-autoplan"}, section
+    return out
+
+
+@pytest.fixture(scope="module")
+def autoplan_1f1b(client):
+    """The README's `deepspeed --autoplan` line (the launcher patched for the run, then restored
+    byte for byte)."""
+    path = Path(patch_cmd.runner_file()[0])
+    before = path.read_bytes()
+    env, argv = _readme_commands()["deepspeed"]
+    try:
+        if patch_cmd.MARK not in before.decode():
+            path.write_text(patch_cmd.patched(before.decode()))
+        res = _run(argv, client, _env(**env))
+    finally:
+        path.write_bytes(before)
+    assert hashlib.sha256(path.read_bytes()).digest() == hashlib.sha256(before).digest()
+    return res
+
+
+def test_plan_is_for_the_scripts_alexnet_and_keeps_its_config(client, autoplan_1f1b):
+    rc, out, losses = autoplan_1f1b
+    assert rc == 0, out[-4000:]
+    assert len(losses) == 2, out[-4000:]
+    plan = json.loads((client / "ds_autoplan_out" / "plan.json").read_text())
+    assert plan["model"] == "train.py:PipelineModule" and plan["pp"] == 2 and plan["schedule"] == "1f1b"
+    assert sum(plan["layers_per_stage"]) == 22
+    assert plan["notes"][-1] == "profiled layers: " + ", ".join(f"{i}:{n}" for i, n in enumerate(ALEXNET))
+    prof = json.loads((client / "ds_autoplan_out" / "profile.json").read_text())
+    assert [u["params"] for u in prof["units"] if u["params"]] == [
+        23296, 307392, 663936, 884992, 590080, 37752832, 16781312, 40970]       # AlexNet(num_classes=10)
+    user = json.loads((CLIENT / "ds_config.json").read_text())
+    cfg = json.loads((client / "ds_autoplan_out" / "ds_config.json").read_text())
+    for k in ("optimizer", "steps_per_print", "wall_clock_breakdown"):
+        assert cfg[k] == user[k], k
+    assert "gradient_clipping" not in cfg and "bf16" not in cfg and "fp16" not in cfg
+    assert cfg["train_batch_size"] == 32 == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"]
+    assert "ds-autoplan: ds_config train_batch_size: 256 -> 32" in out
+    mbs = cfg["train_micro_batch_size_per_gpu"]
+    assert mbs == 8 or f"ds-autoplan: ds_config train_micro_batch_size_per_gpu: 8 -> {mbs}" in out
+
+
+def test_1f1b_losses_equal_deepspeeds_own_engine(client, autoplan_1f1b):
+    """DeepSpeed's PipelineEngine (TrainSchedule) on the unchanged script, with the merged
+    config and the plan's cut (same dropout draws per rank): the same losses."""
+    rc, out, ours = autoplan_1f1b
+    assert rc == 0, out[-4000:]
+    plan = json.loads((client / "ds_autoplan_out" / "plan.json").read_text())
+    cuts = [0, plan["layers_per_stage"][0], 22]
+    args = [a if not a.startswith("--deepspeed_config") else
+            f"--deepspeed_config={client / 'ds_autoplan_out' / 'ds_config.json'}" for a in ARGS]
+    rc, out, ref = _run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                         "train.py", *args], client, _env(SHIM_PARTS=",".join(map(str, cuts))))
+    assert rc == 0, out[-4000:]
+    assert len(ref) == len(ours) == 2
+    err = max(abs(a - b) / abs(b) for a, b in zip(ours, ref))
+    print(json.dumps({"test": "alexnet_1f1b_vs_deepspeed", "ours": ours, "deepspeed": ref, "rel_err": err,
+                      "layers_per_stage": plan["layers_per_stage"]}))
+    assert err <= 1e-6, (ours, ref)
+
+
+def test_v_zb_trains_through_ds_autoplan_launch(client):
+    env, argv = _readme_commands()["ds-autoplan"]
+    rc, out, losses = _run(argv, client, _env(**env))
+    assert rc == 0, out[-4000:]
+    plan = json.loads((client / "out-vzb" / "plan.json").read_text())
+    assert plan["schedule"] == "v-zb" and len(plan["layers_per_stage"]) == 4
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
+def _launcher(*extra, args=ARGS):
+    return [sys.executable, "-m", "ds_autoplan", "launch", *extra, "--num_gpus", "2",
+            "--master_port", str(free_port()), "train.py", *args]
+
+
+def test_a_model_that_is_no_pipeline_module_is_refused(client):
+    # -p 0: the script's non-pipelined path (deepspeed.initialize(model=AlexNet(...)))
+    rc, out, _ = _run(_launcher("--out", "out-base", args=["--deepspeed_config=ds_config.json", "-p", "0",
+                                                          "--backend", "gloo"]), client, _env(), timeout=300)
+    assert rc != 0
+    assert "ds-autoplan: error: the script passes AlexNet to deepspeed.initialize, not a " \
+           "deepspeed.pipe.PipelineModule" in out
+    assert "Traceback" not in out
+
+
+# -- without ranks ------------------------------------------------------------------------------
+def test_user_config_sets_only_the_plans_keys_and_reports_replacements():
+    from ds_autoplan.emit.deepspeed import user_config, validate
+    from ds_autoplan.plan import Plan
+    plan = Plan(pp=2, dp=1, micro_batch_size=1, num_microbatches=32, global_batch_size=32,
+                precision="bf16", schedule="1f1b", layers_per_stage=[10, 12], recompute_per_stage=[0, 0])
+    user = {"train_batch_size": 256, "train_micro_batch_size_per_gpu": 8,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "steps_per_print": 10,
+            "zero_optimization": {"stage": 2, "overlap_comm": True}}
+    cfg, changes = user_config(plan, user)
+    assert cfg["optimizer"] == user["optimizer"] and cfg["steps_per_print"] == 10
+    assert cfg["zero_optimization"] == {"stage": 0, "overlap_comm": True}
+    assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) \
+        == (32, 1, 32)
+    assert changes == ["train_batch_size: 256 -> 32", "train_micro_batch_size_per_gpu: 8 -> 1",
+                       "zero_optimization.stage: 2 -> 0",
+                       "precision: the plan was costed for bf16; the config trains in fp32 (kept)"]
+    assert user["zero_optimization"]["stage"] == 2          # the user's dict is not modified
+    validate(cfg, plan)                                     # DeepSpeed's own config class accepts it
+
+
+def test_launch_runs_the_script_through_the_bootstrap(tmp_path):
+    import base64
+    from deepspeed.launcher import runner
+
+    from ds_autoplan.cli.launch_cmd import BOOTSTRAP, apply_autoplan
+    from ds_autoplan.clients.bootstrap import split_argv
+    a = runner.parse_args(["--num_gpus", "2", "train.py", "--steps", "3"])
+    opts = apply_autoplan(a, 2, {"DS_AUTOPLAN_OUT": str(tmp_path / "o")}, pp=2)
+    assert (a.user_script, a.module) == (BOOTSTRAP, True) and a.user_args[1:] == ["train.py", "--steps", "3"]
+    assert "plan" not in opts and opts["pp"] == 2 and opts["out"] == str(tmp_path / "o")
+    got, inserted, argv = split_argv(["--local_rank=1", *a.user_args])
+    assert got == opts == json.loads(base64.urlsafe_b64decode(a.user_args[0].split("=", 1)[1]))
+    assert argv == ["train.py", "--local_rank=1", "--steps", "3"]
+
+
+NO_DATA_SCRIPT = """
+import deepspeed, torch
+from deepspeed.pipe import PipelineModule
+deepspeed.init_distributed(dist_backend="gloo")
+net = PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)], num_stages=2,
+                     loss_fn=torch.nn.CrossEntropyLoss())
+deepspeed.initialize(model=net, config={"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2})
+"""
+
+
+def test_a_pipeline_without_example_input_is_refused(tmp_path):
+    (tmp_path / "train_nodata.py").write_text(NO_DATA_SCRIPT)
+    rc, out, _ = _run([sys.executable, "-m", "ds_autoplan", "launch", "--num_gpus", "2", "--master_port",
+                       str(free_port()), "train_nodata.py"], tmp_path, _env(), timeout=300)
+    assert rc != 0
+    assert "ds-autoplan: error: cannot profile the script's 3 layers: deepspeed.initialize got no " \
+           "training_data" in out
+    assert "Traceback" not in out
