@@ -6,12 +6,12 @@ predictions (issue 4).  Ratios are to TrainSchedule, per round of the same run: 
 round times one iteration of every schedule (after a warm-up round), figures are medians
 with their min-max spread (``bench/_measure.py``).
 
-The simulator gets the runtime's own overheads, measured once per runtime in every round
-(so they see the same load as the timed steps; issue 14): the one-way p2p time of an
+The simulator gets the runtime's own overheads (issue 14), measured once per runtime in
+every round, so they see the same load as the timed steps: the one-way p2p time of an
 activation, the once-per-iteration work (gradient reduction and optimizer step, timed inside
-the engine) and the dispatch time per compute action, fitted so that null-model iterations (zero-sleep layers) of the runtime's
-reference schedules are reproduced -- TrainSchedule for DeepSpeed's own schedules, 1F1B
-(fused backward) and V-ZB (split B/W) for ds_autoplan's.
+the engine) and the dispatch time per compute action, fitted so that null-model iterations
+(sleep layers at zero) of the runtime's reference schedules are reproduced -- TrainSchedule
+for DeepSpeed's own schedules, 1F1B (fused backward) and V-ZB (split B/W) for ds_autoplan's.
 
     python bench/engine_deepspeed.py [--quick] [--n 8] [--unit-ms 25] [--iters 5]
 

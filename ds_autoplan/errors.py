@@ -7,4 +7,8 @@ class UserError(Exception):
     """Bad input: printed as one line, non-zero exit, never a traceback."""
 
 
-__all__ = ["UserError"]
+class PlanError(UserError, ValueError):
+    """A plan (constructed or read from JSON) that no runtime can execute."""
+
+
+__all__ = ["PlanError", "UserError"]

@@ -5,6 +5,10 @@ global_batch_size, precision, schedule, schedule_options, layers_per_stage,
 recompute_per_stage`` and :meth:`Plan.build_schedule`.  Extra fields carry the model /
 cluster identity, the per-layer-group strategies of the wide Galvatron mode and the
 predicted cost, so ``plan.json`` alone reproduces the report.
+
+A plan validates itself on construction (and so when read from JSON): sizes, batch triple,
+precision, per-stage lists against the schedule's stage count (the builder registry's
+description); a violation is a :class:`~ds_autoplan.errors.PlanError` naming the field.
 """
 from __future__ import annotations
 
@@ -13,6 +17,10 @@ import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from .errors import PlanError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -23,7 +31,7 @@ class Plan:
     zero_stage: int = 0
     micro_batch_size: int = 1
     num_microbatches: int = 1
-    global_batch_size: int = 1
+    global_batch_size: int = 0           # 0: micro_batch_size * num_microbatches * dp
     precision: str = "bf16"
     schedule: str = "1f1b"
     schedule_options: dict = field(default_factory=dict)
@@ -43,6 +51,66 @@ class Plan:
     layer_strategies: list = field(default_factory=list)
     predicted: dict = field(default_factory=dict)   # iteration_time_s, tokens/s, memory ...
     notes: list = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.global_batch_size == 0:
+            self.global_batch_size = self.micro_batch_size * self.num_microbatches * self.dp
+        self.validate()
+
+    def validate(self) -> "Plan":
+        """Raise :class:`PlanError` on the first field no runtime can execute."""
+        for k in ("pp", "tp", "dp", "micro_batch_size", "num_microbatches", "global_batch_size"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise PlanError(f"plan: {k} must be a positive integer, got {v!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise PlanError(f"plan: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"plan: precision must be one of {', '.join(PRECISIONS)}, "
+                            f"got {self.precision!r}")
+        if self.global_batch_size != self.micro_batch_size * self.num_microbatches * self.dp:
+            raise PlanError(f"plan: global_batch_size {self.global_batch_size} != micro_batch_size "
+                            f"{self.micro_batch_size} x num_microbatches {self.num_microbatches} "
+                            f"x dp {self.dp}")
+        if not isinstance(self.schedule, str) or not self.schedule:
+            raise PlanError(f"plan: schedule must be a builder name, got {self.schedule!r}")
+        if not isinstance(self.schedule_options, dict):
+            raise PlanError(f"plan: schedule_options must be a mapping, got {self.schedule_options!r}")
+        self._validate_stages()
+        return self
+
+    def _validate_stages(self) -> None:
+        lps, rec = self.layers_per_stage, self.recompute_per_stage
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in lps):
+            raise PlanError(f"plan: layers_per_stage must be non-negative integers, got {lps!r}")
+        if any(not 0.0 <= float(x) <= 1.0 for x in rec):
+            raise PlanError(f"plan: recompute_per_stage must be fractions in [0, 1], got {rec!r}")
+        if len(lps) > 1 and rec and len(rec) != len(lps):
+            raise PlanError(f"plan: recompute_per_stage has {len(rec)} entries, layers_per_stage "
+                            f"{len(lps)}")
+        S = self._registered_stages()
+        if S is not None and len(lps) > 1 and len(lps) != S:
+            raise PlanError(f"plan: layers_per_stage has {len(lps)} entries but schedule "
+                            f"{self.schedule!r} on pp={self.pp} has {S} stages")
+
+    def _registered_stages(self) -> int | None:
+        """Stages of the plan's schedule from the builder registry (None: pp = 1 or a
+        schedule not registered here, e.g. a hand-made one passed to a runtime)."""
+        from .schedule.builders import REGISTRY
+        info = REGISTRY.get(self.schedule)
+        if info is None:
+            return None
+        unknown = set(self.schedule_options) - set(info.options)
+        if unknown:
+            raise PlanError(f"plan: schedule_options {sorted(unknown)} do not fit {self.schedule!r} "
+                            f"(it takes {', '.join(info.options) or 'no options'})")
+        if self.pp == 1:
+            return None
+        try:
+            return info.num_stages(self.pp, **self.schedule_options)
+        except (TypeError, ValueError) as e:
+            raise PlanError(f"plan: schedule_options {self.schedule_options!r} do not fit "
+                            f"{self.schedule!r}: {e}") from None
 
     # ---- derived ----
     @property
@@ -67,17 +135,26 @@ class Plan:
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         names = {f.name for f in dataclasses.fields(cls)}
         d = {k: v for k, v in d.items() if k in names}   # newer plan files may carry more keys
-        p = cls(**d)
-        p.layers_per_stage = [int(x) for x in p.layers_per_stage]
-        p.recompute_per_stage = [float(x) for x in p.recompute_per_stage]
-        return p
+        for k, conv in (("layers_per_stage", int), ("recompute_per_stage", float)):
+            if k in d:
+                try:
+                    d[k] = [conv(x) for x in d[k]]
+                except (TypeError, ValueError):
+                    raise PlanError(f"plan: {k} must be a list of numbers, got {d[k]!r}") from None
+        return cls(**d)
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        return cls.from_dict(json.loads(text))
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan: not JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise PlanError(f"plan: expected a JSON object, got {type(d).__name__}")
+        return cls.from_dict(d)
 
     def save(self, path: str | os.PathLike) -> None:
         with open(path, "w") as f:

@@ -21,7 +21,7 @@ KEYS = {"throughput_tokens_per_s", "iteration_time_s", "pp", "tp", "dp", "zero_s
 
 def _plan(**kw):
     base = dict(pp=4, tp=2, dp=2, zero_stage=1, micro_batch_size=2, num_microbatches=8,
-                global_batch_size=32, precision="bf16", schedule="1f1b",
+                precision="bf16", schedule="1f1b",      # global batch 2 x 8 x dp
                 layers_per_stage=[5, 6, 7, 6], recompute_per_stage=[0.6, 0.5, 0.0, 0.0],
                 model="gpt3-1.3b", cluster="2x8xa100-ib200", world_size=16)
     base.update(kw)
@@ -42,8 +42,10 @@ def test_ds_config_validates_with_deepspeed(plan):
     assert parsed.train_micro_batch_size_per_gpu == plan.micro_batch_size
     assert parsed.gradient_accumulation_steps == plan.num_microbatches
     assert parsed.zero_optimization_stage == plan.zero_stage
-    assert parsed.pipeline["activation_checkpoint_interval"] == (1 if any(plan.recompute_per_stage) else 0)
-    assert cfg["autoplan"]["layers_per_stage"] == plan.layers_per_stage
+    # per-stage recompute is the runtime's: DeepSpeed's global switch stays off
+    assert parsed.pipeline["activation_checkpoint_interval"] == 0
+    assert Plan.from_dict(parsed.pipeline["autoplan"]) == plan     # the plan, once
+    assert "autoplan" not in cfg
 
 
 def test_ds_config_rejects_what_deepspeed_rejects():
@@ -210,7 +212,7 @@ def test_megatron_sequence_parallel_flag(tp, sp):
     tc = TransformerConfig(hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
                            pipeline_dtype=torch.bfloat16, bf16=True, **over)
     assert tc.sequence_parallel is on
-    assert ds_config(plan)["autoplan"]["sequence_parallel"] is sp
+    assert ds_config(plan)["pipeline"]["autoplan"]["sequence_parallel"] is sp
 
 
 def test_old_plan_json_without_sequence_parallel_loads(tmp_path):

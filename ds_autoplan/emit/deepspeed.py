@@ -1,4 +1,7 @@
-"""Plan -> ds_config.json (integration.md §3), validated by DeepSpeed's own config classes."""
+"""Plan -> ds_config.json (integration.md §3), validated by DeepSpeed's own config classes.
+
+``ds_config(plan)`` is the one Plan -> DeepSpeed config path: ``ds-autoplan plan`` writes it
+and ``ds_autoplan.initialize`` runs it (merged with the user's own keys, if any)."""
 from __future__ import annotations
 
 import contextlib
@@ -7,27 +10,16 @@ import copy
 from ..plan import Plan
 
 
-def autoplan_section(plan: Plan) -> dict:
-    """What DeepSpeed has no key for: partition, schedule, per-stage recompute."""
-    return {"schedule": plan.schedule, "schedule_options": dict(plan.schedule_options),
-            "layers_per_stage": list(plan.layers_per_stage),
-            "recompute_per_stage": list(plan.recompute_per_stage),
-            "tensor_parallel_size": plan.tp, "pipeline_parallel_size": plan.pp,
-            "data_parallel_size": plan.dp, "num_microbatches": plan.num_microbatches,
-            "sequence_parallel": plan.sequence_parallel,   # Megatron only (DeepSpeed runs tp = 1)
-            "selective_recompute": plan.selective_recompute,   # Megatron only
-            "partitioner": plan.partitioner, "model": plan.model, "cluster": plan.cluster}
-
-
 def ds_config(plan: Plan) -> dict:
     """The DeepSpeed config of ``plan``.  ZeRO 2/3 only without pipeline parallelism
-    (PipelineEngine asserts ZeRO < 2).  ``pipeline.activation_checkpoint_interval`` is 1 when
-    any stage recomputes (DeepSpeed's switch is global; the ds_autoplan runtime narrows it
-    per stage from the ``autoplan`` section), 0 otherwise."""
+    (PipelineEngine asserts ZeRO < 2).  The plan itself (partition, schedule, per-stage
+    recompute: what DeepSpeed has no key for) is ``pipeline.autoplan``; DeepSpeed keeps the
+    ``pipeline`` section as given and the engine reads it back from there.
+    ``pipeline.activation_checkpoint_interval`` is 0: DeepSpeed's switch is global, the
+    ds_autoplan runtime recomputes per stage (``recompute_per_stage``)."""
     if plan.pp > 1 and plan.zero_stage > 1:
         raise ValueError(f"ZeRO stage {plan.zero_stage} cannot run with pipeline parallelism "
                          f"(pp={plan.pp}) in DeepSpeed")
-    rec = any(r > 0 for r in plan.recompute_per_stage)
     cfg = {
         "train_batch_size": plan.global_batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
@@ -39,9 +31,8 @@ def ds_config(plan: Plan) -> dict:
         "activation_checkpointing": {"partition_activations": False,
                                      "contiguous_memory_optimization": False,
                                      "cpu_checkpointing": False},
-        "pipeline": {"activation_checkpoint_interval": 1 if rec else 0,
-                     "stages": plan.pp, "partition": "autoplan"},
-        "autoplan": autoplan_section(plan),
+        "pipeline": {"activation_checkpoint_interval": 0, "stages": plan.pp,
+                     "partition": "autoplan", "autoplan": plan.to_dict()},
     }
     if plan.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -55,7 +46,7 @@ def ds_config(plan: Plan) -> dict:
 # what a plan decides in a DeepSpeed config: parallelism, batch, schedule (dotted paths)
 PLAN_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
              "zero_optimization.stage", "pipeline.activation_checkpoint_interval", "pipeline.stages",
-             "pipeline.partition", "autoplan")
+             "pipeline.partition", "pipeline.autoplan")
 _MISSING = object()
 
 

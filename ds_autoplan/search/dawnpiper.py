@@ -1,7 +1,8 @@
 """DawnPiper's binary pipeline partitioning over the fine-grained chain of a profile
 (partition-dawnpiper.md §4-6; seed 002 §4, Algorithm 1), with :func:`memopt.mem_opt` as the
-per-stage memory optimisation.  The planner's block-level version is
-``ds_autoplan.search.partition.dawnpiper``; this one cuts at profile units (fx nodes).
+per-stage memory optimisation.  The walk itself is :func:`bipartition.binary_partition`,
+shared with the planner's block-level ``ds_autoplan.search.partition.dawnpiper``; this one
+cuts at profile units (fx nodes).
 
 Theorem 4.1: for two adjacent stages the best cut lies between the compute-balanced cut
 ``rho_cb`` and the memory-balanced cut ``rho_mb``; candidates are visited from ``rho_cb``
@@ -10,12 +11,11 @@ toward ``rho_mb`` and the walk stops at the first cut that needs no memory optim
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
+from .bipartition import INF, binary_partition
 from .memopt import KEEP, StagePolicy, _Stage, mem_opt
 from ..profile.profile import Profile
 
-INF = float("inf")
 
 
 @dataclass
@@ -45,12 +45,6 @@ def dawnpiper_partition(prof: Profile, copies: list[int], cap: float, **memopt_k
     def stage(lo, hi, x) -> _Stage:
         return _Stage(prof, lo, hi, copies[x], 1.0, memopt_kw.get("state_factor", 4.0))
 
-    @lru_cache(maxsize=None)
-    def opt(lo, hi, x):
-        pol = mem_opt(prof, lo, hi, cap, copies[x], stage=x, **memopt_kw)
-        t = pol.time_s + pol.extra_s if pol.feasible else INF
-        return t, pol
-
     def time_of(lo, hi):
         st = stage(lo, hi, 0)
         return st.TF + st.TB
@@ -75,30 +69,11 @@ def dawnpiper_partition(prof: Profile, copies: list[int], cap: float, **memopt_k
         step = 1 if mb >= cb else -1
         return list(range(cb, mb + step, step))          # from rho_cb toward rho_mb
 
-    @lru_cache(maxsize=None)
-    def bipar(lo, hi, L, R):
-        if L == R:
-            t, pol = opt(lo, hi, L)
-            return t, ((lo, hi),), (pol,)
-        mid = L + (R - L + 1) // 2 - 1                   # 3 stages: left group = 1 (§6.2)
-        best = (INF, None, None)
-        cands = candidates(lo, hi, L, mid, R)
-        # the theorem assumes feasibility; if no cut in [rho_cb, rho_mb] fits, widen to all
-        # cuts (partition-dawnpiper.md §4.4 "widen the interval")
-        rest = [c for c in range(lo + mid - L + 1, hi - (R - mid) + 1) if c not in cands]
-        for c in cands + rest:
-            if rest and c == rest[0] and best[0] < INF:
-                break
-            tl, bl, pl = bipar(lo, c, L, mid)
-            tr, br, pr = bipar(c, hi, mid + 1, R)
-            t = max(tl, tr)
-            if t < best[0] or best[1] is None:
-                best = (t, bl + br, pl + pr)
-            if t < INF and all(not (p.recompute or p.swap) for p in pl + pr):
-                break                                    # first cut needing no MO (§6.1)
-        return best
+    def stage_cost(lo, hi, x):
+        pol = mem_opt(prof, lo, hi, cap, copies[x], stage=x, **memopt_kw)
+        return (pol.time_s + pol.extra_s if pol.feasible else INF), pol, bool(pol.recompute or pol.swap)
 
-    t, bounds, pols = bipar(0, N, 0, S - 1)
+    t, bounds, pols = binary_partition(N, S, stage_cost, candidates, widen=True)
     return Partition(list(bounds), list(pols), t)
 
 

@@ -9,6 +9,7 @@ from collections import deque
 
 import numpy as np
 
+from .bipartition import binary_partition
 from .dp import INF, Context
 
 
@@ -180,60 +181,31 @@ def dawnpiper(ctx: Context):
     segT = stage_matrices(ctx, nomo, "time")
     segM = stage_matrices(ctx, nomo, "mem")
 
-    def sub_minmax(segs, A, B, Ls, Rs):
-        sub = [segs[i][A:B + 1, A:B + 1] for i in range(Ls, Rs + 1)]
-        return minmax_partition(sub)
-
-    def stage(i, a, b):
-        lo = 0 if i == 0 else a + 1
-        hi = b + 3 if i == P - 1 else b + 2
-        sp = ctx.solve(tuple(int(x) for x in ctx.seq[lo:hi]), ctx.K(i))
+    def stage_cost(lo, hi, i):
+        """Blocks [lo, hi) as stage i (the first / last stage adds the pre / post units);
+        memory optimisation = the stage DP's CKPT choice."""
+        units = ctx.seq[0 if i == 0 else lo + 1:hi + 2 if i == P - 1 else hi + 1]
+        sp = ctx.solve(tuple(int(x) for x in units), ctx.K(i))
         if sp is None:
             return INF, None, True
-        tcost = float((ctx.tab.c_ns[ctx.seq[lo:hi], sp.strategies]).sum())
-        used_mo = any(ctx.strategies[s].ckpt for s in sp.strategies)
-        return tcost, (b - a + 1,), used_mo
+        tcost = float((ctx.tab.c_ns[units, sp.strategies]).sum())
+        return tcost, hi - lo, any(ctx.strategies[s].ckpt for s in sp.strategies)
 
-    memo = {}
-
-    def bipar(A, B, Ls, Rs):
-        key = (A, B, Ls, Rs)
-        if key in memo:
-            return memo[key]
-        if Ls == Rs:
-            t, parts, mo = stage(Ls, A, B)
-            memo[key] = (t, parts, mo)
-            return memo[key]
-        k = Rs - Ls + 1
-        left = 1 if k == 3 else (k + 1) // 2
-        mid = Ls + left - 1
-        pcb = sub_minmax(segT, A, B, Ls, Rs)
-        pmb = sub_minmax(segM, A, B, Ls, Rs)
+    def candidates(lo, hi, first, mid, last):
+        """Cuts from the compute-balanced toward the memory-balanced one (min-max splits of
+        stages first..last over blocks [lo, hi) by time and by memory)."""
+        pcb = minmax_partition([segT[i][lo:hi, lo:hi] for i in range(first, last + 1)])
         if pcb is None:
-            memo[key] = (INF, None, True)
-            return memo[key]
-        c_cb = A + sum(pcb[:left]) - 1            # last block of the left group
-        c_mb = A + sum((pmb or pcb)[:left]) - 1
+            return []
+        pmb = minmax_partition([segM[i][lo:hi, lo:hi] for i in range(first, last + 1)]) or pcb
+        c_cb, c_mb = lo + sum(pcb[:mid - first + 1]), lo + sum(pmb[:mid - first + 1])
         step = -1 if c_mb < c_cb else 1
-        best = (INF, None, True)
-        for c in range(c_cb, c_mb + step, step):
-            if c < A + left - 1 or B - c < Rs - mid:
-                continue
-            tl, pl, ml = bipar(A, c, Ls, mid)
-            tr, pr, mr = bipar(c + 1, B, mid + 1, Rs)
-            if pl is None or pr is None:
-                continue
-            t = max(tl, tr)
-            if t < best[0]:
-                best = (t, pl + pr, ml or mr)
-            if not (ml or mr):
-                break
-        memo[key] = best
-        return best
+        return list(range(c_cb, c_mb + step, step))
 
-    t, parts, _ = bipar(0, L - 1, 0, P - 1)
-    if parts is None:
+    t, bounds, counts = binary_partition(L, P, stage_cost, candidates)
+    if bounds is None or None in counts:
         return INF, None, None
+    parts = tuple(counts)
     T, plan = ctx.search(parts)
     return T, parts, plan
 

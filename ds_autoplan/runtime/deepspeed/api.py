@@ -29,23 +29,17 @@ def as_plan(plan):
     return Plan.load(os.fspath(plan))
 
 
-def config_from_plan(plan) -> dict:
-    """The DeepSpeed config keys a plan fixes (the emitter's ``ds_config`` when available)."""
-    try:
-        from ...emit.deepspeed import ds_config
-        return ds_config(plan)
-    except ImportError:
-        pass
-    cfg = {"train_micro_batch_size_per_gpu": plan.micro_batch_size,
-           "gradient_accumulation_steps": plan.num_microbatches,
-           "train_batch_size": plan.micro_batch_size * plan.num_microbatches * plan.dp}
-    if plan.zero_stage:
-        cfg["zero_optimization"] = {"stage": plan.zero_stage}
-        cfg["zero_allow_untested_optimizer"] = True
-    if plan.precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    elif plan.precision == "fp16":
-        cfg["fp16"] = {"enabled": True}
+def config_from_plan(plan, config=None, defaults: bool = True) -> dict:
+    """The config ``initialize`` runs: the emitted ``ds_config(plan)`` (what ``ds-autoplan
+    plan`` writes to ds_config.json; ``defaults=False``: nothing of it) with the user's
+    ``config`` keys merged over it; the plan stays at ``pipeline.autoplan`` and, when it
+    recomputes, DeepSpeed's global checkpointing switch stays off (the runtime recomputes per
+    stage)."""
+    from ...emit.deepspeed import ds_config
+    cfg = _merge(ds_config(plan) if defaults else {}, config or {})
+    cfg.setdefault("pipeline", {})["autoplan"] = plan.to_dict()
+    if any(x > 0 for x in plan.recompute_per_stage):
+        cfg["pipeline"]["activation_checkpoint_interval"] = 0
     return cfg
 
 
@@ -115,7 +109,8 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
 
     ``schedule`` overrides the plan's (a Schedule object or a builder name, built for
     ``plan.pp`` ranks and ``plan.num_microbatches``).  ``config`` (dict or JSON path) is
-    merged over the keys the plan fixes; the plan itself is stored at
+    merged over ``ds_config(plan)`` (:func:`config_from_plan`: without ``config`` the engine
+    runs exactly the emitted ds_config.json); the plan itself is at
     ``config["pipeline"]["autoplan"]`` (DeepSpeed never validates ``pipeline``).
     ``config_defaults=False`` takes nothing from the plan's emitted config beyond ``config``
     (which then holds the plan's keys: ``emit.deepspeed.user_config``), so a user's own
@@ -131,11 +126,7 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
     if isinstance(config, (str, os.PathLike)):
         with open(config) as fh:
             config = json.load(fh)
-    cfg = _merge(config_from_plan(plan) if config_defaults else {}, config or {})
-    cfg.setdefault("pipeline", {})["autoplan"] = plan.to_dict()
-    if any(x > 0 for x in plan.recompute_per_stage):
-        # stage-aware recomputation is ours, per stage; DeepSpeed's switch is global
-        cfg["pipeline"]["activation_checkpoint_interval"] = 0
+    cfg = config_from_plan(plan, config, defaults=config_defaults)
     with startup_watchdog("DeepSpeed initialisation"):
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend=ds_kwargs.pop("dist_backend", None))
