@@ -129,11 +129,9 @@ def prebuild_ops() -> None:
     """Build DeepSpeed's CPU communication op once, here, before any rank starts and outside
     any kill timeout (a rank killed mid-build leaves a lock every later run hangs on).  Only
     when the runtime keeps the op (DS_AUTOPLAN_SHM=1); otherwise no rank builds it."""
-    if os.environ.get("DS_AUTOPLAN_SHM") != "1":
-        return
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from deepspeed.comm.torch import build_shm_op
-    build_shm_op()
+    from ds_autoplan.runtime.launch import prebuild_ops as build
+    build(os.environ)
 
 
 # ----------------------------------------------------------------------------- report

@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from ds_autoplan.cli import patch_cmd  # noqa: E402
-from ds_autoplan.runtime.launch import free_port  # noqa: E402
+from ds_autoplan.runtime.launch import free_port, prebuild_ops  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT = Path("/work/shared/clients") if Path("/work/shared/clients").is_dir() else ROOT.parent / "shared" / "clients"
@@ -40,6 +40,9 @@ pytestmark = pytest.mark.skipif(not CLIENT.is_dir(), reason="../shared/clients i
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
+    # the script's "Adam" loads DeepSpeed's JIT-built fused_adam op: build it here, once and
+    # outside the runs' kill timeout (a rank killed mid-build leaves a lock later runs hang on)
+    prebuild_ops(_env(), adam=True)
     d = tmp_path_factory.mktemp("pipeline_parallelism")
     for f in CLIENT.iterdir():
         shutil.copy(f, d / f.name)

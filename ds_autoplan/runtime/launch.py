@@ -85,12 +85,18 @@ def spawn(argv: list[str], world: int, timeout: float = 300.0, grace: float = 60
     return out
 
 
-def prebuild_ops(env) -> None:
-    """Build DeepSpeed's CPU shared-memory comm op once, in this process, when the ranks would
-    build it (``DS_AUTOPLAN_SHM=1``, see :mod:`ds_autoplan.runtime.deepspeed.dist`)."""
+def prebuild_ops(env, *, adam: bool = False) -> None:
+    """Build, once and in this process, the DeepSpeed CPU ops the ranks would JIT-build: the
+    shared-memory comm op when they keep it (``DS_AUTOPLAN_SHM=1``, see
+    :mod:`ds_autoplan.runtime.deepspeed.dist`) and, with ``adam``, the ``fused_adam`` op that a
+    config's ``"optimizer": {"type": "Adam"}`` loads.  A rank killed mid-build leaves a lock
+    every later run hangs on, so builds happen here, outside any kill timeout."""
     if env.get("DS_AUTOPLAN_SHM") == "1":
         from deepspeed.comm.torch import build_shm_op
         build_shm_op()
+    if adam:
+        from deepspeed.accelerator import get_accelerator
+        get_accelerator().create_op_builder("FusedAdamBuilder").load()
 
 
 def report_runs(jobs) -> None:
