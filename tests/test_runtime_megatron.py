@@ -246,3 +246,18 @@ def test_example_trains_on_two_ranks():
     assert p.returncode == 0 and len(steps) == 3, p.stdout[-2000:] + p.stderr[-2000:]
     losses = [float(ln.rsplit(" ", 1)[1]) for ln in steps]
     assert losses[-1] < losses[0]
+
+
+def test_chunk_without_decoder_has_no_layers_to_recompute():
+    """A chunk that is not a GPTModel (the benchmarks' sleep layers) runs: it has no decoder
+    layers, so only an R would be refused (stage_recompute raises for k of 0 layers)."""
+    import torch.nn as nn
+
+    from ds_autoplan.runtime.megatron.executor import _chunk_layers
+    from ds_autoplan.schedule import ScheduleError, build
+    from ds_autoplan.schedule.passes import add_recompute, stage_recompute
+    assert _chunk_layers(nn.Sequential(nn.Linear(2, 2))) == []
+    sched = build("1f1b", 2, 2)
+    assert stage_recompute(sched, 0, 0) == 0
+    with pytest.raises(ScheduleError):
+        stage_recompute(add_recompute(sched, [1, 1]), 0, 0)

@@ -200,7 +200,12 @@ class _PrefixDone(Exception):
 
 
 def _chunk_layers(chunk):
-    dec = get_attr_wrapped_model(chunk, "decoder", allow_none=True)
+    """The transformer layers of a (wrapped) GPTModel chunk; [] for a chunk with no decoder
+    (any other module runs too, it just has nothing an R could re-run)."""
+    try:
+        dec = get_attr_wrapped_model(chunk, "decoder", allow_none=True)
+    except RuntimeError:        # no ``decoder`` attribute at any wrapping level
+        return []
     return list(dec.layers) if dec is not None else []
 
 
