@@ -171,6 +171,17 @@ def _worker(cases_path: str) -> None:
     report_runs((lambda c=c: import_fn(c["fn"])(c)) for c in cases)
 
 
+def _exit(code: int) -> None:
+    """Leave at once (os._exit skips atexit), first stopping this rank's multiprocessing
+    children, which atexit would have stopped: e.g. the Manager process Megatron's
+    dist_checkpointing writer starts, left orphaned otherwise."""
+    import multiprocessing
+    for child in multiprocessing.active_children():
+        child.terminate()
+    sys.stdout.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     import traceback
     import warnings
@@ -179,7 +190,5 @@ if __name__ == "__main__":
         _worker(sys.argv[1])
     except BaseException:
         traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)          # at once: the peers' sockets close and they error out
-    sys.stdout.flush()
-    os._exit(0)
+        _exit(1)             # at once: the peers' sockets close and they error out
+    _exit(0)
