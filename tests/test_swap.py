@@ -152,6 +152,11 @@ def worker(path):
         del d["params"]
     print("AUTOPLAN_RESULT " + json.dumps({"rank": engine.stage_id, "same_params": same,
                                            "off": out[False], "on": out[True]}), flush=True)
+    # Tear the gloo group down before interpreter exit: left to the exit, its threads can be
+    # destroyed while joinable ("terminate called without an active exception", SIGABRT).
+    import torch.distributed as dist
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def test_deepspeed_stage_swaps(prof, tmp_path):
