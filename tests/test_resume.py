@@ -155,6 +155,9 @@ def test_engine_checkpoint_methods(two_ranks, ckpt):
     from ds_autoplan.runtime.checkpoint import CheckpointError, read_meta
     with pytest.raises(CheckpointError, match="its latest checkpoint is .*global_step3"):
         read_meta(ckpt / "ds-sched")
+    meta = read_meta(ckpt / "ds-sched" / "global_step3")
+    assert meta["lr_scheduler"] == "WarmupDecayLR" and meta["step"] == 3
+    assert meta["counters"] == {"global_samples": 24, "skipped_steps": 0} and meta["world_size"] == 2
 
 
 def test_deepspeeds_own_checkpoint_is_refused(tmp_path):
@@ -224,3 +227,5 @@ def test_checkpoint_info_names_the_megatron_plan(megatron_two_ranks, ckpt, capsy
     assert main(["checkpoint", "info", str(ckpt / "m-vhalf")]) == 0
     out = capsys.readouterr().out
     assert "megatron, step 3, 4 layers" in out and "schedule v-half" in out
+    assert main(["checkpoint", "info", str(ckpt / "m-sched")]) == 0
+    assert "lr scheduler OptimizerParamScheduler" in capsys.readouterr().out

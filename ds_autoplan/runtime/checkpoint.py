@@ -8,7 +8,8 @@ reads them unchanged.  ``autoplan_checkpoint.json`` says which plan wrote the fo
 
     {"format": 1, "framework": "deepspeed", "step": 3, "num_layers": 8, "world_size": 2,
      "counters": {"global_samples": 24, "skipped_steps": 0}, "plan": {...},
-     "optimizer": {"class": "Adam", "param_groups": [{"lr": 0.01, ...}]}}
+     "optimizer": {"class": "Adam", "param_groups": [{"lr": 0.01, ...}]},
+     "lr_scheduler": "WarmupDecayLR"}
 
 ``ds-autoplan checkpoint info DIR`` prints it (:func:`describe`).  Beside it, the training
 state that belongs to no layer: ``autoplan_train_state.pt`` (the learning-rate scheduler's
@@ -40,17 +41,19 @@ def state_path(ckpt_dir, layer: int) -> str:
 
 
 def write_meta(ckpt_dir, *, framework: str, plan, step: int, num_layers: int, optimizer,
-               counters: dict | None = None) -> dict:
+               scheduler=None, counters: dict | None = None) -> dict:
     """Write ``autoplan_checkpoint.json`` (call on one rank): ``step`` is the number of
     optimizer steps taken, ``counters`` further step counters (ints, e.g. DeepSpeed's
-    ``global_samples`` / ``skipped_steps``)."""
+    ``global_samples`` / ``skipped_steps``); the learning-rate scheduler is named (its state is
+    in :data:`TRAIN_STATE`)."""
     groups = [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str))}
               for g in getattr(optimizer, "param_groups", [])]
     meta = {"format": FORMAT, "framework": framework, "step": int(step), "num_layers": int(num_layers),
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "counters": {k: int(v) for k, v in (counters or {}).items()},
             "plan": plan.to_dict() if hasattr(plan, "to_dict") else plan,
-            "optimizer": {"class": type(optimizer).__name__, "param_groups": groups}}
+            "optimizer": {"class": type(optimizer).__name__, "param_groups": groups},
+            "lr_scheduler": type(scheduler).__name__ if scheduler is not None else None}
     with open(os.path.join(os.fspath(ckpt_dir), META), "w") as f:
         json.dump(meta, f, indent=1)
     return meta
@@ -176,7 +179,8 @@ def describe(ckpt_dir) -> str:
              f"  layers per stage {p.get('layers_per_stage')}, recompute {p.get('recompute_per_stage')}",
              f"  micro-batch {p.get('micro_batch_size')} x {p.get('num_microbatches')} per replica, "
              f"global batch {p.get('global_batch_size')}",
-             f"optimizer {meta['optimizer']['class']} {meta['optimizer']['param_groups']}",
+             f"optimizer {meta['optimizer']['class']} {meta['optimizer']['param_groups']}, "
+             f"lr scheduler {meta.get('lr_scheduler')}",
              "loads under any plan for the same model (schedule, partition, pp, dp, ZeRO 0/1)"]
     return "\n".join(lines)
 

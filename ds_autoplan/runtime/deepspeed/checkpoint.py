@@ -90,9 +90,9 @@ def save_checkpoint(engine, save_dir, step: int | None = None, plan=None, client
     mod = engine.module
     if not hasattr(mod, "local_layers"):
         raise CheckpointError("save_checkpoint needs an engine from ds_autoplan.initialize")
+    zero = _zero_optimizer(engine)           # refuses an unsupported optimizer before writing
     os.makedirs(save_dir, exist_ok=True)
     mod.save_state_dict(save_dir, checkpoint_engine=engine.checkpoint_engine)   # DeepSpeed's files
-    zero = _zero_optimizer(engine)
     keys, scalars = _state_keys(zero) if zero is not None else ([], {})
     per_layer: dict = {}
     for i, name, p in _params(engine):
@@ -107,7 +107,7 @@ def save_checkpoint(engine, save_dir, step: int | None = None, plan=None, client
         write_meta(save_dir, framework="deepspeed", step=engine.global_steps if step is None else step,
                    plan=plan if plan is not None else engine._config.pipeline.get("autoplan"),
                    num_layers=len(mod._layer_specs), optimizer=engine.optimizer,
-                   counters={"global_samples": engine.global_samples,
+                   scheduler=engine.lr_scheduler, counters={"global_samples": engine.global_samples,
                              "skipped_steps": engine.skipped_steps})
     dist.barrier()
 
@@ -185,10 +185,10 @@ def load_checkpoint(engine, load_dir, *, optimizer_states: bool = True,
     masters only (a warm start: no optimizer, scheduler, counters or generators)."""
     mod = engine.module
     meta = read_meta(load_dir, framework="deepspeed", num_layers=len(mod._layer_specs))
+    zero = _zero_optimizer(engine)
     mod.load_state_dir(load_dir, checkpoint_engine=engine.checkpoint_engine)    # strict: same model
     saved, params = _saved_states(engine, load_dir)
     with_state = optimizer_states and not module_only
-    zero = _zero_optimizer(engine)
     if zero is not None:
         _restore_zero(zero, saved, params, with_state)
     else:

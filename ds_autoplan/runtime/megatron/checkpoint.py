@@ -87,7 +87,7 @@ def save_checkpoint(chunks, optimizer, save_dir, *, plan, step: int, scheduler=N
     if dist.get_rank() == 0:
         save_train_state(save_dir, scheduler=scheduler, client_state=client_state)
         write_meta(save_dir, framework="megatron", plan=plan, step=step,
-                   num_layers=_num_layers(chunks), optimizer=optimizer)
+                   num_layers=_num_layers(chunks), optimizer=optimizer, scheduler=scheduler)
     dist.barrier()
 
 
