@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -40,28 +41,29 @@ class Context:
         self.seq = np.concatenate([[0], cm.block_types, [1]])
         self._w: dict[int, np.ndarray] = {}
         self._r_zero = ~np.any(self.Rm != 0, axis=(1, 2))
-        self._layout_classes()
         self._shifts: dict = {}
         self._prefix: dict = {}
         self._solved: dict = {}
 
-    def _layout_classes(self):
+    @cached_property
+    def _classes(self):
         """Strategies sharing a layout (TP, data degree, level order) re-lay out to each
-        other for free and alike to the rest (§2.5): the DP's min over s' runs per class."""
+        other for free and alike to the rest (§2.5), so the DP's min over s' runs per class:
+        (class of each strategy, members of each class, R between classes), or None where
+        R is not per layout (a plain S x S min)."""
         keys = [(s.tp, s.dp, s.tp_outer) for s in self.strategies]
         uniq = list(dict.fromkeys(keys))
-        self._cls = np.array([uniq.index(k) for k in keys])
-        self._members = [np.flatnonzero(self._cls == c) for c in range(len(uniq))]
-        rep = np.array([m[0] for m in self._members])
-        self._Rc = self.Rm[:, rep][:, :, rep]
-        if not np.array_equal(self._Rc[:, self._cls][:, :, self._cls], self.Rm):
-            self._members = None                   # R is not per layout: plain S x S min
+        cls = np.array([uniq.index(k) for k in keys])
+        members = [np.flatnonzero(cls == c) for c in range(len(uniq))]
+        rep = np.array([m[0] for m in members])
+        Rc = self.Rm[:, rep][:, :, rep]
+        return (cls, members, Rc) if np.array_equal(Rc[:, cls][:, :, cls], self.Rm) else None
 
     def _columns(self, t: int) -> np.ndarray:
         """Row of :meth:`_relayout_min`'s matrices that serves each strategy, for type t."""
         if self._r_zero[t]:
             return np.zeros(self.S, dtype=np.int64)
-        return np.arange(self.S) if self._members is None else self._cls
+        return np.arange(self.S) if self._classes is None else self._classes[0]
 
     def _relayout_min(self, Dp: np.ndarray, t: int):
         """M[k, e] = min_s' D[s', e] + m R(s', s) and its first argmin s', for the strategies
@@ -69,17 +71,18 @@ class Context:
         when R is per class, else one per strategy."""
         if self._r_zero[t]:
             return Dp.min(axis=0, keepdims=True), Dp.argmin(axis=0)[None, :]
-        if self._members is None:
+        if self._classes is None:
             tot = Dp[:, None, :] + self.Rm[t][:, :, None]
             return tot.min(axis=0), tot.argmin(axis=0)
+        _, members, Rc = self._classes
         E1 = Dp.shape[1]
-        Dc = np.empty((len(self._members), E1))
-        best = np.empty((len(self._members), E1), dtype=np.int64)
-        for c, mem in enumerate(self._members):
+        Dc = np.empty((len(members), E1))
+        best = np.empty((len(members), E1), dtype=np.int64)
+        for c, mem in enumerate(members):
             sub = Dp[mem]
             best[c] = mem[sub.argmin(axis=0)]
             Dc[c] = sub.min(axis=0)
-        tot = Dc[:, None, :] + self._Rc[t][:, :, None]              # [source class, class, e]
+        tot = Dc[:, None, :] + Rc[t][:, :, None]                   # [source class, class, e]
         return tot.min(axis=0), np.take_along_axis(best, tot.argmin(axis=0), axis=0)
 
     def w(self, K: int) -> np.ndarray:
@@ -155,8 +158,8 @@ class Context:
         key = (K, rle)
         if key in self._solved:
             return self._solved[key]
-        if self._two_level:
-            out = self._solve_ckpt_count(types, K)
+        if self._two_level or self.S == 1:
+            out = self._solve_ckpt_count(types, K) if self.S == 2 else self._solve_single(types, K)
             self._solved[key] = out
             return out
         D, args = self._table(rle, K)
@@ -190,6 +193,17 @@ class Context:
         """An executable strategy set: one layout without and with CKPT (no re-layout)."""
         st = self.strategies
         return len(st) == 2 and not st[0].ckpt and st[1] == st[0]._replace(ckpt=True) and self._r_zero.all()
+
+    def _solve_single(self, types: tuple, K: int) -> StagePlan | None:
+        """The DP's answer for one strategy in closed form: its only plan, where the rounded
+        weights fit the memory units (the table is finite at e = units) and the exact Eq. 2
+        peak the budget (a smaller e gives the same plan and peak)."""
+        ty = list(types)
+        if int(self.w(K)[ty, 0].sum()) > self.units or not np.isfinite(self.cost[ty, 0]).all():
+            return None
+        plan = [0] * len(ty)
+        ea = self.e_all(types, plan, K)
+        return StagePlan(plan, ea) if ea <= self.E else None
 
     def _solve_ckpt_count(self, types: tuple, K: int) -> StagePlan | None:
         """The DP's answer for the two-level set in closed form: the first k checkpointable
