@@ -6,6 +6,7 @@
   the spread is the widest the samples allow.
 * :func:`fit_dispatch` and :func:`ping`: a runtime's own overheads, measured once per
   runtime and fed to the simulator (``schedule.Overheads``).
+* :func:`publish`: the last line (the summary JSON) and, with ``--json``, summary + rows.
 * :class:`Report`: the JSON line -- each figure's median, ``"spread"`` per figure, the
   simulator's ``"bounds"``, ``"flags"`` for a figure beyond its physical bound (which fails
   the benchmark's own ``goals_met``) and ``"max_sim_error"``.
@@ -14,6 +15,7 @@ The compute stand-in (calibrated sleep layers) is :mod:`ds_autoplan.models.sleep
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -135,6 +137,16 @@ def prebuild_ops() -> None:
 
 
 # ----------------------------------------------------------------------------- report
+def publish(summary: dict, rows: list | None = None, path: str | None = None) -> int:
+    """Write ``{"summary", "rows"}`` to ``path`` (a benchmark's ``--json``) when given, then
+    print the summary as the benchmark's last line; returns 0 (the exit status)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"summary": summary, "rows": rows or []}, f, indent=1)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
 class Report:
     """Figures of one benchmark run, as the last line's JSON object."""
 

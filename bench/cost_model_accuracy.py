@@ -513,11 +513,7 @@ def main(argv=None) -> int:
            "runtime": "deepspeed PipelineEngine (ds_autoplan adapter), 2 gloo CPU ranks",
            "device": profs[cases[0]["mbs"]][0].device.get("name"),
            "seconds": round(time.time() - t_start, 1)}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"summary": out, "rows": rows}, f, indent=1)
-    print(json.dumps(out))
-    return 0
+    return M.publish(out, rows, args.json)
 
 
 if __name__ == "__main__":

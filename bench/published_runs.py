@@ -17,13 +17,14 @@ stays under a minute on two cores.  The last line is one JSON object with "media
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _measure as M  # noqa: E402
 
 from ds_autoplan.cost.iteration import Config, config_cost  # noqa: E402
 from ds_autoplan.cost.memory import usable_budget  # noqa: E402
@@ -165,11 +166,7 @@ def main(argv=None) -> int:
     summary = {"median_abs_error": round(statistics.median(abs_err), 4), "max_abs_error": round(max(abs_err), 4),
                "rows": len(rows), "free_choice_over_budget": over, "published_infeasible": infeasible,
                "wall_s": round(time.perf_counter() - t0, 1)}
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"rows": rows, "summary": summary}, f, indent=1)
-    print(json.dumps(summary))
-    return 0
+    return M.publish(summary, rows, a.json)
 
 
 if __name__ == "__main__":

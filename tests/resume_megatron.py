@@ -1,7 +1,8 @@
 """Megatron cases of tests/test_resume.py (every rank, through ds_autoplan.runtime.launch):
 Megatron's own DDP and optimizer (Adam; ZeRO-1 = its DistributedOptimizer), our schedule
 runner; train 3 steps under plan A, save, train 3 more; then plan B's chunks from other
-weights load the checkpoint and train the same 3 steps."""
+weights load the checkpoint and train the same 3 steps.  A spec's ``sched``: Megatron-core's
+OptimizerParamScheduler (warm-up, then linear decay); ``dropout``: the config's hidden dropout."""
 from __future__ import annotations
 
 import contextlib
@@ -37,7 +38,7 @@ class Run:
         ps.destroy_model_parallel()
         self.plan = _plan(spec)
         self.setup = initialize(self.plan)
-        chunks = T.build_chunks(self.setup)
+        chunks = T.build_chunks(self.setup, hidden_dropout=spec.get("dropout", 0.0))
         if reference_weights:      # plan A starts from the whole model's weights
             T.copy_weights(T.build_reference(BLOCKS), chunks, self.setup, self.plan.layers_per_stage)
         zero = spec["zero"] > 0
@@ -45,12 +46,14 @@ class Run:
             self.chunks = [DistributedDataParallel(c.config, DistributedDataParallelConfig(
                 use_distributed_optimizer=zero), c) for c in chunks]
             self.opt = get_megatron_optimizer(OptimizerConfig(
-                optimizer="adam", lr=0.01, weight_decay=0.0, clip_grad=0.0, use_distributed_optimizer=zero,
+                optimizer="adam", lr=0.01, min_lr=0.001, weight_decay=0.0, clip_grad=0.0, use_distributed_optimizer=zero,
                 params_dtype=torch.float32), self.chunks)
         for c in self.chunks:
             c.config.no_sync_func = [m.no_sync for m in self.chunks]
             c.config.finalize_model_grads_func = finalize_model_grads
         self.fb = get_forward_backward_func(self.plan)
+        self.sched = _scheduler(self.opt) if spec.get("sched") else None
+        self.lrs: list = []       # the learning rate each step ran at
 
     def train(self, data, steps):
         import torch
@@ -70,14 +73,25 @@ class Run:
             losses = self.fb(forward_step_func=T.forward_step, model=self.chunks,
                              data_iterator=its if len(its) > 1 else its[0], num_microbatches=n,
                              seq_length=T.SEQ, micro_batch_size=T.MBS)
+            self.lrs.append(self.opt.param_groups[0]["lr"])
             with cpu_shim(remap_cuda_factories=True), _cuda_type_names():
                 self.opt.step()
+            if self.sched is not None:
+                self.sched.step(increment=1)
             # the step's loss: mean over the replica's micro-batches, averaged over replicas
             tot = torch.tensor(sum(float(x["loss"]) for x in losses) / n if losses else 0.0,
                                dtype=torch.float64)
             dist.all_reduce(tot)
             out.append(float(tot) / dp)
         return out
+
+
+def _scheduler(opt):
+    """Linear warm-up over 3 steps, then linear decay: each of the 6 steps has another rate."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    return OptimizerParamScheduler(opt, init_lr=0.001, max_lr=0.01, min_lr=0.001, lr_warmup_steps=3,
+                                   lr_decay_steps=8, lr_decay_style="linear", start_wd=0.0,
+                                   end_wd=0.0, wd_incr_steps=8, wd_incr_style="constant")
 
 
 @contextlib.contextmanager
@@ -125,12 +139,15 @@ def resume_case(case) -> dict:
     if "a" in case:
         run = Run(case["a"], reference_weights=True)
         first = run.train(data, range(STEPS))
-        save_checkpoint(run.chunks, run.opt, case["dir"], plan=run.plan, step=STEPS)
+        save_checkpoint(run.chunks, run.opt, case["dir"], plan=run.plan, step=STEPS, scheduler=run.sched,
+                        client_state={"epoch": 7})
         res["uninterrupted"] = first + run.train(data, range(STEPS, 2 * STEPS))
+        res["lr_a"] = run.lrs
     if "b" in case:
         run = Run(case["b"], reference_weights=False)
-        meta = load_checkpoint(run.chunks, run.opt, case["dir"])
+        meta = load_checkpoint(run.chunks, run.opt, case["dir"], scheduler=run.sched)
         res["resumed"] = run.train(data, range(STEPS, 2 * STEPS))
+        res["lr_b"], res["client_state"] = run.lrs, meta["client_state"]
         res["saved_under"] = meta["plan"]["schedule"]
         res["stages"] = run.setup.stages
     dist.barrier()

@@ -110,7 +110,14 @@ def test_threaded_execution_follows_the_communication_plan():
     ms_per_unit = 2.0  # one cost unit = 2 ms of sleep
     out = run_threads(low, c, ms_per_unit, sleep=sleep)
     pred = simulate(s, c).makespan * ms_per_unit / 1e3
-    assert out["wall_s"] == pytest.approx(pred, rel=0.25, abs=0.01)
+    # Sleeps never end early and each rank keeps its list order, so the threads can only be
+    # slower than the simulated makespan (a replay that overlapped dependent actions would
+    # be faster); the upper bound is loose because a loaded machine oversleeps.
+    assert pred * 0.98 <= out["wall_s"] <= 3 * pred + 0.5
+    work = [sum(float(c.duration(a.kind, a.stage, a.mb)) for a in low.ranks[r]
+                if not a.kind.name.startswith(("SEND", "RECV"))) * ms_per_unit / 1e3
+            for r in range(d)]
+    assert all(b >= 0.98 * w for b, w in zip(out["busy_s"], work))
     # a wrong receive order is detected, not hung on
     r1 = list(low.ranks[1])
     i, j = [k for k, a in enumerate(r1) if a.kind == Kind.RECV_F][:2]

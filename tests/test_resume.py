@@ -2,8 +2,12 @@
 (other schedule, partition, pp, dp, ZeRO stage) and training continues exactly as the
 uninterrupted run under A (fp32, Adam: the optimizer state must travel too).  Per framework
 one 2-rank and one 4-rank process group; the 4-rank group also loads a checkpoint the 2-rank
-group wrote (pp2 dp1 -> pp2 dp2, pp2 -> pp4).  DeepSpeed: tests/resume_deepspeed.py;
-Megatron-core (its DDP, optimizer and dist_checkpointing): tests/resume_megatron.py."""
+group wrote (pp2 dp1 -> pp2 dp2, pp2 -> pp4).  With a warm-up/decay learning-rate scheduler
+(DeepSpeed's WarmupDecayLR, Megatron-core's OptimizerParamScheduler) the learning rates continue
+too; with dropout, a resume under the same plan draws the same masks (each rank's generators are
+saved).  DeepSpeed: tests/resume_deepspeed.py (also through ``engine.save_checkpoint`` /
+``engine.load_checkpoint``); Megatron-core (its DDP, optimizer and dist_checkpointing):
+tests/resume_megatron.py."""
 import json
 import pathlib
 
@@ -16,10 +20,12 @@ from ds_autoplan.runtime.launch import launch, results  # noqa: E402
 WORKER = str(pathlib.Path(__file__).with_name("resume_deepspeed.py"))
 MEGATRON_CASE = str(pathlib.Path(__file__).with_name("resume_megatron.py")) + ":resume_case"
 TOL = 1e-6
+SCHED = "v-half->1f1b warm-up/decay lr"
+DROPOUT = "v-half->v-half dropout"
 
 
-def spec(schedule, pp=2, dp=1, zero=0):
-    return {"schedule": schedule, "pp": pp, "dp": dp, "zero": zero}
+def spec(schedule, pp=2, dp=1, zero=0, sched=False, dropout=0.0):
+    return {"schedule": schedule, "pp": pp, "dp": dp, "zero": zero, "sched": sched, "dropout": dropout}
 
 
 def cases(ckpt, world, tag):
@@ -29,13 +35,19 @@ def cases(ckpt, world, tag):
         return str(ckpt / f"{tag}-{name}")
     if world == 2:
         return [dict(name="v-half->1f1b", dir=d("vhalf"), a=spec("v-half"), b=spec("1f1b")),
-                dict(name="1f1b->v-zb", dir=d("pp2dp1"), a=spec("1f1b"), b=spec("v-zb"))]
+                dict(name="1f1b->v-zb", dir=d("pp2dp1"), a=spec("1f1b"), b=spec("v-zb")),
+                # DeepSpeed: through engine.save_checkpoint / engine.load_checkpoint
+                dict(name=SCHED, dir=d("sched"), a=spec("v-half", sched=True), b=spec("1f1b", sched=True),
+                     api="engine"),
+                dict(name=DROPOUT, dir=d("dropout"), a=spec("v-half", dropout=0.2),
+                     b=spec("v-half", dropout=0.2))]
     return [dict(name="pp2 dp1->pp2 dp2", dir=d("pp2dp1"), b=spec("1f1b", dp=2)),
             dict(name="pp2->pp4", dir=d("pp2dp1"), b=spec("1f1b", pp=4)),
             # Megatron: ZeRO-1 = its DistributedOptimizer
-            dict(name="ZeRO-0->ZeRO-1", dir=d("zero0"), a=spec("1f1b", dp=2), b=spec("1f1b", dp=2, zero=1)),
-            dict(name="pp2 ZeRO-1->pp4 ZeRO-0", dir=d("zero1"), a=spec("v-half", dp=2, zero=1),
-                 b=spec("1f1b", pp=4))]
+            dict(name="ZeRO-0->ZeRO-1", dir=d("zero0"), a=spec("1f1b", dp=2, sched=True),
+                 b=spec("1f1b", dp=2, zero=1, sched=True)),
+            dict(name="pp2 ZeRO-1->pp4 ZeRO-0", dir=d("zero1"), a=spec("v-half", dp=2, zero=1, sched=True),
+                 b=spec("1f1b", pp=4, sched=True))]
 
 
 def _deepspeed(ckpt, world):
@@ -81,10 +93,13 @@ def _close(a, b):
 
 
 def _assert_resumed(res, name, world, want=None):
-    """Every rank's resumed losses equal ``want`` (default: its own uninterrupted run's)."""
+    """Every rank's resumed losses equal ``want`` (default: its own uninterrupted run's), and so
+    do the learning rates its steps ran at."""
     for r in range(world):
         row = res[(name, r)]
         assert _close(row["resumed"], want or row["uninterrupted"][3:]), row
+        if row.get("lr_a"):
+            assert _close(row["lr_b"], row["lr_a"][3:]), row
 
 
 @pytest.mark.parametrize("name", ["v-half->1f1b", "1f1b->v-zb"])
@@ -107,7 +122,61 @@ def test_resume_on_more_ranks(two_ranks, four_ranks, name):
 @pytest.mark.parametrize("name", ["ZeRO-0->ZeRO-1", "pp2 ZeRO-1->pp4 ZeRO-0"])
 @pytest.mark.parametrize("group", ["four_ranks", "megatron_four_ranks"])
 def test_resume_across_zero_stages(request, group, name):
-    _assert_resumed(request.getfixturevalue(group), name, 4)
+    res = request.getfixturevalue(group)
+    _assert_resumed(res, name, 4)
+    lrs = res[(name, 0)]["lr_a"]                    # the scheduler changes the rate each step
+    assert len(set(lrs[3:])) == 3 and not set(lrs[3:]) & set(lrs[:3]), lrs
+
+
+@pytest.mark.parametrize("group", ["two_ranks", "megatron_two_ranks"])
+def test_scheduler_continues_under_another_plan(request, group):
+    """Losses and learning rates of V-Half -> 1F1B with a warm-up/decay scheduler equal the
+    uninterrupted run's; a restarted schedule would run steps 4-6 at the rates of steps 1-3."""
+    res = request.getfixturevalue(group)
+    _assert_resumed(res, SCHED, 2)
+    lrs = res[(SCHED, 0)]["lr_a"]
+    assert len(set(lrs[3:])) == 3 and not set(lrs[3:]) & set(lrs[:3]), lrs
+    assert all(res[(SCHED, r)]["client_state"] == ({"epoch": 7, "rank": 0} if group == "two_ranks"
+                                                   else {"epoch": 7}) for r in range(2))
+
+
+def test_engine_checkpoint_methods(two_ranks, ckpt):
+    """engine.save_checkpoint / engine.load_checkpoint keep DeepSpeed's signature and layout
+    (tag folder, ``latest``, client_state of rank 0 returned on every rank, step counters), and
+    load under another plan; what they cannot do is refused by name."""
+    assert (ckpt / "ds-sched" / "latest").read_text() == "global_step3"
+    for r in range(2):
+        row = two_ranks[(SCHED, r)]
+        assert row["load_path"] == str(ckpt / "ds-sched" / "global_step3")
+        assert row["counters"] == [3, 3 * 8, 0]           # global_steps, global_samples, skipped
+        assert row["no_checkpoint"] == [None, None]       # as DeepSpeed: no latest, no tag
+        assert "exclude_frozen_parameters=True is not supported" in row["refused"]
+        assert row["module_only"] == {} and row["module_only_steps"] == 0   # weights only
+    from ds_autoplan.runtime.checkpoint import CheckpointError, read_meta
+    with pytest.raises(CheckpointError, match="its latest checkpoint is .*global_step3"):
+        read_meta(ckpt / "ds-sched")
+    meta = read_meta(ckpt / "ds-sched" / "global_step3")
+    assert meta["lr_scheduler"] == "WarmupDecayLR" and meta["step"] == 3
+    assert meta["counters"] == {"global_samples": 24, "skipped_steps": 0} and meta["world_size"] == 2
+
+
+def test_deepspeeds_own_checkpoint_is_refused(tmp_path):
+    from ds_autoplan.runtime.checkpoint import CheckpointError
+    from ds_autoplan.runtime.deepspeed.checkpoint import _refuse_native
+    (tmp_path / "mp_rank_00_model_states.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="checkpoint of DeepSpeed's own engine"):
+        _refuse_native(str(tmp_path))
+
+
+@pytest.mark.parametrize("group", ["two_ranks", "megatron_two_ranks"])
+def test_dropout_is_reproduced_under_the_same_plan(request, group):
+    """Each rank's generators are saved: a resume draws the uninterrupted run's dropout masks
+    (plan B starts from another seed, so without them the losses differ)."""
+    res = request.getfixturevalue(group)
+    _assert_resumed(res, DROPOUT, 2)
+    # dropout is really on: the same plan without it (same weights, data) trains differently
+    plain = "v-half->1f1b"
+    assert not _close(res[(DROPOUT, 0)]["uninterrupted"], res[(plain, 0)]["uninterrupted"])
 
 
 def test_checkpoint_info_names_the_plan(two_ranks, ckpt, capsys):
@@ -158,3 +227,5 @@ def test_checkpoint_info_names_the_megatron_plan(megatron_two_ranks, ckpt, capsy
     assert main(["checkpoint", "info", str(ckpt / "m-vhalf")]) == 0
     out = capsys.readouterr().out
     assert "megatron, step 3, 4 layers" in out and "schedule v-half" in out
+    assert main(["checkpoint", "info", str(ckpt / "m-sched")]) == 0
+    assert "lr scheduler OptimizerParamScheduler" in capsys.readouterr().out

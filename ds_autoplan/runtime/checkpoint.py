@@ -6,17 +6,26 @@ layer index* (and the parameter's name inside its layer), never by rank, stage o
 in an optimizer's parameter group, so a different schedule, partition, pp, dp or ZeRO stage
 reads them unchanged.  ``autoplan_checkpoint.json`` says which plan wrote the folder:
 
-    {"format": 1, "framework": "deepspeed", "step": 3, "num_layers": 8, "plan": {...},
-     "optimizer": {"class": "Adam", "param_groups": [{"lr": 0.01, ...}]}}
+    {"format": 1, "framework": "deepspeed", "step": 3, "num_layers": 8, "world_size": 2,
+     "counters": {"global_samples": 24, "skipped_steps": 0}, "plan": {...},
+     "optimizer": {"class": "Adam", "param_groups": [{"lr": 0.01, ...}]},
+     "lr_scheduler": "WarmupDecayLR"}
 
-``ds-autoplan checkpoint info DIR`` prints it (:func:`describe`).
+``ds-autoplan checkpoint info DIR`` prints it (:func:`describe`).  Beside it, the training
+state that belongs to no layer: ``autoplan_train_state.pt`` (the learning-rate scheduler's
+``state_dict``, the optimizer's parameter-group hyperparameters, the user's ``client_state``;
+:func:`save_train_state`) and one ``autoplan_rng_rank_XXXXX.pt`` per rank (:func:`save_rng`).
 """
 from __future__ import annotations
 
 import json
 import os
 
+import torch
+import torch.distributed as dist
+
 from ..errors import UserError
+from .rng import RngState
 
 META = "autoplan_checkpoint.json"
 FORMAT = 1
@@ -31,13 +40,20 @@ def state_path(ckpt_dir, layer: int) -> str:
     return os.path.join(os.fspath(ckpt_dir), f"layer_{layer:02d}-autoplan_states.pt")
 
 
-def write_meta(ckpt_dir, *, framework: str, plan, step: int, num_layers: int, optimizer) -> dict:
-    """Write ``autoplan_checkpoint.json`` (call on one rank)."""
+def write_meta(ckpt_dir, *, framework: str, plan, step: int, num_layers: int, optimizer,
+               scheduler=None, counters: dict | None = None) -> dict:
+    """Write ``autoplan_checkpoint.json`` (call on one rank): ``step`` is the number of
+    optimizer steps taken, ``counters`` further step counters (ints, e.g. DeepSpeed's
+    ``global_samples`` / ``skipped_steps``); the learning-rate scheduler is named (its state is
+    in :data:`TRAIN_STATE`)."""
     groups = [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str))}
               for g in getattr(optimizer, "param_groups", [])]
     meta = {"format": FORMAT, "framework": framework, "step": int(step), "num_layers": int(num_layers),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "counters": {k: int(v) for k, v in (counters or {}).items()},
             "plan": plan.to_dict() if hasattr(plan, "to_dict") else plan,
-            "optimizer": {"class": type(optimizer).__name__, "param_groups": groups}}
+            "optimizer": {"class": type(optimizer).__name__, "param_groups": groups},
+            "lr_scheduler": type(scheduler).__name__ if scheduler is not None else None}
     with open(os.path.join(os.fspath(ckpt_dir), META), "w") as f:
         json.dump(meta, f, indent=1)
     return meta
@@ -48,7 +64,12 @@ def read_meta(ckpt_dir, framework: str | None = None, num_layers: int | None = N
     ds_autoplan checkpoint or was written by another framework or for another layer count."""
     path = os.path.join(os.fspath(ckpt_dir), META)
     if not os.path.isfile(path):
-        raise CheckpointError(f"{ckpt_dir} is not a ds_autoplan checkpoint (no {META})")
+        latest = os.path.join(os.fspath(ckpt_dir), "latest")     # engine.save_checkpoint's
+        hint = ""
+        if os.path.isfile(latest):
+            with open(latest) as f:
+                hint = f"; its latest checkpoint is {os.path.join(os.fspath(ckpt_dir), f.read().strip())}"
+        raise CheckpointError(f"{ckpt_dir} is not a ds_autoplan checkpoint (no {META}){hint}")
     with open(path) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT:
@@ -63,13 +84,94 @@ def read_meta(ckpt_dir, framework: str | None = None, num_layers: int | None = N
     return meta
 
 
+TRAIN_STATE = "autoplan_train_state.pt"
+
+
+def save_train_state(ckpt_dir, *, scheduler=None, optimizer=None, client_state=None) -> None:
+    """Write the state of no layer (call on one rank; every rank's is the same): the
+    learning-rate scheduler's ``state_dict()``, the optimizer's parameter-group
+    hyperparameters (everything but ``params``: lr, betas, weight decay as the scheduler left
+    them) and ``client_state``."""
+    groups = [{k: v for k, v in g.items() if k != "params"}
+              for g in getattr(optimizer, "param_groups", [])]
+    torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "param_groups": groups, "client_state": dict(client_state or {})},
+               os.path.join(os.fspath(ckpt_dir), TRAIN_STATE))
+
+
+def load_train_state(ckpt_dir) -> dict:
+    """What :func:`save_train_state` wrote (empty entries for a checkpoint without it)."""
+    path = os.path.join(os.fspath(ckpt_dir), TRAIN_STATE)
+    if not os.path.isfile(path):
+        return {"scheduler": None, "param_groups": [], "client_state": {}}
+    return torch.load(path, weights_only=False)
+
+
+def load_scheduler(scheduler, train_state: dict, ckpt_dir) -> None:
+    """``scheduler.load_state_dict`` of the saved state; refuses a checkpoint saved without a
+    scheduler when the run has one (it would restart its schedule silently)."""
+    if scheduler is None:
+        return
+    if train_state["scheduler"] is None:
+        raise CheckpointError(f"{ckpt_dir} was saved without a learning-rate scheduler; this run "
+                              f"has one ({type(scheduler).__name__})")
+    scheduler.load_state_dict(train_state["scheduler"])
+
+
+def restore_param_groups(optimizer, saved: list, ckpt_dir) -> None:
+    """Put the saved hyperparameters (lr, betas, ...) into ``optimizer``'s groups: one saved
+    group per group, or one setting shared by all saved groups.  Schedulers such as
+    DeepSpeed's WarmupLR set the learning rate of the *next* step at the end of a step and
+    ``load_state_dict`` only restores their counter, so without this the first resumed step
+    would run at the fresh scheduler's rate."""
+    groups = optimizer.param_groups
+    if not saved:
+        return
+    if len(saved) != len(groups):
+        if any(g != saved[0] for g in saved):
+            raise CheckpointError(f"{ckpt_dir}: the optimizer had {len(saved)} parameter groups "
+                                  f"with different settings, this one has {len(groups)}")
+        saved = saved[:1] * len(groups)
+    for g, s in zip(groups, saved):
+        g.update(s)
+
+
+def rng_path(ckpt_dir, rank: int) -> str:
+    return os.path.join(os.fspath(ckpt_dir), f"autoplan_rng_rank_{rank:05d}.pt")
+
+
+def save_rng(ckpt_dir) -> None:
+    """Save this rank's random generators (:class:`~ds_autoplan.runtime.rng.RngState`: torch
+    CPU, CUDA when in use, Megatron's RNG tracker); call on every rank."""
+    torch.save(RngState().state_dict(), rng_path(ckpt_dir, dist.get_rank()))
+
+
+def restore_rng(ckpt_dir, meta: dict) -> int | None:
+    """Continue the generators of saved rank ``rank % saved world size`` on this rank; returns
+    that rank (None: the checkpoint has no generator states).
+
+    Under the plan the checkpoint was saved under, every rank continues its own generators and
+    dropout is reproduced exactly.  Under another plan the generators continue (they do not
+    restart from the seed, so the masks of the steps before the checkpoint are not drawn
+    again), but a layer's masks are drawn on whichever rank holds it now, in that rank's
+    schedule order: dropout is then *not* the uninterrupted run's."""
+    src = dist.get_rank() % int(meta.get("world_size") or 1)
+    path = rng_path(ckpt_dir, src)
+    if not os.path.isfile(path):
+        return None
+    RngState.from_state_dict(torch.load(path, weights_only=False)).restore()
+    return src
+
+
 def describe(ckpt_dir) -> str:
     """Human-readable summary: framework, step, the plan it was saved under, optimizer."""
     meta = read_meta(ckpt_dir)
     p = meta["plan"] or {}
     opts = p.get("schedule_options") or {}
+    counters = "".join(f", {k} {v}" for k, v in (meta.get("counters") or {}).items())
     lines = [f"checkpoint {ckpt_dir}: {meta['framework']}, step {meta['step']}, "
-             f"{meta['num_layers']} layers",
+             f"{meta['num_layers']} layers" + counters
+             + (f", saved on {meta['world_size']} ranks" if "world_size" in meta else ""),
              f"saved under plan: schedule {p.get('schedule')}"
              + (f" {opts}" if opts else "")
              + f", pp {p.get('pp')} tp {p.get('tp')} dp {p.get('dp')}, ZeRO {p.get('zero_stage')}, "
@@ -77,9 +179,12 @@ def describe(ckpt_dir) -> str:
              f"  layers per stage {p.get('layers_per_stage')}, recompute {p.get('recompute_per_stage')}",
              f"  micro-batch {p.get('micro_batch_size')} x {p.get('num_microbatches')} per replica, "
              f"global batch {p.get('global_batch_size')}",
-             f"optimizer {meta['optimizer']['class']} {meta['optimizer']['param_groups']}",
+             f"optimizer {meta['optimizer']['class']} {meta['optimizer']['param_groups']}, "
+             f"lr scheduler {meta.get('lr_scheduler')}",
              "loads under any plan for the same model (schedule, partition, pp, dp, ZeRO 0/1)"]
     return "\n".join(lines)
 
 
-__all__ = ["CheckpointError", "FORMAT", "META", "describe", "read_meta", "state_path", "write_meta"]
+__all__ = ["CheckpointError", "FORMAT", "META", "TRAIN_STATE", "describe", "load_scheduler",
+           "load_train_state", "read_meta", "restore_param_groups", "restore_rng", "rng_path",
+           "save_rng", "save_train_state", "state_path", "write_meta"]

@@ -6,6 +6,10 @@ that follow draw what they would without recomputation (torch.utils.checkpoint's
 ``preserve_rng_state``, Megatron's ``CheckpointFunction``).  The state is the CPU generator,
 the current CUDA device's generator (when CUDA is in use) and Megatron-core's CUDA RNG
 tracker (model-parallel / expert-parallel streams), when it is importable.
+
+A checkpoint saves each rank's state (:meth:`RngState.state_dict`, see
+:func:`ds_autoplan.runtime.checkpoint.save_rng`) so that a resumed run draws what the
+uninterrupted one would have.
 """
 from __future__ import annotations
 
@@ -35,6 +39,20 @@ class RngState:
             torch.cuda.is_initialized() else None
         t = _tracker()
         self.tracker = {k: v.clone() for k, v in t.get_states().items()} if t is not None else None
+
+    def state_dict(self) -> dict:
+        """The three states as plain tensors (what a checkpoint stores)."""
+        return {"cpu": self.cpu, "cuda": self.cuda, "tracker": self.tracker}
+
+    @classmethod
+    def from_state_dict(cls, sd: dict) -> "RngState":
+        """The state :meth:`state_dict` returned; :meth:`restore` puts it in place (a CUDA
+        state saved where CUDA was in use is ignored on a machine without CUDA)."""
+        st = cls.__new__(cls)
+        st.cpu = sd["cpu"]
+        st.cuda = sd["cuda"] if torch.cuda.is_available() else None
+        st.tracker = sd["tracker"]
+        return st
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)

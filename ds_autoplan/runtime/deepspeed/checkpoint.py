@@ -1,8 +1,12 @@
 """Save / resume a DeepSpeed pipeline run under any other plan (issue 13, item 6).
 
-    save_checkpoint(engine, "ckpt")        # every rank, after train_batch
+    engine.save_checkpoint("ckpt", client_state={"epoch": 3})    # every rank, after train_batch
     engine_b, *_ = ds_autoplan.initialize(layers, plan_b, ...)   # another schedule, pp, dp, ZeRO
-    load_checkpoint(engine_b, "ckpt")      # every rank, before training
+    path, client_state = engine_b.load_checkpoint("ckpt")         # every rank, before training
+
+The engine's methods keep DeepSpeed's signature and layout (``ckpt/<tag>/``, ``ckpt/latest``,
+:func:`engine_save` / :func:`engine_load`); :func:`save_checkpoint` / :func:`load_checkpoint`
+read and write one folder.
 
 DeepSpeed 0.19.8's own pieces are used where they are plan-independent:
 * weights: ``PipelineModule.save_state_dict`` / ``load_state_dir`` already write one file per
@@ -24,7 +28,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointError, read_meta, state_path, write_meta
+from deepspeed.utils import logger
+
+from ..checkpoint import (META, CheckpointError, load_scheduler, load_train_state, read_meta,
+                          restore_param_groups, restore_rng, save_rng, save_train_state, state_path,
+                          write_meta)
 
 MASTER = "fp32"      # key of the fp32 master weight in a parameter's saved state
 
@@ -75,15 +83,16 @@ def _copied(state: dict) -> dict:
     return {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
 
 
-def save_checkpoint(engine, save_dir, step: int | None = None, plan=None) -> None:
-    """Write ``engine``'s weights, fp32 masters and optimizer state, keyed by global layer, and
-    the plan it runs (call on every rank)."""
+def save_checkpoint(engine, save_dir, step: int | None = None, plan=None, client_state=None) -> None:
+    """Write ``engine``'s weights, fp32 masters and optimizer state, keyed by global layer, its
+    learning-rate scheduler, step counters, random generators (per rank) and ``client_state``
+    (global rank 0's), and the plan it runs (call on every rank)."""
     mod = engine.module
     if not hasattr(mod, "local_layers"):
         raise CheckpointError("save_checkpoint needs an engine from ds_autoplan.initialize")
+    zero = _zero_optimizer(engine)           # refuses an unsupported optimizer before writing
     os.makedirs(save_dir, exist_ok=True)
     mod.save_state_dict(save_dir, checkpoint_engine=engine.checkpoint_engine)   # DeepSpeed's files
-    zero = _zero_optimizer(engine)
     keys, scalars = _state_keys(zero) if zero is not None else ([], {})
     per_layer: dict = {}
     for i, name, p in _params(engine):
@@ -91,39 +100,52 @@ def save_checkpoint(engine, save_dir, step: int | None = None, plan=None) -> Non
     if engine.grid.data_parallel_id == 0:
         for i, states in per_layer.items():
             torch.save(states, state_path(save_dir, i))
+    save_rng(save_dir)
     if dist.get_rank() == 0:
+        save_train_state(save_dir, scheduler=engine.lr_scheduler, optimizer=engine.optimizer,
+                         client_state=client_state)
         write_meta(save_dir, framework="deepspeed", step=engine.global_steps if step is None else step,
                    plan=plan if plan is not None else engine._config.pipeline.get("autoplan"),
-                   num_layers=len(mod._layer_specs), optimizer=engine.optimizer)
+                   num_layers=len(mod._layer_specs), optimizer=engine.optimizer,
+                   scheduler=engine.lr_scheduler, counters={"global_samples": engine.global_samples,
+                             "skipped_steps": engine.skipped_steps})
     dist.barrier()
 
 
-def _restore_zero(zero, saved, params) -> None:
-    """Create the ZeRO optimizer's flat state, link its per-parameter fragments (as DeepSpeed
-    does after its first step) and fill every fragment from the full saved tensors."""
+def _restore_zero(zero, saved, params, with_state: bool) -> None:
+    """Fill every parameter's fp32 master fragment from the full saved tensors and, with
+    ``with_state``, create the ZeRO optimizer's flat state, link its per-parameter fragments
+    (as DeepSpeed does after its first step) and fill them too."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     sample = next(iter(saved.values()))
-    keys = [k for k, v in sample.items() if k != MASTER and torch.is_tensor(v) and v.dim() > 0]
-    scalars = {k: v for k, v in sample.items() if k != MASTER and k not in keys}
-    for flat in zero.single_partition_of_fp32_groups:
-        st = zero.optimizer.state[flat]
-        st.update({k: torch.zeros_like(flat) for k in keys})
-        st.update(_copied(scalars))
-    zero._hp_optimizer_states_linked = False
-    zero._lazy_init_hp_params_optimizer_state()
+    keys = [k for k, v in sample.items() if k != MASTER and torch.is_tensor(v) and v.dim() > 0] \
+        if with_state else []
+    if with_state:
+        scalars = {k: v for k, v in sample.items() if k != MASTER and k not in keys}
+        for flat in zero.single_partition_of_fp32_groups:
+            st = zero.optimizer.state[flat]
+            st.update({k: torch.zeros_like(flat) for k in keys})
+            st.update(_copied(scalars))
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
     for key_, p in params:
         safe_set_full_fp32_param(p, saved[key_][MASTER])
         for k in keys:
             safe_set_full_optimizer_state(p, saved[key_][k], k)
 
 
-def load_checkpoint(engine, load_dir) -> dict:
-    """Load a checkpoint written by :func:`save_checkpoint` under any plan for the same model
-    into ``engine`` (call on every rank, before training).  Returns the checkpoint's metadata
-    (``meta["plan"]`` is the plan it was saved under)."""
-    mod = engine.module
-    meta = read_meta(load_dir, framework="deepspeed", num_layers=len(mod._layer_specs))
-    mod.load_state_dir(load_dir, checkpoint_engine=engine.checkpoint_engine)    # strict: same model
+def _restore_plain(optimizer, saved, params, with_state: bool) -> None:
+    """ZeRO-0: the parameters are the fp32 masters; the optimizer state is per parameter."""
+    for key_, p in params:
+        st = saved[key_]
+        with torch.no_grad():
+            p.copy_(st[MASTER])
+        if with_state:
+            optimizer.state[p] = _copied({k: v for k, v in st.items() if k != MASTER})
+
+
+def _saved_states(engine, load_dir) -> tuple[dict, list]:
+    """``{(layer, name): saved state}`` and ``[((layer, name), parameter)]`` of this rank."""
     saved, params = {}, []
     for i, name, p in _params(engine):
         if i not in saved:
@@ -131,19 +153,120 @@ def load_checkpoint(engine, load_dir) -> dict:
         if name not in saved[i]:
             raise CheckpointError(f"{load_dir}: layer {i} has no state for parameter {name!r}")
         params.append(((i, name), p))
-    flat_saved = {(i, n): s for i, states in saved.items() for n, s in states.items()}
-    zero = _zero_optimizer(engine)
-    if zero is not None:
-        _restore_zero(zero, flat_saved, params)
-    else:
-        for key_, p in params:
-            st = flat_saved[key_]
-            with torch.no_grad():
-                p.copy_(st[MASTER])
-            engine.optimizer.state[p] = _copied({k: v for k, v in st.items() if k != MASTER})
+    return {(i, n): s for i, states in saved.items() for n, s in states.items()}, params
+
+
+def _restore_training(engine, load_dir, meta, lr_scheduler_states: bool) -> dict:
+    """Scheduler, parameter-group hyperparameters, step counters and generators; returns the
+    saved train state."""
+    train = load_train_state(load_dir)
+    if lr_scheduler_states:
+        load_scheduler(engine.lr_scheduler, train, load_dir)
+        restore_param_groups(engine.optimizer, train["param_groups"], load_dir)
+    counters = meta.get("counters") or {}
     engine.global_steps = meta["step"]
+    engine.global_samples = counters.get("global_samples", meta["step"] * engine.train_batch_size())
+    engine.skipped_steps = counters.get("skipped_steps", 0)
+    meta["rng_from_rank"] = restore_rng(load_dir, meta)
+    return train
+
+
+def load_checkpoint(engine, load_dir, *, optimizer_states: bool = True,
+                    lr_scheduler_states: bool = True, module_only: bool = False) -> dict:
+    """Load a checkpoint written by :func:`save_checkpoint` under any plan for the same model
+    into ``engine`` (call on every rank, before training).  Returns the checkpoint's metadata
+    (``meta["plan"]``: the plan it was saved under; ``meta["client_state"]``).
+
+    Weights, fp32 masters, optimizer state, the learning-rate scheduler (with the parameter
+    groups' lr as it left them) and the step counters (``global_steps``, ``global_samples``,
+    ``skipped_steps``) continue exactly under any plan.  Random generators: each rank continues
+    saved rank ``rank % saved world size`` (:func:`ds_autoplan.runtime.checkpoint.restore_rng`):
+    dropout is reproduced exactly under the same plan only.  ``module_only``: weights and fp32
+    masters only (a warm start: no optimizer, scheduler, counters or generators)."""
+    mod = engine.module
+    meta = read_meta(load_dir, framework="deepspeed", num_layers=len(mod._layer_specs))
+    zero = _zero_optimizer(engine)
+    mod.load_state_dir(load_dir, checkpoint_engine=engine.checkpoint_engine)    # strict: same model
+    saved, params = _saved_states(engine, load_dir)
+    with_state = optimizer_states and not module_only
+    if zero is not None:
+        _restore_zero(zero, saved, params, with_state)
+    else:
+        _restore_plain(engine.optimizer, saved, params, with_state)
+    meta["client_state"] = {} if module_only else \
+        _restore_training(engine, load_dir, meta, lr_scheduler_states)["client_state"]
     dist.barrier()
     return meta
 
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+# -- DeepSpeed's engine API: tag sub-folders and the ``latest`` file -------------------------
+
+def engine_save(engine, save_dir, tag=None, client_state=None, save_latest=True,
+                exclude_frozen_parameters=False) -> bool:
+    """``AutoplanEngine.save_checkpoint``: DeepSpeed's signature and folder layout
+    (``save_dir/<tag>``, default tag ``global_step<N>``, ``save_dir/latest`` naming it), the
+    checkpoint in it plan-independent (:func:`save_checkpoint`)."""
+    if not save_dir:
+        raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
+    if exclude_frozen_parameters:
+        raise CheckpointError("exclude_frozen_parameters=True is not supported by ds_autoplan "
+                              "checkpoints: every parameter is saved")
+    if engine.checkpoint_engine.is_decoupled():
+        raise CheckpointError(f"{type(engine.checkpoint_engine).__name__} (a decoupled, "
+                              "asynchronous checkpoint engine) is not supported by ds_autoplan "
+                              "checkpoints; use DeepSpeed's default checkpoint engine")
+    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+    engine._checkpoint_tag_validation(tag)      # DeepSpeed's: the same tag on every rank
+    save_checkpoint(engine, os.path.join(save_dir, tag), client_state=client_state)
+    if save_latest and dist.get_rank() == 0:
+        with open(os.path.join(save_dir, "latest"), "w") as fh:
+            fh.write(tag)
+    dist.barrier()
+    return True
+
+
+def _tagged_dir(load_dir, tag):
+    """The folder ``engine_load`` reads: ``load_dir/tag``, else the tag in ``load_dir/latest``,
+    else ``load_dir`` itself when :func:`save_checkpoint` wrote it; None when there is none."""
+    if tag is not None:
+        return os.path.join(load_dir, str(tag))
+    latest = os.path.join(load_dir, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as fh:
+            return os.path.join(load_dir, fh.read().strip())
+    return load_dir if os.path.isfile(os.path.join(load_dir, META)) else None
+
+
+def _refuse_native(path) -> None:
+    """A folder DeepSpeed's own ``save_checkpoint`` wrote (``mp_rank_*``) is positional."""
+    if not os.path.isfile(os.path.join(path, META)) and os.path.isdir(path) \
+            and any(f.startswith("mp_rank_") for f in os.listdir(path)):
+        raise CheckpointError(f"{path} is a checkpoint of DeepSpeed's own engine: its optimizer "
+                              "state is stored by position in the saving plan's parameter groups "
+                              "and cannot be loaded under a ds_autoplan plan; save it with the "
+                              "engine ds_autoplan.initialize returns")
+
+
+def engine_load(engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+    """``AutoplanEngine.load_checkpoint``: DeepSpeed's signature and return value
+    ``(load_path, client_state)``, ``(None, None)`` with a warning when ``load_dir`` has no
+    ``latest`` file and no tag is given (as DeepSpeed), under any plan (:func:`load_checkpoint`)."""
+    if custom_load_fn is not None:
+        raise CheckpointError("custom_load_fn is not supported by ds_autoplan checkpoints")
+    if not load_module_strict:
+        raise CheckpointError("load_module_strict=False is not supported by ds_autoplan "
+                              "checkpoints: the checkpoint must be of the same model")
+    path = _tagged_dir(load_dir, tag)
+    if path is None:
+        logger.warning(f"Unable to find latest file at {os.path.join(load_dir, 'latest')}, if "
+                       "trying to load latest checkpoint please ensure this file exists or pass "
+                       "an explicit checkpoint tag when loading a checkpoint.")
+        return None, None
+    _refuse_native(path)
+    meta = load_checkpoint(engine, path, optimizer_states=load_optimizer_states,
+                           lr_scheduler_states=load_lr_scheduler_states, module_only=load_module_only)
+    return path, meta["client_state"]
+
+
+__all__ = ["engine_load", "engine_save", "load_checkpoint", "save_checkpoint"]

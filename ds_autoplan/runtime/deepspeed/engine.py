@@ -32,6 +32,7 @@ from ..common import StepState, accept, dispatch_table, recomputed
 from ..common.memory import ActionMemory
 from ..memtrack import MemTracker, hold
 from ..rng import RngState
+from .checkpoint import engine_load, engine_save
 from .module import AutoplanPipelineModule
 
 
@@ -194,6 +195,20 @@ class AutoplanEngine(PipelineEngine):
         finally:
             if self._step_state is not None:      # set_step's state lasts one step
                 self._step_state = self.ap_shape_plan = self.ap_loss_factors = None
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
+                        exclude_frozen_parameters=False):
+        """DeepSpeed's ``save_checkpoint`` (same signature, ``save_dir/<tag>`` and ``latest``),
+        writing ds_autoplan's plan-independent checkpoint: it loads under any other plan of the
+        same model (runtime/deepspeed/checkpoint.py, ``engine_save``).  Every rank calls it."""
+        return engine_save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        """DeepSpeed's ``load_checkpoint``: returns ``(load_path, client_state)``; reads a
+        checkpoint :meth:`save_checkpoint` wrote under any plan (``engine_load``)."""
+        return engine_load(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                           load_lr_scheduler_states, load_module_only, custom_load_fn)
 
     def _take_schedule(self, sched: Schedule, n: int):
         """Accept ``sched`` (common contract: validated, lowered) for the next steps."""

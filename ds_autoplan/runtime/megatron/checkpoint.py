@@ -4,10 +4,12 @@ Megatron-core's own plan-independent format: ``dist_checkpointing`` over the chu
 from the plan's layout, :class:`..setup.StageLayerLayout` for V placements) and the Megatron
 optimizer's ``sharded_state_dict`` (optimizer state keyed by the same parameter keys; the
 DistributedOptimizer (ZeRO-1) in its ``fully_reshardable`` form).  Next to it,
-``autoplan_checkpoint.json`` records the plan (:mod:`ds_autoplan.runtime.checkpoint`).
+``autoplan_checkpoint.json`` records the plan (:mod:`ds_autoplan.runtime.checkpoint`), and the
+learning-rate scheduler, ``client_state`` and each rank's random generators are saved as in the
+DeepSpeed runtime.
 
-    save_checkpoint(chunks, optimizer, "ckpt", plan=plan, step=it)    # every rank
-    meta = load_checkpoint(chunks_b, optimizer_b, "ckpt")             # chunks of another plan
+    save_checkpoint(chunks, optimizer, "ckpt", plan=plan, step=it, scheduler=sched)   # every rank
+    meta = load_checkpoint(chunks_b, optimizer_b, "ckpt", scheduler=sched_b)  # another plan's chunks
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import os
 
 import torch.distributed as dist
 
-from ..checkpoint import read_meta, write_meta
+from ..checkpoint import (load_scheduler, load_train_state, read_meta, restore_rng, save_rng,
+                          save_train_state, write_meta)
 from .shim import cpu_shim
 
 
@@ -68,18 +71,23 @@ def _num_layers(chunks) -> int:
     return chunks[0].config.num_layers
 
 
-def save_checkpoint(chunks, optimizer, save_dir, *, plan, step: int) -> None:
+def save_checkpoint(chunks, optimizer, save_dir, *, plan, step: int, scheduler=None,
+                    client_state=None) -> None:
     """Write the model chunks and the Megatron optimizer of this rank with
-    ``dist_checkpointing.save`` and the plan's metadata (call on every rank)."""
+    ``dist_checkpointing.save``, the plan's metadata, ``scheduler`` (Megatron-core's
+    ``OptimizerParamScheduler`` or anything with ``state_dict``), ``client_state`` (global rank
+    0's) and every rank's random generators (call on every rank)."""
     from megatron.core import dist_checkpointing
     if dist.get_rank() == 0:
         os.makedirs(save_dir, exist_ok=True)
     dist.barrier()
     with cpu_shim(remap_cuda_factories=True):     # its writer synchronises CUDA
         dist_checkpointing.save(_sharded(chunks, optimizer, False), save_dir)
+    save_rng(save_dir)
     if dist.get_rank() == 0:
+        save_train_state(save_dir, scheduler=scheduler, client_state=client_state)
         write_meta(save_dir, framework="megatron", plan=plan, step=step,
-                   num_layers=_num_layers(chunks), optimizer=optimizer)
+                   num_layers=_num_layers(chunks), optimizer=optimizer, scheduler=scheduler)
     dist.barrier()
 
 
@@ -140,10 +148,17 @@ def _load_optimizer(optimizer, state: dict) -> None:
             opt.optimizer.state[p]["step"] = step.clone()
 
 
-def load_checkpoint(chunks, optimizer, load_dir) -> dict:
+def load_checkpoint(chunks, optimizer, load_dir, *, scheduler=None) -> dict:
     """Load a checkpoint written by :func:`save_checkpoint` under any plan for the same model
-    into ``chunks`` (this rank's model chunks of the new plan) and ``optimizer``.  Returns the
-    checkpoint's metadata (``meta["plan"]``: the plan it was saved under)."""
+    into ``chunks`` (this rank's model chunks of the new plan), ``optimizer`` and
+    ``scheduler``.  Returns the checkpoint's metadata (``meta["plan"]``: the plan it was saved
+    under; ``meta["client_state"]``).
+
+    The scheduler is loaded after the optimizer: ``OptimizerParamScheduler.load_state_dict``
+    sets every parameter group's lr and weight decay for the saved step.  Random generators:
+    each rank continues saved rank ``rank % saved world size``
+    (:func:`ds_autoplan.runtime.checkpoint.restore_rng`), so dropout is reproduced exactly
+    under the same plan only."""
     from megatron.core import dist_checkpointing
     meta = read_meta(load_dir, framework="megatron", num_layers=_num_layers(chunks))
     _init_fresh_state(optimizer)
@@ -152,6 +167,10 @@ def load_checkpoint(chunks, optimizer, load_dir) -> dict:
     for c, m in enumerate(chunks):
         _unwrapped(m).load_state_dict(loaded[f"model{c}"])
     _load_optimizer(optimizer, _in_own_layout(loaded["optimizer"], optimizer))
+    train = load_train_state(load_dir)
+    load_scheduler(scheduler, train, load_dir)
+    meta["client_state"] = train["client_state"]
+    meta["rng_from_rank"] = restore_rng(load_dir, meta)
     dist.barrier()
     return meta
 
