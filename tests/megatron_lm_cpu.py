@@ -136,6 +136,15 @@ def _serial_p2p(model) -> None:
     cfg.overlap_p2p_comm = cfg.batch_p2p_comm = False
 
 
+def _r_actions(runner) -> list | None:
+    """The R actions (stage, micro-batch) of this pp rank's list in ``runner``'s schedule."""
+    if runner is None:
+        return None
+    from megatron.core import parallel_state as ps
+    return [[a.stage, a.mb] for a in runner.schedule.ranks[ps.get_pipeline_model_parallel_rank()]
+            if a.kind.value == "R"]
+
+
 def _report(model, fb, path: str) -> None:
     """One JSON line per rank: its chunks' global layer numbers, pre/post_process and
     recomputation, its B/W-split linear layers, and the class of the forward_backward_func
@@ -144,8 +153,10 @@ def _report(model, fb, path: str) -> None:
     chunks = [unwrap_model(c) for c in model]
     from ds_autoplan.runtime.megatron import SplitColumnParallelLinear, SplitRowParallelLinear
     split = (SplitColumnParallelLinear, SplitRowParallelLinear)
+    runner = getattr(fb, "fb", None)          # ds_autoplan's ScheduleRunner (patched script)
     rec = {"rank": torch.distributed.get_rank(), "forward_backward_func": type(fb).__name__,
            "split_linears": sum(isinstance(m, split) for c in chunks for m in c.modules()),
+           "r_actions": _r_actions(runner),
            "chunks": [{"layers": [int(x.layer_number) for x in c.decoder.layers],
                        "pre_process": bool(c.pre_process), "post_process": bool(c.post_process),
                        "recompute": [c.config.recompute_granularity, c.config.recompute_num_layers]}

@@ -115,8 +115,9 @@ def runs(client):
 
 def _recompute_command(train: str, tmp: pathlib.Path) -> str:
     """The 1F1B plan with recomputation on its first stage only (2 of 4 layers), run through
-    its emitted argument file: Megatron-LM's --recompute-num-layers is one number, the patch
-    gives each stage its own."""
+    its emitted argument file (--recompute-granularity full --recompute-num-layers 2, one
+    number for every stage, for Megatron's own schedules): with the patch the plan's R
+    actions recompute stage 0 only and Megatron's full recompute is off in every chunk."""
     from ds_autoplan.emit.megatron import megatron_args
     from ds_autoplan.plan import Plan
     out = tmp / "1f1b-recompute"
@@ -168,7 +169,14 @@ def test_pretrain_gpt_recomputes_per_stage(runs):
     run = runs["1f1b-recompute"]
     _ok(run)
     assert max(abs(a - b) for a, b in zip(run.losses, runs["megatron-1f1b"].losses)) <= 1e-6
-    assert [[c["recompute"] for c in r["chunks"]] for r in run.report] == [[["full", 2]], [[None, None]]]
+    # the flags ask Megatron for full recompute of 2 layers on every stage; under the patch the
+    # plan's R actions recompute stage 0 (every micro-batch) and Megatron's recompute is off
+    out = pathlib.Path(re.search(r"\$\(cat (\S+)/megatron_args.txt\)", run.cmd).group(1))
+    flags = (out / "megatron_args.txt").read_text()
+    assert "--recompute-granularity full" in flags and "--recompute-num-layers 2" in flags
+    n = json.loads((out / "plan.json").read_text())["num_microbatches"]
+    assert [[c["recompute"] for c in r["chunks"]] for r in run.report] == [[[None, None]], [[None, None]]]
+    assert [r["r_actions"] for r in run.report] == [[[0, m] for m in range(n)], []]
 
 
 @pytest.mark.multiproc

@@ -143,6 +143,36 @@ def test_memory_balanced_split_gives_early_stages_fewer_layers(bert8):
     assert parts[0] < parts[2] and sum(parts) == 32
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_minmax_partition_is_the_brute_force_optimum(bert8, seed):
+    """The band DP of minmax_partition (a stage can only end where every later stage keeps
+    a block) reaches the exhaustive min-max over all splits, whole and for a sub-range of
+    stages and blocks (DawnPiper's sub-problems); memory and time objectives."""
+    from ds_autoplan.search.partition import minmax_partition, stage_matrices
+    _, c, cm = bert8
+    rng = np.random.default_rng(seed)
+    P = int(rng.choice([2, 3, 4]))
+    ctx = Context(cm, strategies(8 // P), P, 2 * P, 16, c.budget_bytes)
+    plan = [int(rng.integers(ctx.S)) for _ in ctx.seq]
+
+    def cost(segs, stages, parts, lo):
+        b, worst = lo - 1, 0.0
+        for i, n in zip(stages, parts):
+            a, b = b + 1, b + n
+            worst = max(worst, segs.block(i, 0, segs.L)[b, a])
+        return worst
+
+    for objective in ("mem", "time"):
+        segs = stage_matrices(ctx, plan, objective)
+        for stages, lo, hi in ((range(P), 0, segs.L), (range(1, P), 3, segs.L), (range(P - 1), 0, 12)):
+            k, n = len(stages), hi - lo
+            splits = [np.diff((0,) + cut + (n,)) for cut in itertools.combinations(range(1, n), k - 1)]
+            best = min(cost(segs, stages, q, lo) for q in splits)
+            got = minmax_partition(segs, stages, lo, hi)
+            assert np.isfinite(best) and sum(got) == n and min(got) >= 1
+            assert cost(segs, stages, got, lo) == best
+
+
 # -- paper observations ------------------------------------------------------------------
 def _labels(cm, P, m, B_m, budget_gb):
     ctx = Context(cm, strategies(8 // P), P, m, B_m, budget_gb * GB)

@@ -16,7 +16,12 @@ four points, all reached through Megatron's own code path (``pretrain`` -> ``val
   gives ``model_provider`` the plan's ``pre_process``/``post_process`` per chunk, and
   ``parallel_state.is_pipeline_first/last_stage(ignore_virtual=False, vp_stage=c)`` answer for
   the chunk's stage (``pretrain_gpt.get_batch`` and the data loaders ask them);
-* per-stage recomputation: each chunk's config gets its stage's ``recompute_num_layers``;
+* recomputation: the plan's ``recompute_per_stage`` runs as the schedule's R actions (the
+  pass both runtimes share, ``schedule.passes.plan_schedule``), so after ``get_model`` every
+  chunk's config has Megatron's full-layer recompute (``--recompute-granularity full``, which
+  the emitted flags carry for Megatron's own schedules) turned off -- nothing is recomputed
+  twice; selective recompute (``--recompute-granularity selective``) has no R and stays
+  Megatron's own;
 * schedules with W actions: ``gpt_builders``' local layer spec gets split-aware linear layers.
 """
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 
 from ..errors import UserError
 from ..schedule import Kind, Schedule
+from ..schedule.passes import plan_schedule
 
 ENV = "DS_AUTOPLAN_PLAN"
 
@@ -56,8 +62,8 @@ def install_megatron_lm(plan) -> Schedule | None:
     from ..runtime.megatron import install
 
     if plan.pp < 2:
-        return None     # no pipeline: Megatron's own no-pipelining function is the plan's
-    sched = plan.build_schedule()
+        return None     # no pipeline: Megatron's own no-pipelining function (and flags) run it
+    sched = plan_schedule(plan)
     validate = mi.validate_args
 
     def validate_args(args, defaults={}):   # noqa: B006 -- Megatron-LM's own signature
@@ -70,10 +76,11 @@ def install_megatron_lm(plan) -> Schedule | None:
             args.pipeline_model_parallel_layout = _v_layout(plan, sched)
         return out
     mi.validate_args = validate_args
-    install(plan, wrap=lambda fb: _LossesToLastRank(fb, sched.placement[sched.num_stages - 1]))
+    install(plan, schedule=sched,
+            wrap=lambda fb: _LossesToLastRank(fb, sched.placement[sched.num_stages - 1]))
     if sched.placement_kind == "v":
         _placement_predicates(sched)
-    _hook_get_model(mt, plan, sched)
+    _hook_get_model(mt, sched)
     if any(a.kind == Kind.W for r in sched.ranks for a in r):
         _split_local_spec()
     return sched
@@ -207,17 +214,11 @@ def _placement_predicates(sched: Schedule) -> None:
     ps.is_pipeline_first_stage, ps.is_pipeline_last_stage = is_first, is_last
 
 
-def _hook_get_model(mt, plan, sched: Schedule) -> None:
+def _hook_get_model(mt, sched: Schedule) -> None:
     """Megatron-LM's ``get_model`` with chunk ``c`` of pp rank ``r`` built as the plan's stage
     ``sched.stages_of(r)[c]``: for a V placement ``model_provider`` gets that stage's
-    ``pre_process``/``post_process``; with recomputation in the plan each chunk's config then
-    gets its own stage's ``recompute_num_layers`` (Megatron-LM's flag is one number for every
-    stage; its block method reads the config at forward time, integration.md §4.3)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.utils import unwrap_model
-
-    from ..runtime.megatron.setup import MegatronSetup, plan_overrides
-    over, rec_layers, layout = plan_overrides(plan, sched)
+    ``pre_process``/``post_process``; then every chunk's full-layer recompute is turned off
+    (:func:`_full_recompute_off`)."""
     v, last_stage = sched.placement_kind == "v", sched.num_stages - 1
     get_model = mt.get_model
 
@@ -229,16 +230,21 @@ def _hook_get_model(mt, plan, sched: Schedule) -> None:
             return model_provider_func(pre_process=pre_process, post_process=post_process,
                                        vp_stage=vp_stage, **kw)
         model = get_model(provider, *args, **kwargs)
-        if any(rec_layers):
-            rank = ps.get_pipeline_model_parallel_rank()
-            setup = MegatronSetup(sched, rank, over, sched.stages_of(rank), rec_layers, layout)
-            for c, chunk in enumerate(model):
-                cfg = unwrap_model(chunk).config
-                for k, val in setup.chunk_overrides(c).items():
-                    if k.startswith("recompute"):
-                        setattr(cfg, k, val)
+        _full_recompute_off(model)
         return model
     mt.get_model = get_model_planned
+
+
+def _full_recompute_off(model) -> None:
+    """The plan's schedule recomputes with R actions: Megatron's full-layer recompute
+    (``--recompute-granularity full``, read by its TransformerBlock at forward time) would
+    recompute the same layers a second time, so it is switched off in every chunk's config.
+    Selective recompute is set up when the layers are built and has no R: it stays."""
+    from megatron.core.utils import unwrap_model
+    for chunk in model:
+        cfg = unwrap_model(chunk).config
+        if cfg.recompute_granularity == "full":
+            cfg.recompute_granularity = cfg.recompute_method = cfg.recompute_num_layers = None
 
 
 def _refuse(msg: str):

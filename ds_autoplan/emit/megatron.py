@@ -71,8 +71,10 @@ def megatron_config(plan: Plan, model=None) -> dict:
         if vpp and vpp > 1 and group:
             cfg["microbatch_group_size_per_vp_stage"] = group
     # recompute: Megatron's 'block' method recomputes the first N layers of every stage; the
-    # value is global in the args, so emit the largest per-stage count (memory-safe) and the
-    # per-stage counts for the ds_autoplan runtime (integration.md §4.3).
+    # value is global in the args, so emit the largest per-stage count (memory-safe, for
+    # Megatron's own schedules) and the per-stage counts.  ds_autoplan's executor (runtime,
+    # patched pretrain_gpt.py) runs the per-stage counts as R actions instead and turns the
+    # full recompute off (docs/megatron.md "Recomputation"; integration.md §4.3).
     per_stage = [round(r * n) for r, n in zip(plan.recompute_per_stage, plan.layers_per_stage)]
     if getattr(plan, "selective_recompute", False):     # Korthikanti et al. 2022 §5
         cfg.update({"recompute_granularity": "selective", "recompute_method": None,

@@ -62,6 +62,32 @@ def add_recompute(sched: Schedule, layers: Sequence[int]) -> Schedule:
     return sched.replace_lists(out, lowered=False, **{META_KEY: merged})
 
 
+def with_recompute(sched: Schedule, fractions: Sequence[float],
+                   layer_counts: Sequence[int]) -> Schedule:
+    """A plan's ``recompute_per_stage`` ``fractions`` (of ``layer_counts`` layers per stage) as
+    R actions (:func:`add_recompute` with :func:`recompute_counts`).  A schedule with R actions
+    of its own (a hand-written list, merak-scp) already says what is recomputed and is
+    returned as it is, as is one where nothing is recomputed."""
+    if not any(float(f) > 0 for f in fractions) or any(a.kind == Kind.R for a in sched.actions()):
+        return sched
+    return add_recompute(sched, recompute_counts(fractions, layer_counts))
+
+
+def plan_schedule(plan, schedule: Schedule | None = None) -> Schedule:
+    """The action list a :class:`~ds_autoplan.plan.Plan` runs -- the one Plan -> schedule path
+    of both runtimes: ``schedule`` (a hand-written list, one DynaPipe step's) or the plan's
+    own (``plan.build_schedule()``; :func:`single_stage` for pp = 1), with the plan's
+    ``recompute_per_stage`` as R actions (:func:`with_recompute`).  A plan whose
+    ``layers_per_stage`` does not give one count per stage of the schedule (DeepSpeed's own
+    ``partition_method``) gets its R once the runtime has cut the model (the DeepSpeed module
+    calls :func:`with_recompute` with its partition's counts)."""
+    if schedule is None:
+        schedule = single_stage(plan.num_microbatches) if plan.pp == 1 else plan.build_schedule()
+    if len(plan.layers_per_stage) != schedule.num_stages:
+        return schedule
+    return with_recompute(schedule, plan.recompute_per_stage, plan.layers_per_stage)
+
+
 def stage_recompute(sched: Schedule, stage: int, num_layers: int) -> int:
     """The k of ``stage`` (which has ``num_layers`` layers) under ``sched``: 0 when its list
     has no R for the stage, else ``meta["recompute_layers"][stage]`` or, without that entry,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -40,41 +41,49 @@ class Context:
         self.seq = np.concatenate([[0], cm.block_types, [1]])
         self._w: dict[int, np.ndarray] = {}
         self._r_zero = ~np.any(self.Rm != 0, axis=(1, 2))
-        self._layout_classes()
-        self._cols = np.arange(self.S)[None, :]
         self._shifts: dict = {}
         self._prefix: dict = {}
         self._solved: dict = {}
 
-    def _layout_classes(self):
+    @cached_property
+    def _classes(self):
         """Strategies sharing a layout (TP, data degree, level order) re-lay out to each
-        other for free and alike to the rest (§2.5): the DP's min over s' runs per class."""
+        other for free and alike to the rest (§2.5), so the DP's min over s' runs per class:
+        (class of each strategy, members of each class, R between classes), or None where
+        R is not per layout (a plain S x S min)."""
         keys = [(s.tp, s.dp, s.tp_outer) for s in self.strategies]
         uniq = list(dict.fromkeys(keys))
-        self._cls = np.array([uniq.index(k) for k in keys])
-        self._members = [np.flatnonzero(self._cls == c) for c in range(len(uniq))]
-        rep = np.array([m[0] for m in self._members])
-        self._Rc = self.Rm[:, rep][:, :, rep]
-        if not np.array_equal(self._Rc[:, self._cls][:, :, self._cls], self.Rm):
-            self._members = None                   # R is not per layout: plain S x S min
+        cls = np.array([uniq.index(k) for k in keys])
+        members = [np.flatnonzero(cls == c) for c in range(len(uniq))]
+        rep = np.array([m[0] for m in members])
+        Rc = self.Rm[:, rep][:, :, rep]
+        return (cls, members, Rc) if np.array_equal(Rc[:, cls][:, :, cls], self.Rm) else None
+
+    def _columns(self, t: int) -> np.ndarray:
+        """Row of :meth:`_relayout_min`'s matrices that serves each strategy, for type t."""
+        if self._r_zero[t]:
+            return np.zeros(self.S, dtype=np.int64)
+        return np.arange(self.S) if self._classes is None else self._classes[0]
 
     def _relayout_min(self, Dp: np.ndarray, t: int):
-        """M[e, s] = min_s' D[e, s'] + m R(s', s) and its argmin s'."""
-        if self._members is None:
-            tot = Dp[:, :, None] + self.Rm[t][None, :, :]
-            return tot.min(axis=1), np.argmin(tot, axis=1)
-        E1 = Dp.shape[0]
-        rows = np.arange(E1)
-        Dc = np.empty((E1, len(self._members)))
-        best = np.empty((E1, len(self._members)), dtype=np.int64)
-        for c, mem in enumerate(self._members):
-            a = np.argmin(Dp[:, mem], axis=1)
-            best[:, c] = mem[a]
-            Dc[:, c] = Dp[rows, best[:, c]]
-        tot = Dc[:, :, None] + self._Rc[t][None, :, :]
-        ac = np.argmin(tot, axis=1)                                  # [E, C]: source class
-        Mc = np.take_along_axis(tot, ac[:, None, :], axis=1)[:, 0, :]
-        return Mc[:, self._cls], np.take_along_axis(best, ac, axis=1)[:, self._cls]
+        """M[k, e] = min_s' D[s', e] + m R(s', s) and its first argmin s', for the strategies
+        s of row k = ``_columns(t)[s]``: one row when R(t) is zero, one per layout class
+        when R is per class, else one per strategy."""
+        if self._r_zero[t]:
+            return Dp.min(axis=0, keepdims=True), Dp.argmin(axis=0)[None, :]
+        if self._classes is None:
+            tot = Dp[:, None, :] + self.Rm[t][:, :, None]
+            return tot.min(axis=0), tot.argmin(axis=0)
+        _, members, Rc = self._classes
+        E1 = Dp.shape[1]
+        Dc = np.empty((len(members), E1))
+        best = np.empty((len(members), E1), dtype=np.int64)
+        for c, mem in enumerate(members):
+            sub = Dp[mem]
+            best[c] = mem[sub.argmin(axis=0)]
+            Dc[c] = sub.min(axis=0)
+        tot = Dc[:, None, :] + Rc[t][:, :, None]                   # [source class, class, e]
+        return tot.min(axis=0), np.take_along_axis(best, tot.argmin(axis=0), axis=0)
 
     def w(self, K: int) -> np.ndarray:
         """Discretised forward-memory weight per (type, strategy): K*O_f1 + O_ms (Eq. 3),
@@ -86,52 +95,51 @@ class Context:
             self._w[K] = np.minimum(raw, self.units + 1).astype(np.int64)
         return self._w[K]
 
-    def _shift(self, K: int, t: int):
-        """Row index e - w(t, s) (clipped) and its validity, per (K, type)."""
+    def _shift(self, K: int, t: int) -> np.ndarray:
+        """Flat index, per (s, e), of entry (row of s, e - w(t, s)) in the column-padded
+        :meth:`_relayout_min` matrix; the padding column (INF) where e - w(t, s) < 0."""
         key = (K, t)
         if key not in self._shifts:
-            idx = np.arange(self.units + 1)[:, None] - self.w(K)[t][None, :]
-            self._shifts[key] = (np.clip(idx, 0, None), idx >= 0)
+            E1 = self.units + 1
+            idx = np.arange(E1)[None, :] - self.w(K)[t][:, None]
+            self._shifts[key] = np.where(idx >= 0, idx, E1) + self._columns(t)[:, None] * (E1 + 1)
         return self._shifts[key]
 
     # -- §3.3 recurrence over a stage's unit types, cached by prefix --------------------
     def _table(self, rle: tuple, K: int):
-        """D and back-pointers for a unit sequence given run-length encoded, ((type, count), ...):
-        identical layers share prefixes, so uniform models hit the cache almost always."""
+        """D[s, e] (least cost ending in strategy s within e memory units) and back-pointers
+        for a unit sequence given run-length encoded, ((type, count), ...): identical layers
+        share prefixes, so uniform models hit the cache almost always."""
         key = (K, rle)
         hit = self._prefix.get(key)
         if hit is not None:
             return hit
-        E1, S = self.units + 1, self.S
-        w = self.w(K)
+        E1 = self.units + 1
         t, c = rle[-1]
         if len(rle) == 1 and c == 1:
-            e = np.arange(E1)[:, None]
-            D = np.where(e >= w[t][None, :], self.cost[t][None, :], INF)
+            e = np.arange(E1)[None, :]
+            D = np.where(e >= self.w(K)[t][:, None], self.cost[t][:, None], INF)
             res = (D, ())
         else:
             prev = rle[:-1] + (((t, c - 1),) if c > 1 else ())
             Dp, args = self._table(prev, K)
-            # M[e, s] = min_s' D[e, s'] + m R(s', s)
-            if self._r_zero[t]:
-                a1 = np.argmin(Dp, axis=1)
-                M = np.repeat(Dp[np.arange(E1), a1][:, None], S, axis=1)
-                arg = np.repeat(a1[:, None], S, axis=1)
-            else:
-                M, arg = self._relayout_min(Dp, t)
-            src, valid = self._shift(K, t)
-            D = np.where(valid, M[src, self._cols], INF) + self.cost[t][None, :]
-            res = (D, args + (arg.astype(np.int16),))
+            Mk, arg = self._relayout_min(Dp, t)          # M[s, e] = Mk[row of s, e]
+            M = np.empty((Mk.shape[0], E1 + 1))
+            M[:, :E1] = Mk
+            M[:, E1] = INF
+            D = M.ravel().take(self._shift(K, t))
+            D += self.cost[t][:, None]
+            res = (D, args + ((arg.astype(np.int16), self._columns(t)),))
         self._prefix[key] = res
         return res
 
-    def _backtrack(self, types: tuple, K: int, D, args, e: int, s: int) -> list:
+    def _backtrack(self, types: tuple, K: int, args, e: int, s: int) -> list:
         w = self.w(K)
         plan = [s]
         for j in range(len(types) - 1, 0, -1):
             e -= int(w[types[j], s])
-            sp = int(args[j - 1][e, s])
-            s = sp
+            arg, rows = args[j - 1]
+            s = int(arg[rows[s], e])
             plan.append(s)
         return plan[::-1]
 
@@ -150,8 +158,8 @@ class Context:
         key = (K, rle)
         if key in self._solved:
             return self._solved[key]
-        if self._two_level:
-            out = self._solve_ckpt_count(types, K)
+        if self._two_level or self.S == 1:
+            out = self._solve_ckpt_count(types, K) if self.S == 2 else self._solve_single(types, K)
             self._solved[key] = out
             return out
         D, args = self._table(rle, K)
@@ -167,10 +175,10 @@ class Context:
             es.append(es[-1] - step)
             step *= 2
         for e in es:
-            s = int(np.argmin(D[e]))
-            if not np.isfinite(D[e, s]):
+            s = int(np.argmin(D[:, e]))
+            if not np.isfinite(D[s, e]):
                 break
-            plan = self._backtrack(types, K, D, args, e, s)
+            plan = self._backtrack(types, K, args, e, s)
             ea = self.e_all(types, plan, K)
             if ea <= self.E:
                 out = StagePlan(plan, ea)
@@ -185,6 +193,17 @@ class Context:
         """An executable strategy set: one layout without and with CKPT (no re-layout)."""
         st = self.strategies
         return len(st) == 2 and not st[0].ckpt and st[1] == st[0]._replace(ckpt=True) and self._r_zero.all()
+
+    def _solve_single(self, types: tuple, K: int) -> StagePlan | None:
+        """The DP's answer for one strategy in closed form: its only plan, where the rounded
+        weights fit the memory units (the table is finite at e = units) and the exact Eq. 2
+        peak the budget (a smaller e gives the same plan and peak)."""
+        ty = list(types)
+        if int(self.w(K)[ty, 0].sum()) > self.units or not np.isfinite(self.cost[ty, 0]).all():
+            return None
+        plan = [0] * len(ty)
+        ea = self.e_all(types, plan, K)
+        return StagePlan(plan, ea) if ea <= self.E else None
 
     def _solve_ckpt_count(self, types: tuple, K: int) -> StagePlan | None:
         """The DP's answer for the two-level set in closed form: the first k checkpointable

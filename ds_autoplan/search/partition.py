@@ -31,9 +31,29 @@ def _seg_matrices(ctx: Context, plan: list):
     return A, pc, pcn, pf, pm, run
 
 
-def stage_matrices(ctx: Context, plan: list, objective: str):
-    """SEG[i][a, b] for stage i over blocks a..b (inclusive): stage time or Eq. 2 memory
-    (memoised per plan: BMW revisits the same per-layer strategies)."""
+class StageSegs:
+    """SEG_i[b, a]: the time or Eq. 2 memory of stage i over blocks a..b (inclusive), for
+    every stage, kept as the terms of the (first, middle, last) stage shapes: a square
+    block of it is formed on demand (a min-max partition only needs a band of it)."""
+
+    def __init__(self, terms: dict, shapes: list, stash: list):
+        self.terms, self.shapes, self.stash = terms, shapes, stash
+        self.L = next(iter(terms.values()))[0].shape[0]
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def block(self, i: int, lo: int, hi: int) -> np.ndarray:
+        """SEG_i over last blocks b and first blocks a in [lo, hi): [b - lo, a - lo]."""
+        seg, f1 = self.terms[self.shapes[i]]
+        if f1 is None:
+            return seg[lo:hi, lo:hi]
+        return self.stash[i] * f1[lo:hi, lo:hi] + seg[lo:hi, lo:hi]   # (K_i - 1) f1 + rest
+
+
+def stage_matrices(ctx: Context, plan: list, objective: str) -> StageSegs:
+    """SEG_i[b, a] of every stage of ``ctx``: stage time or Eq. 2 memory (memoised per plan:
+    BMW revisits the same per-layer strategies)."""
     memo = ctx.__dict__.setdefault("_seg_memo", {})
     key = (objective, tuple(plan))
     if key not in memo:
@@ -41,54 +61,52 @@ def stage_matrices(ctx: Context, plan: list, objective: str):
     return memo[key]
 
 
-def _stage_matrices(ctx: Context, plan: list, objective: str):
+def _shape_terms(A: dict, pcn, pf, pm, run, L: int, objective: str, first: bool, last: bool):
+    """Stage-position-independent terms [b, a] of a stage over blocks a..b (INF where it
+    cannot be one): the time, or the memory without the in-flight stash and the f1 sum."""
+    b = np.arange(L)[:, None]
+    a = np.arange(L)[None, :]
+    lo = np.zeros_like(a) if first else a + 1
+    hi = np.minimum((b + 3) if last else (b + 2), L + 2)
+    valid = (a <= b) & ((b == L - 1) if last else True)
+    if objective == "time":
+        p2p = 0.0 if last else 2 * A["p2p"][np.minimum(hi - 1, L + 1)]
+        return np.where(valid, pcn[hi] - pcn[lo] + p2p, INF), None
+    rest = run[np.broadcast_to(lo, (L, L)), hi - 1] - pf[lo] + pm[hi] - pm[lo]
+    return np.where(valid, rest, INF), pf[hi] - pf[lo]
+
+
+def _stage_matrices(ctx: Context, plan: list, objective: str) -> StageSegs:
     A, pc, pcn, pf, pm, run = _seg_matrices(ctx, plan)
     L, P = len(ctx.seq) - 2, ctx.P
-    a = np.arange(L)[:, None]
-    b = np.arange(L)[None, :]
-    terms = {}
-
-    def shape(first: bool, last: bool):
-        """Stage-position-independent terms (the middle stages share one set)."""
-        key = (first, last)
-        if key not in terms:
-            lo = np.zeros_like(a) if first else a + 1
-            hi = np.minimum((b + 3) if last else (b + 2), L + 2)
-            valid = (a <= b) & ((b == L - 1) if last else True)
-            if objective == "time":
-                p2p = 0.0 if last else 2 * A["p2p"][np.minimum(hi - 1, L + 1)]
-                terms[key] = (valid, pcn[hi] - pcn[lo] + p2p, None)
-            else:
-                rest = run[np.broadcast_to(lo, (L, L)), hi - 1] - pf[lo] + pm[hi] - pm[lo]
-                terms[key] = (valid, rest, pf[hi] - pf[lo])
-        return terms[key]
-
-    out = []
-    for i in range(P):
-        valid, seg, f1 = shape(i == 0, i == P - 1)
-        if f1 is not None:
-            seg = (ctx.K(i) - 1) * f1 + seg
-        out.append(np.where(valid, seg, INF))
-    return out
+    shapes = [(i == 0, i == P - 1) for i in range(P)]
+    terms = {k: _shape_terms(A, pcn, pf, pm, run, L, objective, *k) for k in dict.fromkeys(shapes)}
+    return StageSegs(terms, shapes, [ctx.K(i) - 1 for i in range(P)])
 
 
-def minmax_partition(segs: list) -> tuple:
-    """Exact min-max contiguous partition (§4.2) given SEG[i][a, b]; ties -> lower sum."""
-    P = len(segs)
-    L = segs[0].shape[0]
-    F = segs[0][0].copy()                      # F[b]: best max over stage 0 = blocks 0..b
+def minmax_partition(segs: StageSegs, stages=None, lo: int = 0, hi: int | None = None) -> tuple | None:
+    """Exact min-max contiguous partition (§4.2) of blocks [lo, hi) (default all) into
+    ``stages`` (default all of ``segs``); ties -> the first cut.  Stage j can only end
+    at blocks j..j+W-1 of the range (W = blocks - stages + 1: every stage holds one), so
+    the DP runs on that band of each SEG."""
+    stages = range(len(segs)) if stages is None else stages
+    hi = segs.L if hi is None else hi
+    P, L = len(stages), hi - lo
+    W = L - P + 1
+    if W < 1:
+        return None
+    F = segs.block(stages[0], lo, lo + W)[:, 0].copy()    # F[b]: best max over stage 0 = blocks 0..b
     cuts = []
-    for i in range(1, P):
-        prev = np.concatenate([[INF], F[:-1]])  # F_{i-1}[a-1]
-        vals = np.maximum(prev[:, None], segs[i])
-        arg = np.argmin(vals, axis=0)
-        F = vals[arg, np.arange(L)]
+    for j in range(1, P):             # F_j[b] = min_a max(F_{j-1}[a-1], SEG_j[b, a]), a, b in j..j+W-1
+        vals = np.maximum(F[None, :], segs.block(stages[j], lo + j, lo + j + W))
+        arg = np.argmin(vals, axis=1)
+        F = vals[np.arange(W), arg]
         cuts.append(arg)
-    if not np.isfinite(F[L - 1]):
+    if not np.isfinite(F[W - 1]):
         return None
     parts, b = [], L - 1
-    for i in range(P - 1, 0, -1):
-        a = int(cuts[i - 1][b])
+    for j in range(P - 1, 0, -1):
+        a = j + int(cuts[j - 1][b - j])
         parts.append(b - a + 1)
         b = a - 1
     parts.append(b + 1)
@@ -194,10 +212,10 @@ def dawnpiper(ctx: Context):
     def candidates(lo, hi, first, mid, last):
         """Cuts from the compute-balanced toward the memory-balanced one (min-max splits of
         stages first..last over blocks [lo, hi) by time and by memory)."""
-        pcb = minmax_partition([segT[i][lo:hi, lo:hi] for i in range(first, last + 1)])
+        pcb = minmax_partition(segT, range(first, last + 1), lo, hi)
         if pcb is None:
             return []
-        pmb = minmax_partition([segM[i][lo:hi, lo:hi] for i in range(first, last + 1)]) or pcb
+        pmb = minmax_partition(segM, range(first, last + 1), lo, hi) or pcb
         c_cb, c_mb = lo + sum(pcb[:mid - first + 1]), lo + sum(pmb[:mid - first + 1])
         step = -1 if c_mb < c_cb else 1
         return list(range(c_cb, c_mb + step, step))

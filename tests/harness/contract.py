@@ -1,10 +1,13 @@
-"""Workers of tests/test_executor_contract.py: one hand-written action list in each runtime.
+"""Workers of tests/test_executor_contract.py: one plan, or one hand-written action list
+with its plan, in each runtime.
 
-``python -m harness.contract SCHEDULES.json`` on every rank (``spawn``): the DeepSpeed
-adapter; :func:`megatron_case` through the launcher's cases.  Each trains one step of a
-tiny GPT per schedule from the same weights as a non-pipelined reference and reports the
-largest gradient error, the measured peak saved-activation bytes and the simulator's peak
-from the costs measured on micro-batch 0 (runtime.common.memory.stage_costs).
+``python -m harness.contract RUNS.json`` on every rank (``spawn``): the DeepSpeed adapter;
+:func:`megatron_case` through the launcher's cases.  A run is ``{"plan": plan dict, "sched":
+schedule dict or null}`` (null: the plan's own, as the runtime builds it).  Each trains one
+step of a tiny GPT from the same weights as a non-pipelined reference and reports the
+largest gradient error, the measured peak saved-activation bytes, the simulator's peak from
+the costs measured on micro-batch 0 (runtime.common.memory.stage_costs) and the rank's action
+list as the runtime ran it.
 """
 from __future__ import annotations
 
@@ -23,21 +26,26 @@ def _sim_peak(sched, by_action, rank) -> float:
     return simulate(sched, stage_costs(sched, by_action, rank)).peak_memory[rank]
 
 
+def plan_dict(sched_name: str, num_ranks: int, num_stages: int, n: int, recompute=None) -> dict:
+    """The fp32 plan of these workers: N_BLOCKS split evenly over ``num_stages`` stages."""
+    return {"pp": num_ranks, "dp": 1, "zero_stage": 0, "micro_batch_size": MBS,
+            "num_microbatches": n, "global_batch_size": MBS * n, "precision": "fp32",
+            "schedule": sched_name, "layers_per_stage": [N_BLOCKS // num_stages] * num_stages,
+            "recompute_per_stage": list(recompute or [0.0] * num_stages)}
+
+
 def _row(rank, sched, err, scale, peak, sim, by_action):
+    """``sched``: the lowered schedule the runtime ran."""
     return {"rank": rank, "schedule": sched.name, "grad_err": err, "grad_max": scale,
             "peak": peak, "sim_peak": sim,
-            "recomputes": sum(1 for (k, _, _) in by_action if k.value == "R")}
+            "recomputes": sum(1 for (k, _, _) in by_action if k.value == "R"),
+            "actions": [a.short() for a in sched.ranks[rank]]}
 
 
 # ----------------------------------------------------------------------------- DeepSpeed
-def _ds_one(sched, layers0, batches, rank):
+def _ds_one(plan, sched, layers0, batches, rank):
     from ds_autoplan.models.tiny_gpt import gpt_loss
     from ds_autoplan.runtime.deepspeed import api
-    n = sched.num_microbatches
-    plan = {"pp": sched.num_ranks, "dp": 1, "zero_stage": 0, "micro_batch_size": MBS,
-            "num_microbatches": n, "global_batch_size": MBS * n, "precision": "fp32",
-            "schedule": sched.name, "layers_per_stage": [N_BLOCKS // sched.num_stages] * sched.num_stages,
-            "recompute_per_stage": [0.0] * sched.num_stages}
     cfg = {"steps_per_print": 10 ** 9, "gradient_clipping": 0.0}
     engine, *_ = api.initialize([copy.deepcopy(m) for m in layers0], plan, schedule=sched,
                                 loss_fn=gpt_loss, config=cfg, track_memory=True,
@@ -52,7 +60,7 @@ def _ds_one(sched, layers0, batches, rank):
             err = max(err, float((p0 - p.detach() - g_ref).abs().max()))
             scale = max(scale, float(g_ref.abs().max()))
     by = engine.ap_memory.by_action
-    return _row(rank, sched, err, scale, engine.memtracker.peak,
+    return _row(rank, engine.ap_schedule, err, scale, engine.memtracker.peak,
                 _sim_peak(engine.ap_schedule, by, engine.stage_id), by)
 
 
@@ -77,17 +85,18 @@ def deepspeed_main(path):
     torch.set_num_threads(1)
     init_distributed()
     with open(path) as f:
-        scheds = [Schedule.from_dict(d) for d in json.load(f)]
+        runs = [(r["plan"], r["sched"] and Schedule.from_dict(r["sched"])) for r in json.load(f)]
     torch.manual_seed(0)
     model = TinyGPT(vocab_size=32, hidden=16, num_layers=N_BLOCKS, num_heads=2, seq_len=SEQ)
-    batches = [example_batch(model.cfg, MBS, seed=m) for m in range(scheds[0].num_microbatches)]
+    batches = [example_batch(model.cfg, MBS, seed=m) for m in range(runs[0][0]["num_microbatches"])]
     rank = torch.distributed.get_rank()
-    report_runs(lambda s=s: _ds_one(s, model.layers(), batches, rank) for s in scheds)
+    report_runs(lambda p=p, s=s: _ds_one(p, s, model.layers(), batches, rank) for p, s in runs)
 
 
 # ----------------------------------------------------------------------------- Megatron
 def megatron_case(case) -> dict:
-    """One schedule on Megatron's GPTModel chunks vs Megatron's no-pipelining run."""
+    """One plan (``case["sched"]``: a hand-written list for it, else the plan's own) on
+    Megatron's GPTModel chunks vs Megatron's no-pipelining run."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import schedules as ms
 
@@ -97,10 +106,10 @@ def megatron_case(case) -> dict:
     from ds_autoplan.runtime.memtrack import MemTracker
     from ds_autoplan.schedule import Schedule
 
-    from .megatron_cases import _plan
+    from ds_autoplan.plan import Plan
     ps.destroy_model_parallel()
-    sched = Schedule.from_dict(case["sched"])
-    plan = _plan(case)
+    sched = Schedule.from_dict(case["sched"]) if case.get("sched") else None
+    plan = Plan.from_dict(case["plan"])
     setup = initialize(plan, schedule=sched)
     ref = G.build_reference(sum(plan.layers_per_stage))
     chunks = G.build_chunks(setup)
@@ -123,7 +132,7 @@ def megatron_case(case) -> dict:
             err = max(err, float((p.grad - g_ref).abs().max()))
             scale = max(scale, float(g_ref.abs().max()))
     by = fb.memory.by_action
-    return _row(setup.pp_rank, sched, err, scale, fb.peak_bytes,
+    return _row(setup.pp_rank, fb.schedule, err, scale, fb.peak_bytes,
                 _sim_peak(fb.schedule, by, setup.pp_rank), by)
 
 

@@ -70,6 +70,7 @@ def run_case(case) -> dict:
     runner = case.get("runner", "ours")
     tracker = MemTracker(exclude=params) if runner == "ours" else None
     fb = get_forward_backward_func(plan, schedule=sched, tracker=tracker) if runner == "ours" else None
+    sched = fb.schedule if fb is not None else sched      # with the plan's R actions
     res = {"rank": rank, "tp_rank": ps.get_tensor_model_parallel_rank(), "stages": setup.stages,
            "losses": [], "ref_losses": [], "max_grad_err": 0.0, "max_grad": 0.0,
            "peak_bytes": [], "time": [], "w_items": 0,

@@ -10,7 +10,7 @@ import os
 import torch
 
 from ...schedule import Schedule, build
-from ...schedule.passes import single_stage
+from ...schedule.passes import plan_schedule
 from ..watchdog import startup_watchdog
 
 
@@ -73,20 +73,12 @@ def _engine_installed():
         deepspeed.PipelineEngine = saved
 
 
-def plan_schedule(plan) -> Schedule:
-    """``plan.build_schedule()``; a plan without pipelining (pp = 1) runs the single-stage
-    schedule (``schedule.passes.single_stage``)."""
-    if plan.pp == 1:
-        return single_stage(plan.num_microbatches)
-    return plan.build_schedule()
-
-
 def build_module(model_or_layers, plan, *, schedule: Schedule | None = None, loss_fn=None,
                  track_memory=False, **module_kwargs):
     """The :class:`AutoplanPipelineModule` for ``plan`` (must run after init_distributed)."""
     from .module import AutoplanPipelineModule
     layers, lf = _layers_of(model_or_layers)
-    sched = schedule if schedule is not None else plan_schedule(plan)
+    sched = plan_schedule(plan, schedule)      # the plan's R: schedule/passes.py, as Megatron's
     S = sched.num_stages
     lps = plan.layers_per_stage if len(plan.layers_per_stage) == S else None
     rec = plan.recompute_per_stage if len(plan.recompute_per_stage) == S else None

@@ -14,7 +14,7 @@ from itertools import accumulate
 
 from deepspeed.runtime.pipe.module import PipelineModule
 
-from ...schedule.passes import add_recompute, recompute_counts, recompute_layers
+from ...schedule.passes import recompute_counts, recompute_layers, with_recompute
 
 
 class PartitionError(ValueError):
@@ -121,11 +121,8 @@ class AutoplanPipelineModule(PipelineModule):
 
     def with_recompute(self, sched):
         """``sched`` with this module's recompute fractions applied by the R pass when it has
-        no R actions of its own."""
-        from ...schedule import Kind
-        if any(self._ap_recompute) and not any(a.kind == Kind.R for a in sched.actions()):
-            sched = add_recompute(sched, recompute_counts(self._ap_recompute, self.plan_layer_counts))
-        return sched
+        no R actions of its own (``schedule.passes.with_recompute``, this partition's counts)."""
+        return with_recompute(sched, self._ap_recompute, self.plan_layer_counts)
 
     def stage_owner(self, layer_idx):
         """The pipeline rank that owns ``layer_idx``."""

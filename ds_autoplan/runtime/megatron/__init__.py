@@ -6,7 +6,7 @@ plan → parallel setup, a CPU shim and split-backward linear layers.
     losses = fb(forward_step_func=..., data_iterator=..., model=chunks, num_microbatches=...,
                 seq_length=..., micro_batch_size=...)     # same keywords as Megatron's
     ds_autoplan.runtime.megatron.install(plan)                     # or: patch Megatron's dispatcher
-    fb = ds_autoplan.runtime.megatron.ScheduleRunner(None)         # DynaPipe: plan per step, see .dynamic
+    fb = ds_autoplan.runtime.megatron.ScheduleRunner(None, plan=plan)   # DynaPipe: schedule per step, see .dynamic
     fb(..., microbatch_weights=loss_weights(counts), **step_kwargs(iteration_plan))
 """
 from __future__ import annotations
@@ -23,12 +23,12 @@ from .splitgrad import SplitColumnParallelLinear, SplitRowParallelLinear, split_
 
 def get_forward_backward_func(plan=None, *, schedule=None, costs=None, tracker=None) -> ScheduleRunner:
     """A callable with the keyword signature of megatron-core's schedule functions that runs
-    ``plan``'s schedule (or ``schedule``, any valid action list; it is lowered with ``costs``)."""
-    if schedule is None:
-        if plan is None:
-            raise ValueError("give a plan or a schedule")
-        schedule = plan.build_schedule()
-    return ScheduleRunner(schedule, costs, tracker)
+    ``plan``'s schedule (or ``schedule``, any valid action list; it is lowered with ``costs``)
+    with the plan's recomputation as R actions (``schedule.passes.plan_schedule``, the path
+    the DeepSpeed adapter takes too), also in the schedules that come with a step."""
+    if schedule is None and plan is None:
+        raise ValueError("give a plan or a schedule")
+    return ScheduleRunner(schedule, costs, tracker, plan=plan)
 
 
 def install(plan=None, *, schedule=None, costs=None, wrap=None):

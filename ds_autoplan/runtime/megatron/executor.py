@@ -55,7 +55,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
 
 from ...schedule import Costs, Kind, Schedule, ScheduleError, lower
-from ...schedule.passes import stage_recompute
+from ...schedule.passes import plan_schedule, stage_recompute
 from ..common import StepState, accept, dispatch_table, recomputed
 from ..common.memory import ActionMemory
 from ..memtrack import hold
@@ -152,12 +152,18 @@ def _wait(entry):
 
 
 class ScheduleRunner:
-    """Holds a lowered schedule; ``__call__`` is the forward_backward_func."""
+    """Holds a lowered schedule; ``__call__`` is the forward_backward_func.  With ``plan``,
+    every schedule it runs (its own: ``schedule`` or the plan's, and each step's) gets the
+    plan's recomputation as R actions (``schedule.passes.plan_schedule``), as in the
+    DeepSpeed adapter."""
 
     EXTRA = ("schedule", "microbatch_shapes", "microbatch_weights")   # see module docstring
 
-    def __init__(self, schedule: Schedule | None, costs: Costs | None = None, tracker=None):
-        self.costs = costs
+    def __init__(self, schedule: Schedule | None, costs: Costs | None = None, tracker=None,
+                 plan=None):
+        self.costs, self.plan = costs, plan
+        if plan is not None:
+            schedule = plan_schedule(plan, schedule)
         self.schedule = None if schedule is None else lower(schedule, costs)
         self.tracker = tracker          # optional runtime.memtrack.MemTracker
         self.timeline: list = []        # (kind, stage, mb, t0, t1) of the last call, this rank
@@ -171,6 +177,10 @@ class ScheduleRunner:
     def mem_deltas(self) -> dict:
         """(kind value, stage, mb) -> tracked bytes change of the last call."""
         return {(k.value, s, m): v[0] for (k, s, m), v in self.memory.by_action.items()}
+
+    def with_plan(self, sched: Schedule) -> Schedule:
+        """A step's schedule with the plan's R actions (unchanged without a plan)."""
+        return sched if self.plan is None else plan_schedule(self.plan, sched)
 
     def set_step(self, state: StepState) -> None:
         """Per-step state for the next call only (the common contract, runtime.common)."""
@@ -239,7 +249,7 @@ class _Step:
 
     def __init__(self, runner: ScheduleRunner, state: StepState, args: dict):
         self.runner, self.a, self.state = runner, args, state
-        sched = state.schedule if state.schedule is not None else runner.schedule
+        sched = runner.schedule if state.schedule is None else runner.with_plan(state.schedule)
         if sched is None:
             raise ScheduleError("this forward_backward_func holds no schedule: pass schedule=")
         state.check(args["num_microbatches"])        # before any communication

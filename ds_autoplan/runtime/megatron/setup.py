@@ -9,10 +9,14 @@
   offsets in interleaved order), so :class:`StageLayerLayout` -- a subclass of Megatron's
   ``PipelineParallelLayerLayout``, which ``TransformerConfig`` accepts as is -- keeps the
   (pp rank, vp stage) → stage map and computes layer counts and offsets in stage order.
-* Recompute: per stage, Megatron's ``recompute_method='block'`` with ``recompute_num_layers``
-  = round(fraction · layers of that stage) ("recompute the first n layers of each stage";
-  block avoids the non-divisor bug of 'uniform', NVIDIA/Megatron-LM#1807).  A rank's chunks
-  may differ, so :meth:`MegatronSetup.chunk_config` returns one config copy per chunk.
+* Recompute: a plan's ``recompute_per_stage`` is R actions in the schedule, inserted by the
+  pass both runtimes share (``schedule.passes.plan_schedule``: R re-runs the first
+  round(fraction · layers) layers of the stage, Merak's stage-aware recomputation), so the
+  simulator's memory model is what runs.  Megatron's own full-layer recompute
+  (``recompute_granularity='full'``) is therefore off in every chunk's config
+  (:meth:`MegatronSetup.chunk_config`): nothing is recomputed twice.  Selective recompute
+  (``plan.selective_recompute``: the attention core of every layer, Korthikanti et al. 2022
+  §5) has no R: it stays Megatron's ``recompute_granularity='selective'``.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from megatron.core.transformer.pipeline_parallel_layer_layout import PipelinePar
 from ...emit.megatron import layout_string
 from ...emit.megatron import megatron_args as emit_megatron_args
 from ...schedule import Schedule, ScheduleError
+from ...schedule.passes import plan_schedule, recompute_layers
 from ..watchdog import startup_watchdog
 
 
@@ -72,8 +77,9 @@ class MegatronSetup:
     pp_rank: int
     config_overrides: dict          # for every chunk's TransformerConfig
     stages: list                    # stage id of each local model chunk (chunk order)
-    recompute_num_layers: list      # per stage
+    recompute_num_layers: list      # per stage: the layers an R of the schedule re-runs
     layout: object                  # what config_overrides['pipeline_model_parallel_layout'] holds
+    selective_recompute: bool = False
 
     @property
     def num_chunks(self) -> int:
@@ -91,14 +97,15 @@ class MegatronSetup:
         return chunk if self.num_chunks > 1 else None
 
     def chunk_overrides(self, chunk: int = 0) -> dict:
-        n = self.recompute_num_layers[self.stages[chunk]]
-        rec = (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=n)
-               if n > 0 else dict(recompute_granularity=None, recompute_method=None,
-                                  recompute_num_layers=None))
+        """``config_overrides`` plus the recompute settings of local chunk ``chunk``: no
+        Megatron full-layer recompute (the schedule's R actions recompute, see the module
+        doc); selective recompute stays Megatron's own, it has no R."""
+        rec = dict(recompute_granularity="selective" if self.selective_recompute else None,
+                   recompute_method=None, recompute_num_layers=None)
         return {**self.config_overrides, **rec}
 
     def chunk_config(self, config, chunk: int = 0):
-        """A copy of ``config`` with this chunk's recompute settings (per-stage recompute)."""
+        """A copy of ``config`` with this chunk's recompute settings (:meth:`chunk_overrides`)."""
         cfg = copy.copy(config)
         for k, v in self.chunk_overrides(chunk).items():
             if k.startswith("recompute"):
@@ -113,15 +120,17 @@ def layout_for(schedule: Schedule, layers_per_stage):
 
 
 def plan_overrides(plan, schedule: Schedule | None = None) -> tuple[dict, list, object]:
-    sched = schedule or plan.build_schedule()
+    """TransformerConfig overrides, the layers an R re-runs per stage and the layout of
+    ``plan`` run with ``schedule`` (default the plan's; both with the plan's R actions)."""
+    sched = plan_schedule(plan, schedule)
     S, d = sched.num_stages, sched.num_ranks
     lps = list(plan.layers_per_stage)
     if len(lps) != S:
         raise ScheduleError(f"plan.layers_per_stage has {len(lps)} entries but schedule "
                             f"{plan.schedule!r} has {S} stages")
-    rec = list(plan.recompute_per_stage or [0.0] * S)
-    if len(rec) != S:
-        raise ScheduleError(f"plan.recompute_per_stage has {len(rec)} entries, expected {S}")
+    if len(plan.recompute_per_stage) not in (0, S):
+        raise ScheduleError(f"plan.recompute_per_stage has {len(plan.recompute_per_stage)} "
+                            f"entries, expected {S}")
     layout = layout_for(sched, lps)
     vpp = S // d if S > d else None
     over = dict(num_layers=sum(lps), tensor_model_parallel_size=plan.tp,
@@ -132,8 +141,7 @@ def plan_overrides(plan, schedule: Schedule | None = None) -> tuple[dict, list, 
                     "microbatch_group_size_per_vp_stage", d) if vpp else None)
     if vpp is None:
         over.pop("microbatch_group_size_per_vp_stage")
-    rec_layers = [int(round(f * n)) for f, n in zip(rec, lps)]
-    return over, rec_layers, layout
+    return over, recompute_layers(sched, lps), layout
 
 
 def initialize(plan, schedule: Schedule | None = None, **model_parallel_kwargs) -> MegatronSetup:
@@ -149,7 +157,7 @@ def initialize(plan, schedule: Schedule | None = None, **model_parallel_kwargs) 
 
     import torch.distributed as dist
 
-    sched = schedule or plan.build_schedule()
+    sched = plan_schedule(plan, schedule)
     over, rec_layers, layout = plan_overrides(plan, sched)
     world = dist.get_world_size()
     if world != plan.tp * sched.num_ranks * plan.dp:
@@ -164,7 +172,8 @@ def initialize(plan, schedule: Schedule | None = None, **model_parallel_kwargs) 
             virtual_pipeline_model_parallel_size=over["virtual_pipeline_model_parallel_size"],
             **model_parallel_kwargs)
     rank = parallel_state.get_pipeline_model_parallel_rank()
-    return MegatronSetup(sched, rank, over, sched.stages_of(rank), rec_layers, layout)
+    return MegatronSetup(sched, rank, over, sched.stages_of(rank), rec_layers, layout,
+                         bool(plan.selective_recompute))
 
 
 def megatron_args(plan) -> list[str]:

@@ -178,6 +178,44 @@ def squeeze_unit(rows) -> list[list[list[int]]]:
     return out
 
 
+def _converges(occ: list[int], start: int, moved: int, state: tuple, trace: list, cap: float,
+               out: list | None = None) -> bool:
+    """:func:`_peak` without explicit W from slot ``start`` in ``state`` after a pass moved
+    from slot ``moved`` to ``start``, on a row whose old scan ``trace`` stayed within
+    ``cap``: False as soon as the memory exceeds ``cap``; True at the first slot from
+    ``moved`` on where (memory, pending W) equal the old scan's (the rest is unchanged).
+    ``out`` receives the new states up to there (their running peak is not kept: a row
+    within its cap never needs it)."""
+    cur, pend = state[0], state[1]
+    for i in range(start, len(occ)):
+        t = occ[i]
+        if t < 0:
+            if pend:
+                cur -= 1
+                pend -= 1
+        elif t < B1:
+            cur += 1
+            if cur > cap:
+                return False
+        elif t < W:
+            pend += 1
+        else:
+            cur -= 1
+        if out is not None:
+            out.append((cur, pend, 0))
+        if i >= moved and trace[i][0] == cur and trace[i][1] == pend:
+            return True
+    return True
+
+
+def _first_free(occupied: set, lo: int, hi: int) -> int:
+    """First slot in [lo, hi) not in ``occupied``, else ``hi``."""
+    for s in range(lo, hi):
+        if s not in occupied:
+            return s
+    return hi
+
+
 def compact(rows, consider_w: bool, cap: int | None = None) -> list[list[list[int]]]:
     """Reordering pass of §2.4: move warm-up (only with explicit W) and cool-down passes to
     the first free earlier slot that keeps the device's slot peak <= cap; then squeeze.
@@ -194,9 +232,10 @@ def compact(rows, consider_w: bool, cap: int | None = None) -> list[list[list[in
     occ = [_occupancy(r) for r in rows]       # all passes, visited or not
     occupied = [set() for _ in rows]          # slots taken by visited passes
     # Incremental peak checks (same answers as a full slot_peak scan per try): with explicit
-    # W only memory after each slot matters (a move of F/W shifts it by ±1 on [s, old));
-    # without, the scan state (memory, pending W, peak) after each slot, re-scanned from
-    # the moved slot on (only cool-down passes move then, near the end of the row).
+    # W only memory after each slot matters (a move of F/W shifts it by ±1 on [s, old):
+    # an F fits at s iff the memory stays below cap on [s, old), a W or B always fits);
+    # without, the scan state (memory, pending W) after each slot, re-scanned from the
+    # moved slot until it meets the old scan (only cool-down passes move then).
     trace = [[] for _ in rows]
     for o, tr in zip(occ, trace):
         _peak(o, consider_w, trace=tr)
@@ -213,23 +252,31 @@ def compact(rows, consider_w: bool, cap: int | None = None) -> list[list[list[in
             occupied[dev].add(cur)
             continue
         o, tr = occ[dev], trace[dev]
+        lo = _dep_slot(rows, dev, t, mb) + 1
         o[cur] = -1
-        for s in range(_dep_slot(rows, dev, t, mb) + 1, cur):
-            if s in occupied[dev]:
-                continue
+        if ok[dev] and consider_w:
+            if t < B1:
+                j = cur - 1
+                while j >= lo and tr[j] < cap:
+                    j -= 1
+                lo = j + 1
+            s = _first_free(occupied[dev], lo, cur)
             o[s] = t
-            if not ok[dev]:
-                fits = _peak(o, consider_w, cap) <= cap
-            elif consider_w:
-                fits = t >= B1 or max(tr[s:cur]) < cap
-            else:
-                fits = _peak(o, False, cap, s, tr[s - 1] if s else (0, 0, 0)) <= cap
-            if fits:
-                break
-            o[s] = -1
         else:
-            s = cur
-            o[cur] = t
+            for s in range(lo, cur):
+                if s in occupied[dev]:
+                    continue
+                o[s] = t
+                if not ok[dev]:
+                    fits = _peak(o, consider_w, cap) <= cap
+                else:
+                    fits = _converges(o, s, cur, tr[s - 1] if s else (0, 0, 0), tr, cap)
+                if fits:
+                    break
+                o[s] = -1
+            else:
+                s = cur
+                o[cur] = t
         if s != cur:
             if consider_w:
                 delta = MEM[t]
@@ -243,8 +290,9 @@ def compact(rows, consider_w: bool, cap: int | None = None) -> list[list[list[in
                 _peak(o, False, trace=tr)
                 ok[dev] = tr[-1][2] <= cap
             else:
-                del tr[s:]
-                _peak(o, False, start=s, state=tr[s - 1] if s else (0, 0, 0), trace=tr)
+                new = []
+                _converges(o, s, cur, tr[s - 1] if s else (0, 0, 0), tr, cap, new)
+                tr[s:s + len(new)] = new
         rows[dev][t][mb] = s
         occupied[dev].add(s)
     if not consider_w:
