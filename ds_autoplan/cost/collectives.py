@@ -43,6 +43,7 @@ class Network:
             t += factor * (n - 1) / n * (X / k) / (c.rail_GBps * 1e9) + c.inter_latency_us * 1e-6
         return t
 
+    @lru_cache(maxsize=None)
     def link(self, g: int, stride: int = 1) -> tuple[float, float]:
         """Effective (bus bandwidth B/s, latency s) of the group: t_AG(X) = (g-1)/g X/bw + lat."""
         if g <= 1:

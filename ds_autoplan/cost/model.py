@@ -5,6 +5,7 @@ Everything is vectorised over (layer type, strategy): the DP and BMW only index 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -185,22 +186,27 @@ class CostModel:
                              else base + g_sync) + tail
                 wg[i, j] = k.wgrad
                 p2p[i, j] = self.p2p_time(b * u.boundary * ab, t, q, s)
-        # re-layout before each layer type (§2.5): activations only
-        shape_key = tuple(strategies)
-        if shape_key not in self._relayout:
-            self._relayout[shape_key] = [[self.relayout_shape(sp, s) for s in strategies]
-                                         for sp in strategies]
-        shapes = self._relayout[shape_key]
-        for a in range(S):
-            for c in range(S):
-                frac, g = shapes[a][c]
-                if g > 1:
-                    bw, lat = self.net.link(g, 1)
-                    for i, u in enumerate(self.units):
-                        R[i, a, c] = (g - 1) / g * B_m * u.boundary * ab * frac / bw + lat
+        R = self._relayout_times(tuple(strategies), B_m, ab)
         res = LayerTables(list(strategies), ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, R, allowed)
         self._cache[key] = res
         return res
+
+    def _relayout_times(self, strategies: tuple, B_m: int, ab: float) -> np.ndarray:
+        """R[type, s', s]: re-layout before each layer type (§2.5), activations only: an
+        all-gather of ``frac`` of the micro-batch's boundary tensor over ``g`` ranks."""
+        if strategies not in self._relayout:
+            shapes = [[self.relayout_shape(sp, s) for s in strategies] for sp in strategies]
+            self._relayout[strategies] = (np.array([[f for f, _ in r] for r in shapes]),
+                                          np.array([[g for _, g in r] for r in shapes]))
+        frac, g = self._relayout[strategies]
+        R = np.zeros((len(self.units), len(strategies), len(strategies)))
+        a, c = np.nonzero(g > 1)
+        if len(a):
+            g, frac = g[a, c], frac[a, c]
+            bw, lat = np.array([self.net.link(int(x), 1) for x in g]).T
+            for i, u in enumerate(self.units):
+                R[i, a, c] = (g - 1) / g * B_m * u.boundary * ab * frac / bw + lat
+        return R
 
     def unit_times(self, u: LayerSpec, b: float, t: int, sp: bool) -> UnitTimes:
         """Compute seconds of unit ``u`` for ``b`` samples at TP ``t``: from the work's shape on
@@ -240,18 +246,25 @@ class CostModel:
     def relayout_shape(sp: Strategy, s: Strategy) -> tuple[float, int]:
         """R(l, s', s) of §2.5 as (fraction of the micro-batch tensor X gathered, group size):
         containment is checked on the rank mapping of §1.4; (0, 1) = free."""
-        if (sp.tp, sp.dp, sp.tp_outer) == (s.tp, s.dp, s.tp_outer) or sp.n != s.n:
-            return 0.0, 1
-        d0, d1 = sp.dp, s.dp
-        i0, i1 = sp.data_index(), s.data_index()
-        if d1 > d0 and np.all(i1 * d0 // d1 == i0):        # slice forward, gather backward
-            return 1.0 / d0, d1 // d0
-        if d1 < d0 and np.all(i0 * d1 // d0 == i1):        # gather forward, slice backward
-            return 1.0 / d1, d0 // d1
-        if d1 == d0 and np.all(i0 == i1):
-            return 0.0, 1
-        return 1.0, s.n
+        return _relayout_shape(Strategy(sp.tp, sp.dp, tp_outer=sp.tp_outer),
+                               Strategy(s.tp, s.dp, tp_outer=s.tp_outer))
 
     def relayout(self, X: float, sp: Strategy, s: Strategy) -> float:
         frac, g = self.relayout_shape(sp, s)
         return self.net.all_gather(X * frac, g, 1)
+
+
+@lru_cache(maxsize=None)
+def _relayout_shape(sp: Strategy, s: Strategy) -> tuple[float, int]:
+    """:meth:`CostModel.relayout_shape` of two layouts (TP, data degree, level order)."""
+    if (sp.tp, sp.dp, sp.tp_outer) == (s.tp, s.dp, s.tp_outer) or sp.n != s.n:
+        return 0.0, 1
+    d0, d1 = sp.dp, s.dp
+    i0, i1 = sp.data_index(), s.data_index()
+    if d1 > d0 and np.all(i1 * d0 // d1 == i0):        # slice forward, gather backward
+        return 1.0 / d0, d1 // d0
+    if d1 < d0 and np.all(i0 * d1 // d0 == i1):        # gather forward, slice backward
+        return 1.0 / d1, d0 // d1
+    if d1 == d0 and np.all(i0 == i1):
+        return 0.0, 1
+    return 1.0, s.n

@@ -73,22 +73,20 @@ def conflict_free(blk: list[list[int]]) -> bool:
 def put_w(row: list[list[int]], split: bool) -> list[list[int]]:
     """Greedy W (§2.4): every empty slot takes one pending W (a B already seen); with
     ``split`` a pending W1 goes before a pending W0; leftovers are appended at the end."""
-    occ = {s: t for t, lst in enumerate(row[:4]) for s in lst}
-    bound = max(occ)
+    occ = _occupancy(row[:4])
     out = [list(x) for x in row[:4]] + ([[], []] if split else [[]])
     pend = [0, 0]
-    for i in range(bound + 1):
-        t = occ.get(i)
-        if t is not None:
-            if t in (B1, B0):
+    for i, t in enumerate(occ):
+        if t >= 0:
+            if t == B1 or t == B0:
                 pend[t - B1 if split else 0] += 1
-            continue
-        for w in range(2):
-            if pend[w]:
-                out[W + w].append(i)
-                pend[w] -= 1
-                break
-    i = bound
+        elif pend[0]:
+            out[W].append(i)
+            pend[0] -= 1
+        elif pend[1]:
+            out[W + 1].append(i)
+            pend[1] -= 1
+    i = len(occ) - 1
     for w in range(2):
         for _ in range(pend[w]):
             i += 1
@@ -162,18 +160,17 @@ def squeeze_unit(rows) -> list[list[list[int]]]:
     d = len(rows)
     passes = sorted((s, dev, t, mb) for dev, row in enumerate(rows)
                     for t, lst in enumerate(row) for mb, s in enumerate(lst))
-    end: dict[tuple[int, int, int], int] = {}
     free = [0] * d
-    out = [[[0] * len(lst) for lst in row] for row in rows]
+    out = [[[0] * len(lst) for lst in row] for row in rows]    # start slots; a pass ends 1 later
     for _, dev, t, mb in passes:
         st = free[dev]
         if t in (F0, B1) and dev > 0:
-            st = max(st, end[(dev - 1, t, mb)])
+            st = max(st, out[dev - 1][t][mb] + 1)
         if t in (F1, B0) and dev + 1 < d:
-            st = max(st, end[(dev + 1, t, mb)])
+            st = max(st, out[dev + 1][t][mb] + 1)
         if 0 < t < W:
-            st = max(st, end[(dev, t - 1, mb)])
-        end[(dev, t, mb)] = free[dev] = st + 1
+            st = max(st, out[dev][t - 1][mb] + 1)
+        free[dev] = st + 1
         out[dev][t][mb] = st
     return out
 
@@ -281,8 +278,7 @@ def compact(rows, consider_w: bool, cap: int | None = None) -> list[list[list[in
             if consider_w:
                 delta = MEM[t]
                 if delta:
-                    for x in range(s, cur):
-                        tr[x] += delta
+                    tr[s:cur] = [x + delta for x in tr[s:cur]]
                 if not ok[dev]:
                     ok[dev] = _peak(o, True, cap) <= cap
             elif not ok[dev]:
