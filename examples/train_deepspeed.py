@@ -8,6 +8,11 @@ With a plan (``--plan plan.json``, or ``$DS_AUTOPLAN_PLAN`` from ``--autoplan`` 
 ``ds-autoplan launch`` given a model) the plan decides parallelism, partition, schedule and
 recomputation; otherwise the flags build a pure-pipeline plan for the world size.
 Prints the loss of every optimizer step on rank 0.
+
+Resume the DeepSpeed way, also under another plan (schedule, pp, dp, ZeRO 0/1):
+
+    ... train_deepspeed.py --schedule v-half --steps 2 --save ckpt
+    ... train_deepspeed.py --schedule 1f1b --steps 4 --load ckpt     # continues with step 2
 """
 import argparse
 import os
@@ -36,6 +41,8 @@ def parse():
     p.add_argument("--recompute", type=float, default=0.0,
                    help="fraction of each stage's layers to recompute")
     p.add_argument("--plan", default=None, help="plan.json (default: $DS_AUTOPLAN_PLAN)")
+    p.add_argument("--save", default=None, help="engine.save_checkpoint folder after the last step")
+    p.add_argument("--load", default=None, help="engine.load_checkpoint folder to resume from")
     p.add_argument("--deepspeed_config", default=None)
     p.add_argument("--local_rank", type=int, default=None)
     return p.parse_args()
@@ -83,10 +90,16 @@ def main():
         print(f"plan: pp={plan.pp} dp={plan.dp} schedule={plan.schedule} "
               f"layers_per_stage={plan.layers_per_stage} recompute={plan.recompute_per_stage}",
               flush=True)
-    for step in range(args.steps):
+    if args.load:
+        path, client_state = engine.load_checkpoint(args.load)     # (None, None): nothing to resume
+        if rank == 0 and path:
+            print(f"resumed from {path} ({client_state}) at step {engine.global_steps}", flush=True)
+    for step in range(engine.global_steps, args.steps):
         loss = engine.train_batch(batches(plan, cfg, dp_rank))
         if rank == 0:
-            print(f"step {step} loss {float(loss):.4f}", flush=True)
+            print(f"step {step} loss {float(loss):.6f}\n  next lr {engine.get_lr()[0]:.6g}", flush=True)
+    if args.save:
+        engine.save_checkpoint(args.save, client_state={"schedule": plan.schedule})
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

@@ -16,9 +16,11 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from ds_autoplan.runtime.launch import launch, results  # noqa: E402
+from resume_deepspeed import SCHEDULER  # noqa: E402  (the workers' WarmupDecayLR config)
 
 WORKER = str(pathlib.Path(__file__).with_name("resume_deepspeed.py"))
 MEGATRON_CASE = str(pathlib.Path(__file__).with_name("resume_megatron.py")) + ":resume_case"
+EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_deepspeed.py"
 TOL = 1e-6
 SCHED = "v-half->1f1b warm-up/decay lr"
 DROPOUT = "v-half->v-half dropout"
@@ -229,3 +231,28 @@ def test_checkpoint_info_names_the_megatron_plan(megatron_two_ranks, ckpt, capsy
     assert "megatron, step 3, 4 layers" in out and "schedule v-half" in out
     assert main(["checkpoint", "info", str(ckpt / "m-sched")]) == 0
     assert "lr scheduler OptimizerParamScheduler" in capsys.readouterr().out
+
+
+def _example(args, cfg):
+    """Rank 0's output and ``(step, loss, next lr)`` of examples/train_deepspeed.py on 2 ranks."""
+    from ds_autoplan.runtime.launch import spawn
+    outs = spawn([str(EXAMPLE), "--deepspeed_config", str(cfg), *args], 2, timeout=240)
+    assert all(rc == 0 for rc, _ in outs), outs[0][1][-3000:]
+    lines = outs[0][1].splitlines()
+    return outs[0][1], [(float(ln.split()[1]), float(ln.split()[3]), float(nxt.split()[-1]))
+                        for ln, nxt in zip(lines, lines[1:]) if ln.startswith("step ")]
+
+
+def test_unchanged_user_script_resumes_under_another_schedule(tmp_path):
+    """A DeepSpeed script that calls engine.save_checkpoint / engine.load_checkpoint (the
+    example's --save / --load) and a WarmupDecayLR config: 2 steps under V-Half, then 2 more
+    after resuming under 1F1B, equal the 4 uninterrupted V-Half steps (losses and rates)."""
+    cfg = tmp_path / "ds_config.json"
+    cfg.write_text(json.dumps({"scheduler": SCHEDULER}))
+    _, whole = _example(["--schedule", "v-half", "--steps", "4"], cfg)
+    _, first = _example(["--schedule", "v-half", "--steps", "2", "--save", str(tmp_path / "ckpt")], cfg)
+    out, rest = _example(["--schedule", "1f1b", "--steps", "4", "--load", str(tmp_path / "ckpt")], cfg)
+    assert f"resumed from {tmp_path / 'ckpt' / 'global_step2'} ({{'schedule': 'v-half'}}) at step 2" in out
+    assert [s for s, _, _ in first + rest] == [0, 1, 2, 3]
+    assert max(abs(a - b) for x, y in zip(whole, first + rest, strict=True) for a, b in zip(x, y)) <= 2e-6
+    assert len({lr for _, _, lr in whole}) == 4            # the schedule moves the rate every step

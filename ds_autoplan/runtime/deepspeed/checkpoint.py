@@ -156,13 +156,15 @@ def _saved_states(engine, load_dir) -> tuple[dict, list]:
     return {(i, n): s for i, states in saved.items() for n, s in states.items()}, params
 
 
-def _restore_training(engine, load_dir, meta, lr_scheduler_states: bool) -> dict:
-    """Scheduler, parameter-group hyperparameters, step counters and generators; returns the
-    saved train state."""
+def _restore_training(engine, load_dir, meta, optimizer_states: bool, lr_scheduler_states: bool) -> dict:
+    """Parameter-group hyperparameters (with the optimizer state, as DeepSpeed's
+    ``optimizer.load_state_dict`` restores them), scheduler, step counters and generators;
+    returns the saved train state."""
     train = load_train_state(load_dir)
+    if optimizer_states:
+        restore_param_groups(engine.optimizer, train["param_groups"], load_dir)
     if lr_scheduler_states:
         load_scheduler(engine.lr_scheduler, train, load_dir)
-        restore_param_groups(engine.optimizer, train["param_groups"], load_dir)
     counters = meta.get("counters") or {}
     engine.global_steps = meta["step"]
     engine.global_samples = counters.get("global_samples", meta["step"] * engine.train_batch_size())
@@ -194,7 +196,7 @@ def load_checkpoint(engine, load_dir, *, optimizer_states: bool = True,
     else:
         _restore_plain(engine.optimizer, saved, params, with_state)
     meta["client_state"] = {} if module_only else \
-        _restore_training(engine, load_dir, meta, lr_scheduler_states)["client_state"]
+        _restore_training(engine, load_dir, meta, optimizer_states, lr_scheduler_states)["client_state"]
     dist.barrier()
     return meta
 
