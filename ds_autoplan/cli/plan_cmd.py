@@ -2,6 +2,7 @@
 megatron_args.txt, plan.json and report.md (+ plots) into --out."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -135,6 +136,18 @@ def run(args) -> int:
                  world_size=args.world_size, profile=args.profile, keep_sim=bool(args.out),
                  pp=args.pp, tp=args.tp, sequence_parallel=args.sequence_parallel, fix=args.fix,
                  runtime=args.runtime, headroom_gb=args.headroom_gb)
+    # the search's memoised schedules and tables (~10^6 objects) stay alive: out of the
+    # cyclic collector's reach while the report and plots allocate (it would re-scan them,
+    # some 0.3 s), back in it when the command returns
+    gc.freeze()
+    try:
+        return _report(res, args)
+    finally:
+        gc.unfreeze()
+
+
+def _report(res, args) -> int:
+    """Outputs under --out and the printed plan (or --emit / --json)."""
     files = write_outputs(res, args.out) if args.out else []
     plan = res.plan
     if args.emit == "megatron-args":   # unquoted on purpose: pretrain_gpt.py $(ds-autoplan plan ...)

@@ -248,8 +248,11 @@ def compact(rows, consider_w: bool, cap: int | None = None) -> list[list[list[in
                 phase = 2
             occupied[dev].add(cur)
             continue
-        o, tr = occ[dev], trace[dev]
         lo = _dep_slot(rows, dev, t, mb) + 1
+        if lo >= cur:                         # no earlier slot: the pass stays
+            occupied[dev].add(cur)
+            continue
+        o, tr = occ[dev], trace[dev]
         o[cur] = -1
         if ok[dev] and consider_w:
             if t < B1:
