@@ -263,3 +263,19 @@ def test_unchanged_user_script_resumes_under_another_schedule(tmp_path):
     assert [s for s, _, _ in first + rest] == [0, 1, 2, 3]
     assert max(abs(a - b) for x, y in zip(whole, first + rest, strict=True) for a, b in zip(x, y)) <= 2e-6
     assert len({lr for _, _, lr in whole}) == 4            # the schedule moves the rate every step
+
+
+def test_scheduler_and_parameter_group_mismatches_are_refused():
+    import torch
+
+    from ds_autoplan.runtime.checkpoint import CheckpointError, load_scheduler, restore_param_groups
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    with pytest.raises(CheckpointError, match="saved without a learning-rate scheduler.*"
+                                              "load_lr_scheduler_states=False"):
+        load_scheduler(sched, {"scheduler": None}, "ckpt")
+    load_scheduler(None, {"scheduler": {"last_epoch": 3}}, "ckpt")     # no scheduler: nothing to do
+    restore_param_groups(opt, [{"lr": 0.5}, {"lr": 0.5}], "ckpt")       # one shared setting
+    assert opt.param_groups[0]["lr"] == 0.5
+    with pytest.raises(CheckpointError, match="2 parameter groups with different settings"):
+        restore_param_groups(opt, [{"lr": 0.5}, {"lr": 0.25}], "ckpt")

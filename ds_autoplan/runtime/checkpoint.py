@@ -114,7 +114,9 @@ def load_scheduler(scheduler, train_state: dict, ckpt_dir) -> None:
         return
     if train_state["scheduler"] is None:
         raise CheckpointError(f"{ckpt_dir} was saved without a learning-rate scheduler; this run "
-                              f"has one ({type(scheduler).__name__})")
+                              f"has one ({type(scheduler).__name__}): to start its schedule from "
+                              "the beginning, load without scheduler state (DeepSpeed: "
+                              "load_lr_scheduler_states=False; Megatron: scheduler=None)")
     scheduler.load_state_dict(train_state["scheduler"])
 
 
