@@ -125,6 +125,7 @@ def run_case(case, data):
         meta = load(eng, case, res)
         res["resumed"] = train(eng, data, range(STEPS, 2 * STEPS), res["lr_b"])
         res["saved_under"] = meta["plan"]["schedule"]
+        res["rng_from"] = meta.get("rng_from_rank")
         res["layers"] = [i for i, _ in eng.module.local_layers()]
     return res
 

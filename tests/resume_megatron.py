@@ -149,6 +149,7 @@ def resume_case(case) -> dict:
         res["resumed"] = run.train(data, range(STEPS, 2 * STEPS))
         res["lr_b"], res["client_state"] = run.lrs, meta["client_state"]
         res["saved_under"] = meta["plan"]["schedule"]
+        res["rng_from"] = meta.get("rng_from_rank")
         res["stages"] = run.setup.stages
     dist.barrier()
     return res

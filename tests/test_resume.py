@@ -220,6 +220,13 @@ def test_megatron_resume_on_more_ranks(megatron_two_ranks, megatron_four_ranks, 
                     megatron_two_ranks[("1f1b->v-zb", 0)]["uninterrupted"][3:])
 
 
+@pytest.mark.parametrize("group", ["four_ranks", "megatron_four_ranks"])
+def test_more_ranks_continue_the_saved_generators(request, group):
+    """4 ranks resuming a 2-rank checkpoint: rank r continues saved rank r mod 2's generators."""
+    res = request.getfixturevalue(group)
+    assert [res[("pp2->pp4", r)]["rng_from"] for r in range(4)] == [0, 1, 0, 1]
+
+
 def test_megatron_pp4_holds_one_stage_per_rank(megatron_four_ranks):
     assert [megatron_four_ranks[("pp2->pp4", r)]["stages"] for r in range(4)] == [[0], [1], [2], [3]]
 
