@@ -170,7 +170,7 @@ class Schedule:
         """Build from per-rank lists of ``(kind, stage, mb)`` tuples."""
         lists = []
         for r, keys in enumerate(per_rank):
-            lists.append(tuple(Action(r, Kind(k), s, m) for (k, s, m) in keys))
+            lists.append(tuple(Action(r, k, s, m) for (k, s, m) in keys))   # Action converts k
         return cls(name, n, tuple(placement), tuple(lists), dict(meta))
 
     # -- serialisation -----------------------------------------------------------------

@@ -44,6 +44,7 @@ class Context:
         self._shifts: dict = {}
         self._prefix: dict = {}
         self._solved: dict = {}
+        self._stage_memo: dict = {}
 
     @cached_property
     def _classes(self):
@@ -270,7 +271,14 @@ class Context:
         return out
 
     def stage_costs(self, parts: tuple, plan: list):
-        """(C, C_ns, E_all) per stage (§2.6; P2P on non-final stages, §6 #16)."""
+        """(C, C_ns, E_all) per stage (§2.6; P2P on non-final stages, §6 #16), memoised (BMW
+        and its adjustment re-cost the same split and plan)."""
+        key = (tuple(parts), tuple(plan))
+        if key not in self._stage_memo:
+            self._stage_memo[key] = self._stage_costs(parts, plan)
+        return self._stage_memo[key]
+
+    def _stage_costs(self, parts: tuple, plan: list):
         A = self.layer_arrays(plan)
         C, Cns, Mem = [], [], []
         for i, (lo, hi) in enumerate(self.bounds(parts)):
