@@ -45,9 +45,20 @@ def parse_fix(text: str | dict | None) -> dict:
     if out.get("recompute") == "full" and out.get("schedule", "1f1b") != "1f1b":
         raise SpecError("--fix: recompute=full is costed with 1F1B (Megatron's uniform full "
                         "recompute); use recompute=auto with other schedules")
-    if "v" in out and out.get("schedule") != "interleaved":
-        raise SpecError("--fix: v (chunks per rank) needs schedule=interleaved")
+    if "v" in out and not _takes_chunks(out.get("schedule")):
+        raise SpecError("--fix: v (chunks per rank) needs a schedule that takes it as an option "
+                        "(schedule=interleaved)")
     return out
+
+
+def _takes_chunks(schedule: str | None) -> bool:
+    """The builder registry says ``schedule`` sets its chunks per rank by an option."""
+    from ..schedule import ScheduleError
+    from ..schedule.builders import builder_info
+    try:
+        return schedule is not None and builder_info(schedule).chunks_option is not None
+    except ScheduleError:
+        return False
 
 
 def describe(s: dict) -> str:

@@ -30,6 +30,13 @@ def schedule_options(name: str, v: int = 2) -> dict:
     return {opt: v} if opt else {}
 
 
+def chunks_per_rank(name: str, parts, P: int) -> int | None:
+    """Model chunks per rank of a costed partition when the builder takes them as an option
+    (the registry's ``chunks_option``: interleaved's ``v``); None for a fixed placement."""
+    from ..schedule.builders import builder_info
+    return len(parts) // P if builder_info(name).chunks_option else None
+
+
 def options_of(name: str, parts: tuple, P: int) -> tuple:
     """Builder options of a costed partition (interleaved: v = stages / P), as a sorted tuple."""
     return tuple(sorted(schedule_options(name, max(1, len(parts) // P)).items()))

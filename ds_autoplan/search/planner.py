@@ -20,8 +20,8 @@ from ..spec.cluster import GB, ClusterSpec, load_cluster
 from ..spec.model import ModelSpec, load_model
 from . import partition as part
 from .dp import INF, Context
-from .pipeline import DEFAULT_SCHEDULES, Eval, available, choose_schedule, schedule_options, \
-    simulate_layers, stage_aware_recompute, stage_figures
+from .pipeline import DEFAULT_SCHEDULES, Eval, available, choose_schedule, chunks_per_rank, \
+    schedule_options, simulate_layers, stage_aware_recompute, stage_figures
 from .fix import RECOMPUTE, parse_fix
 from .space import divisors, strategies as wide_strategies
 
@@ -72,7 +72,7 @@ class Candidate:
                 "micro_batch_size": self.B_m // self.dp if self.dp else 0, "num_microbatches": self.m,
                 "sequence_parallel": self.sp, "selective_recompute": self.selective,
                 "schedule": self.schedule, "partitioner": self.partitioner,
-                "chunks": len(self.parts) // self.P if self.schedule == "interleaved" else 1,
+                "chunks": chunks_per_rank(self.schedule, self.parts, self.P) or 1,
                 "bubble": self.bubble,
                 "iteration_time_s": self.time if self.ok else None,
                 "throughput_tokens_per_s": B * seq / self.time if self.ok else 0.0,
@@ -460,7 +460,7 @@ class Planner:
     def admits(self, c: Candidate) -> bool:
         """``c`` lies in the space the user restricted (--pp/--tp/--sequence-parallel/--fix)."""
         want = dict(pp=c.P, tp=c.tp, dp=c.dp, zero=c.zero, mbs=c.B_m // c.dp, schedule=c.schedule,
-                    v=len(c.parts) // c.P if c.schedule == "interleaved" else None)
+                    v=chunks_per_rank(c.schedule, c.parts, c.P))
         if any(self.fix.get(k, x) != x for k, x in want.items()):
             return False
         if self.pps and c.P not in self.pps or c.tp not in self.tps:
