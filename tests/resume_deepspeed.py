@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import functools
 import json
+import random
 import sys
 
+import numpy as np
 import torch
 
 MBS, N, SEQ, STEPS, BLOCKS = 2, 4, 8, 3, 6      # N micro-batches per step over all replicas
@@ -113,16 +115,25 @@ def load(eng, case, res):
     return read_meta(path)
 
 
+def host_draws() -> list:
+    """The next draws of Python's and NumPy's global generators (what a data pipeline uses)."""
+    return [random.random(), float(np.random.rand())]
+
+
 def run_case(case, data):
     res = {"name": case["name"], "rank": torch.distributed.get_rank(), "lr_a": [], "lr_b": []}
     if "a" in case:
         eng = make_engine(case["a"], seed=0)
         first = train(eng, data, range(STEPS), res["lr_a"])
         _, res["refused"] = save(eng, case)
+        res["host_draws_a"] = host_draws()
         res["uninterrupted"] = first + train(eng, data, range(STEPS, 2 * STEPS), res["lr_a"])
     if "b" in case:
         eng = make_engine(case["b"], seed=1)
+        random.seed(99)
+        np.random.seed(99)             # plan B's own host generators, replaced by the load
         meta = load(eng, case, res)
+        res["host_draws_b"] = host_draws()
         res["resumed"] = train(eng, data, range(STEPS, 2 * STEPS), res["lr_b"])
         res["saved_under"] = meta["plan"]["schedule"]
         res["rng_from"] = meta.get("rng_from_rank")

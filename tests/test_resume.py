@@ -181,6 +181,19 @@ def test_dropout_is_reproduced_under_the_same_plan(request, group):
     assert not _close(res[(DROPOUT, 0)]["uninterrupted"], res[(plain, 0)]["uninterrupted"])
 
 
+def test_host_generators_continue(two_ranks, four_ranks):
+    """Python's and NumPy's global generators are saved per rank: after a load, rank r draws
+    what saved rank r mod (saved world) drew after the save (plan B seeded them otherwise)."""
+    saved = {r: two_ranks[("1f1b->v-zb", r)]["host_draws_a"] for r in range(2)}
+    for name in ("v-half->1f1b", "1f1b->v-zb", SCHED, DROPOUT):
+        for r in range(2):
+            row = two_ranks[(name, r)]
+            assert row["host_draws_b"] == row["host_draws_a"], (name, r)
+    assert [four_ranks[("pp2->pp4", r)]["host_draws_b"] for r in range(4)] == \
+        [saved[r % 2] for r in range(4)]
+    assert saved[0] != saved[1]
+
+
 def test_checkpoint_info_names_the_plan(two_ranks, ckpt, capsys):
     from ds_autoplan.cli import main
     assert main(["checkpoint", "info", str(ckpt / "ds-vhalf")]) == 0

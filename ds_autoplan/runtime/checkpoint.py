@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import torch
 import torch.distributed as dist
@@ -144,8 +145,12 @@ def rng_path(ckpt_dir, rank: int) -> str:
 
 def save_rng(ckpt_dir) -> None:
     """Save this rank's random generators (:class:`~ds_autoplan.runtime.rng.RngState`: torch
-    CPU, CUDA when in use, Megatron's RNG tracker); call on every rank."""
-    torch.save(RngState().state_dict(), rng_path(ckpt_dir, dist.get_rank()))
+    CPU, CUDA when in use, Megatron's RNG tracker; and, as Megatron-LM's checkpoints do,
+    Python's ``random`` and NumPy's global generator, which data pipelines draw from); call
+    on every rank."""
+    import numpy as np
+    torch.save({"torch": RngState().state_dict(), "python": random.getstate(),
+                "numpy": np.random.get_state()}, rng_path(ckpt_dir, dist.get_rank()))
 
 
 def restore_rng(ckpt_dir, meta: dict) -> int | None:
@@ -161,7 +166,11 @@ def restore_rng(ckpt_dir, meta: dict) -> int | None:
     path = rng_path(ckpt_dir, src)
     if not os.path.isfile(path):
         return None
-    RngState.from_state_dict(torch.load(path, weights_only=False)).restore()
+    import numpy as np
+    sd = torch.load(path, weights_only=False)
+    RngState.from_state_dict(sd["torch"]).restore()
+    random.setstate(sd["python"])
+    np.random.set_state(sd["numpy"])
     return src
 
 
