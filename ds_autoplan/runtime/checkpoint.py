@@ -143,14 +143,24 @@ def rng_path(ckpt_dir, rank: int) -> str:
     return os.path.join(os.fspath(ckpt_dir), f"autoplan_rng_rank_{rank:05d}.pt")
 
 
-def save_rng(ckpt_dir) -> None:
+def save_rng(ckpt_dir, client_state=None) -> None:
     """Save this rank's random generators (:class:`~ds_autoplan.runtime.rng.RngState`: torch
     CPU, CUDA when in use, Megatron's RNG tracker; and, as Megatron-LM's checkpoints do,
-    Python's ``random`` and NumPy's global generator, which data pipelines draw from); call
-    on every rank."""
+    Python's ``random`` and NumPy's global generator, which data pipelines draw from) and this
+    rank's ``client_state`` (DeepSpeed keeps one per rank too); call on every rank."""
     import numpy as np
     torch.save({"torch": RngState().state_dict(), "python": random.getstate(),
-                "numpy": np.random.get_state()}, rng_path(ckpt_dir, dist.get_rank()))
+                "numpy": np.random.get_state(), "client_state": dict(client_state or {})},
+               rng_path(ckpt_dir, dist.get_rank()))
+
+
+def rank_client_state(ckpt_dir, meta: dict) -> dict | None:
+    """The ``client_state`` saved rank ``rank % saved world size`` passed to :func:`save_rng`
+    (None: the checkpoint has no per-rank state)."""
+    path = rng_path(ckpt_dir, dist.get_rank() % int(meta.get("world_size") or 1))
+    if not os.path.isfile(path):
+        return None
+    return torch.load(path, weights_only=False).get("client_state")
 
 
 def restore_rng(ckpt_dir, meta: dict) -> int | None:
@@ -197,5 +207,5 @@ def describe(ckpt_dir) -> str:
 
 
 __all__ = ["CheckpointError", "FORMAT", "META", "TRAIN_STATE", "describe", "load_scheduler",
-           "load_train_state", "read_meta", "restore_param_groups", "restore_rng", "rng_path",
-           "save_rng", "save_train_state", "state_path", "write_meta"]
+           "load_train_state", "rank_client_state", "read_meta", "restore_param_groups",
+           "restore_rng", "rng_path", "save_rng", "save_train_state", "state_path", "write_meta"]

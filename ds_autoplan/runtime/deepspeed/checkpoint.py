@@ -30,9 +30,9 @@ import torch.distributed as dist
 
 from deepspeed.utils import logger
 
-from ..checkpoint import (META, CheckpointError, load_scheduler, load_train_state, read_meta,
-                          restore_param_groups, restore_rng, save_rng, save_train_state, state_path,
-                          write_meta)
+from ..checkpoint import (META, CheckpointError, load_scheduler, load_train_state, rank_client_state,
+                          read_meta, restore_param_groups, restore_rng, save_rng, save_train_state,
+                          state_path, write_meta)
 
 MASTER = "fp32"      # key of the fp32 master weight in a parameter's saved state
 
@@ -86,7 +86,7 @@ def _copied(state: dict) -> dict:
 def save_checkpoint(engine, save_dir, step: int | None = None, plan=None, client_state=None) -> None:
     """Write ``engine``'s weights, fp32 masters and optimizer state, keyed by global layer, its
     learning-rate scheduler, step counters, random generators (per rank) and ``client_state``
-    (global rank 0's), and the plan it runs (call on every rank)."""
+    (each rank its own), and the plan it runs (call on every rank)."""
     mod = engine.module
     if not hasattr(mod, "local_layers"):
         raise CheckpointError("save_checkpoint needs an engine from ds_autoplan.initialize")
@@ -100,7 +100,7 @@ def save_checkpoint(engine, save_dir, step: int | None = None, plan=None, client
     if engine.grid.data_parallel_id == 0:
         for i, states in per_layer.items():
             torch.save(states, state_path(save_dir, i))
-    save_rng(save_dir)
+    save_rng(save_dir, client_state)
     if dist.get_rank() == 0:
         save_train_state(save_dir, scheduler=engine.lr_scheduler, optimizer=engine.optimizer,
                          client_state=client_state)
@@ -170,6 +170,9 @@ def _restore_training(engine, load_dir, meta, optimizer_states: bool, lr_schedul
     engine.global_samples = counters.get("global_samples", meta["step"] * engine.train_batch_size())
     engine.skipped_steps = counters.get("skipped_steps", 0)
     meta["rng_from_rank"] = restore_rng(load_dir, meta)
+    own = rank_client_state(load_dir, meta)         # this rank's, as DeepSpeed returns it
+    if own is not None:
+        train["client_state"] = own
     return train
 
 
