@@ -217,6 +217,22 @@ def _plan(schedule, layers, **kw):
                 recompute_per_stage=[0.0] * len(layers), num_layers=sum(layers), **kw)
 
 
+def test_recompute_flags_must_be_the_plans():
+    from ds_autoplan.clients.megatron_lm import check_args
+    plan = _plan("1f1b", [4, 4])
+    plan.recompute_per_stage = [0.5, 0.0]          # 2 layers of stage 0, none of stage 1
+    flags = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
+    sched = plan.build_schedule()
+    assert check_args(_args(**flags), plan, sched) == []
+    for bad in (dict(flags, recompute_num_layers=4), dict(flags, recompute_method="uniform"),
+                dict(recompute_granularity="selective")):
+        problems = check_args(_args(**bad), plan, sched)
+        assert len(problems) == 1 and "--recompute-num-layers 2" in problems[0], problems
+    plain = _plan("1f1b", [4, 4])
+    assert check_args(_args(), plain, sched) == []
+    assert "no recompute flags" in check_args(_args(**flags), plain, plain.build_schedule())[0]
+
+
 @pytest.mark.parametrize("schedule,layers,args,expect", [
     ("1f1b", [3, 5], dict(pipeline_model_parallel_layout="Ettt|tttttL"), None),
     ("1f1b", [3, 5], dict(), "Megatron builds [4, 4] layers per stage"),

@@ -21,7 +21,7 @@ four points, all reached through Megatron's own code path (``pretrain`` -> ``val
   chunk's config has Megatron's full-layer recompute (``--recompute-granularity full``, which
   the emitted flags carry for Megatron's own schedules) turned off -- nothing is recomputed
   twice; selective recompute (``--recompute-granularity selective``) has no R and stays
-  Megatron's own;
+  Megatron's own; ``--recompute-*`` flags other than the plan's are refused;
 * schedules with W actions: ``gpt_builders``' local layer spec gets split-aware linear layers.
 """
 from __future__ import annotations
@@ -118,6 +118,7 @@ def check_args(args, plan, sched: Schedule) -> list[str]:
         out.append("--rampup-batch-size changes the micro-batch count; a plan's schedule has a fixed one")
     if getattr(args, "overlap_moe_expert_parallel_comm", False):
         out.append("--overlap-moe-expert-parallel-comm runs Megatron's combined 1F1B, not the plan's schedule")
+    out += _recompute_problems(args, plan)
     if sched.placement_kind == "v":
         out += _v_problems(args)
     elif not out:
@@ -126,6 +127,24 @@ def check_args(args, plan, sched: Schedule) -> list[str]:
             out.append(f"Megatron builds {counts} layers per stage, the plan has "
                        f"{list(plan.layers_per_stage)} (pass the plan's --pipeline-model-parallel-layout)")
     return out
+
+
+def _recompute_problems(args, plan) -> list[str]:
+    """The --recompute-* flags must be the plan's (``ds-autoplan plan --emit megatron-args``):
+    under the patch the plan's R actions do the full recompute whatever the flags say, and
+    selective recompute is fixed when the layers are built, so flags that say otherwise would
+    run something other than what was planned and costed."""
+    from ..emit.megatron import megatron_config
+    keys = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+    want = megatron_config(plan)
+    got, exp = ([getattr(src, k, None) if src is args else src[k] for k in keys]
+                for src in (args, want))
+    if got == exp:
+        return []
+    flag = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in zip(keys, exp) if v is not None)
+    return [f"recompute flags {dict(zip(keys, got))} differ from the plan's "
+            f"({flag or 'no recompute flags'}; per stage "
+            f"{want['autoplan']['recompute_layers_per_stage']} layers run as R actions)"]
 
 
 def _v_problems(args) -> list[str]:
