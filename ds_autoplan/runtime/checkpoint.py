@@ -13,8 +13,9 @@ reads them unchanged.  ``autoplan_checkpoint.json`` says which plan wrote the fo
 
 ``ds-autoplan checkpoint info DIR`` prints it (:func:`describe`).  Beside it, the training
 state that belongs to no layer: ``autoplan_train_state.pt`` (the learning-rate scheduler's
-``state_dict``, the optimizer's parameter-group hyperparameters, the user's ``client_state``;
-:func:`save_train_state`) and one ``autoplan_rng_rank_XXXXX.pt`` per rank (:func:`save_rng`).
+``state_dict`` and the optimizer's parameter-group hyperparameters; :func:`save_train_state`)
+and one ``autoplan_rank_XXXXX.pt`` per rank (its random generators and the user's
+``client_state``; :func:`save_rank_state`).
 """
 from __future__ import annotations
 
@@ -88,23 +89,22 @@ def read_meta(ckpt_dir, framework: str | None = None, num_layers: int | None = N
 TRAIN_STATE = "autoplan_train_state.pt"
 
 
-def save_train_state(ckpt_dir, *, scheduler=None, optimizer=None, client_state=None) -> None:
+def save_train_state(ckpt_dir, *, scheduler=None, optimizer=None) -> None:
     """Write the state of no layer (call on one rank; every rank's is the same): the
-    learning-rate scheduler's ``state_dict()``, the optimizer's parameter-group
+    learning-rate scheduler's ``state_dict()`` and the optimizer's parameter-group
     hyperparameters (everything but ``params``: lr, betas, weight decay as the scheduler left
-    them) and ``client_state``."""
+    them)."""
     groups = [{k: v for k, v in g.items() if k != "params"}
               for g in getattr(optimizer, "param_groups", [])]
     torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "param_groups": groups, "client_state": dict(client_state or {})},
-               os.path.join(os.fspath(ckpt_dir), TRAIN_STATE))
+                "param_groups": groups}, os.path.join(os.fspath(ckpt_dir), TRAIN_STATE))
 
 
 def load_train_state(ckpt_dir) -> dict:
     """What :func:`save_train_state` wrote (empty entries for a checkpoint without it)."""
     path = os.path.join(os.fspath(ckpt_dir), TRAIN_STATE)
     if not os.path.isfile(path):
-        return {"scheduler": None, "param_groups": [], "client_state": {}}
+        return {"scheduler": None, "param_groups": []}
     return torch.load(path, weights_only=False)
 
 
@@ -139,33 +139,25 @@ def restore_param_groups(optimizer, saved: list, ckpt_dir) -> None:
         g.update(s)
 
 
-def rng_path(ckpt_dir, rank: int) -> str:
-    return os.path.join(os.fspath(ckpt_dir), f"autoplan_rng_rank_{rank:05d}.pt")
+def rank_state_path(ckpt_dir, rank: int) -> str:
+    return os.path.join(os.fspath(ckpt_dir), f"autoplan_rank_{rank:05d}.pt")
 
 
-def save_rng(ckpt_dir, client_state=None) -> None:
-    """Save this rank's random generators (:class:`~ds_autoplan.runtime.rng.RngState`: torch
-    CPU, CUDA when in use, Megatron's RNG tracker; and, as Megatron-LM's checkpoints do,
-    Python's ``random`` and NumPy's global generator, which data pipelines draw from) and this
-    rank's ``client_state`` (DeepSpeed keeps one per rank too); call on every rank."""
+def save_rank_state(ckpt_dir, client_state=None) -> None:
+    """Save what belongs to this rank (call on every rank): its random generators
+    (:class:`~ds_autoplan.runtime.rng.RngState`: torch CPU, CUDA when in use, Megatron's RNG
+    tracker; and, as Megatron-LM's checkpoints do, Python's ``random`` and NumPy's global
+    generator, which data pipelines draw from) and its ``client_state`` (DeepSpeed's engine
+    keeps one per rank too)."""
     import numpy as np
     torch.save({"torch": RngState().state_dict(), "python": random.getstate(),
                 "numpy": np.random.get_state(), "client_state": dict(client_state or {})},
-               rng_path(ckpt_dir, dist.get_rank()))
+               rank_state_path(ckpt_dir, dist.get_rank()))
 
 
-def rank_client_state(ckpt_dir, meta: dict) -> dict | None:
-    """The ``client_state`` saved rank ``rank % saved world size`` passed to :func:`save_rng`
-    (None: the checkpoint has no per-rank state)."""
-    path = rng_path(ckpt_dir, dist.get_rank() % int(meta.get("world_size") or 1))
-    if not os.path.isfile(path):
-        return None
-    return torch.load(path, weights_only=False).get("client_state")
-
-
-def restore_rng(ckpt_dir, meta: dict) -> int | None:
+def restore_rank_state(ckpt_dir, meta: dict) -> tuple[int | None, dict]:
     """Continue the generators of saved rank ``rank % saved world size`` on this rank; returns
-    that rank (None: the checkpoint has no generator states).
+    that rank and its ``client_state`` (``(None, {})``: the checkpoint has no per-rank state).
 
     Under the plan the checkpoint was saved under, every rank continues its own generators and
     dropout is reproduced exactly.  Under another plan the generators continue (they do not
@@ -173,15 +165,15 @@ def restore_rng(ckpt_dir, meta: dict) -> int | None:
     again), but a layer's masks are drawn on whichever rank holds it now, in that rank's
     schedule order: dropout is then *not* the uninterrupted run's."""
     src = dist.get_rank() % int(meta.get("world_size") or 1)
-    path = rng_path(ckpt_dir, src)
+    path = rank_state_path(ckpt_dir, src)
     if not os.path.isfile(path):
-        return None
+        return None, {}
     import numpy as np
     sd = torch.load(path, weights_only=False)
     RngState.from_state_dict(sd["torch"]).restore()
     random.setstate(sd["python"])
     np.random.set_state(sd["numpy"])
-    return src
+    return src, sd["client_state"]
 
 
 def describe(ckpt_dir) -> str:
@@ -207,5 +199,5 @@ def describe(ckpt_dir) -> str:
 
 
 __all__ = ["CheckpointError", "FORMAT", "META", "TRAIN_STATE", "describe", "load_scheduler",
-           "load_train_state", "rank_client_state", "read_meta", "restore_param_groups",
-           "restore_rng", "rng_path", "save_rng", "save_train_state", "state_path", "write_meta"]
+           "load_train_state", "rank_state_path", "read_meta", "restore_param_groups",
+           "restore_rank_state", "save_rank_state", "save_train_state", "state_path", "write_meta"]

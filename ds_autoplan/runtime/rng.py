@@ -8,7 +8,7 @@ the current CUDA device's generator (when CUDA is in use) and Megatron-core's CU
 tracker (model-parallel / expert-parallel streams), when it is importable.
 
 A checkpoint saves each rank's state (:meth:`RngState.state_dict`, see
-:func:`ds_autoplan.runtime.checkpoint.save_rng`) so that a resumed run draws what the
+:func:`ds_autoplan.runtime.checkpoint.save_rank_state`) so that a resumed run draws what the
 uninterrupted one would have.
 """
 from __future__ import annotations

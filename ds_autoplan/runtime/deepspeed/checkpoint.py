@@ -30,9 +30,9 @@ import torch.distributed as dist
 
 from deepspeed.utils import logger
 
-from ..checkpoint import (META, CheckpointError, load_scheduler, load_train_state, rank_client_state,
-                          read_meta, restore_param_groups, restore_rng, save_rng, save_train_state,
-                          state_path, write_meta)
+from ..checkpoint import (META, CheckpointError, load_scheduler, load_train_state, read_meta,
+                          restore_param_groups, restore_rank_state, save_rank_state,
+                          save_train_state, state_path, write_meta)
 
 MASTER = "fp32"      # key of the fp32 master weight in a parameter's saved state
 
@@ -100,10 +100,9 @@ def save_checkpoint(engine, save_dir, step: int | None = None, plan=None, client
     if engine.grid.data_parallel_id == 0:
         for i, states in per_layer.items():
             torch.save(states, state_path(save_dir, i))
-    save_rng(save_dir, client_state)
+    save_rank_state(save_dir, client_state)
     if dist.get_rank() == 0:
-        save_train_state(save_dir, scheduler=engine.lr_scheduler, optimizer=engine.optimizer,
-                         client_state=client_state)
+        save_train_state(save_dir, scheduler=engine.lr_scheduler, optimizer=engine.optimizer)
         write_meta(save_dir, framework="deepspeed", step=engine.global_steps if step is None else step,
                    plan=plan if plan is not None else engine._config.pipeline.get("autoplan"),
                    num_layers=len(mod._layer_specs), optimizer=engine.optimizer,
@@ -118,9 +117,9 @@ def _restore_zero(zero, saved, params, with_state: bool) -> None:
     (as DeepSpeed does after its first step) and fill them too."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     sample = next(iter(saved.values()))
-    keys = [k for k, v in sample.items() if k != MASTER and torch.is_tensor(v) and v.dim() > 0] \
-        if with_state else []
+    keys = []
     if with_state:
+        keys = [k for k, v in sample.items() if k != MASTER and torch.is_tensor(v) and v.dim() > 0]
         scalars = {k: v for k, v in sample.items() if k != MASTER and k not in keys}
         for flat in zero.single_partition_of_fp32_groups:
             st = zero.optimizer.state[flat]
@@ -158,8 +157,8 @@ def _saved_states(engine, load_dir) -> tuple[dict, list]:
 
 def _restore_training(engine, load_dir, meta, optimizer_states: bool, lr_scheduler_states: bool) -> dict:
     """Parameter-group hyperparameters (with the optimizer state, as DeepSpeed's
-    ``optimizer.load_state_dict`` restores them), scheduler, step counters and generators;
-    returns the saved train state."""
+    ``optimizer.load_state_dict`` restores them), scheduler, step counters and this rank's
+    state (generators; returns its ``client_state``)."""
     train = load_train_state(load_dir)
     if optimizer_states:
         restore_param_groups(engine.optimizer, train["param_groups"], load_dir)
@@ -169,11 +168,8 @@ def _restore_training(engine, load_dir, meta, optimizer_states: bool, lr_schedul
     engine.global_steps = meta["step"]
     engine.global_samples = counters.get("global_samples", meta["step"] * engine.train_batch_size())
     engine.skipped_steps = counters.get("skipped_steps", 0)
-    meta["rng_from_rank"] = restore_rng(load_dir, meta)
-    own = rank_client_state(load_dir, meta)         # this rank's, as DeepSpeed returns it
-    if own is not None:
-        train["client_state"] = own
-    return train
+    meta["rng_from_rank"], client_state = restore_rank_state(load_dir, meta)
+    return client_state
 
 
 def load_checkpoint(engine, load_dir, *, optimizer_states: bool = True,
@@ -185,7 +181,7 @@ def load_checkpoint(engine, load_dir, *, optimizer_states: bool = True,
     Weights, fp32 masters, optimizer state, the learning-rate scheduler (with the parameter
     groups' lr as it left them) and the step counters (``global_steps``, ``global_samples``,
     ``skipped_steps``) continue exactly under any plan.  Random generators: each rank continues
-    saved rank ``rank % saved world size`` (:func:`ds_autoplan.runtime.checkpoint.restore_rng`):
+    saved rank ``rank % saved world size`` (:func:`ds_autoplan.runtime.checkpoint.restore_rank_state`):
     dropout is reproduced exactly under the same plan only.  ``module_only``: weights and fp32
     masters only (a warm start: no optimizer, scheduler, counters or generators)."""
     mod = engine.module
@@ -199,7 +195,7 @@ def load_checkpoint(engine, load_dir, *, optimizer_states: bool = True,
     else:
         _restore_plain(engine.optimizer, saved, params, with_state)
     meta["client_state"] = {} if module_only else \
-        _restore_training(engine, load_dir, meta, optimizer_states, lr_scheduler_states)["client_state"]
+        _restore_training(engine, load_dir, meta, optimizer_states, lr_scheduler_states)
     dist.barrier()
     return meta
 

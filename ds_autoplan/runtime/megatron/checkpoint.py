@@ -17,8 +17,8 @@ import os
 
 import torch.distributed as dist
 
-from ..checkpoint import (load_scheduler, load_train_state, read_meta, restore_rng, save_rng,
-                          save_train_state, write_meta)
+from ..checkpoint import (load_scheduler, load_train_state, read_meta, restore_rank_state,
+                          save_rank_state, save_train_state, write_meta)
 from .shim import cpu_shim
 
 
@@ -75,17 +75,17 @@ def save_checkpoint(chunks, optimizer, save_dir, *, plan, step: int, scheduler=N
                     client_state=None) -> None:
     """Write the model chunks and the Megatron optimizer of this rank with
     ``dist_checkpointing.save``, the plan's metadata, ``scheduler`` (Megatron-core's
-    ``OptimizerParamScheduler`` or anything with ``state_dict``), ``client_state`` (global rank
-    0's) and every rank's random generators (call on every rank)."""
+    ``OptimizerParamScheduler`` or anything with ``state_dict``) and each rank's
+    ``client_state`` and random generators (call on every rank)."""
     from megatron.core import dist_checkpointing
     if dist.get_rank() == 0:
         os.makedirs(save_dir, exist_ok=True)
     dist.barrier()
     with cpu_shim(remap_cuda_factories=True):     # its writer synchronises CUDA
         dist_checkpointing.save(_sharded(chunks, optimizer, False), save_dir)
-    save_rng(save_dir)
+    save_rank_state(save_dir, client_state)
     if dist.get_rank() == 0:
-        save_train_state(save_dir, scheduler=scheduler, client_state=client_state)
+        save_train_state(save_dir, scheduler=scheduler)
         write_meta(save_dir, framework="megatron", plan=plan, step=step,
                    num_layers=_num_layers(chunks), optimizer=optimizer, scheduler=scheduler)
     dist.barrier()
@@ -157,7 +157,7 @@ def load_checkpoint(chunks, optimizer, load_dir, *, scheduler=None) -> dict:
     The scheduler is loaded after the optimizer: ``OptimizerParamScheduler.load_state_dict``
     sets every parameter group's lr and weight decay for the saved step.  Random generators:
     each rank continues saved rank ``rank % saved world size``
-    (:func:`ds_autoplan.runtime.checkpoint.restore_rng`), so dropout is reproduced exactly
+    (:func:`ds_autoplan.runtime.checkpoint.restore_rank_state`), so dropout is reproduced exactly
     under the same plan only."""
     from megatron.core import dist_checkpointing
     meta = read_meta(load_dir, framework="megatron", num_layers=_num_layers(chunks))
@@ -167,10 +167,8 @@ def load_checkpoint(chunks, optimizer, load_dir, *, scheduler=None) -> dict:
     for c, m in enumerate(chunks):
         _unwrapped(m).load_state_dict(loaded[f"model{c}"])
     _load_optimizer(optimizer, _in_own_layout(loaded["optimizer"], optimizer))
-    train = load_train_state(load_dir)
-    load_scheduler(scheduler, train, load_dir)
-    meta["client_state"] = train["client_state"]
-    meta["rng_from_rank"] = restore_rng(load_dir, meta)
+    load_scheduler(scheduler, load_train_state(load_dir), load_dir)
+    meta["rng_from_rank"], meta["client_state"] = restore_rank_state(load_dir, meta)
     dist.barrier()
     return meta
 
