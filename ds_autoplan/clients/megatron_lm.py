@@ -137,8 +137,7 @@ def _recompute_problems(args, plan) -> list[str]:
     from ..emit.megatron import megatron_config
     keys = ("recompute_granularity", "recompute_method", "recompute_num_layers")
     want = megatron_config(plan)
-    got, exp = ([getattr(src, k, None) if src is args else src[k] for k in keys]
-                for src in (args, want))
+    got, exp = [getattr(args, k, None) for k in keys], [want[k] for k in keys]
     if got == exp:
         return []
     flag = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in zip(keys, exp) if v is not None)
