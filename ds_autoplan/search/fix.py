@@ -54,9 +54,9 @@ def parse_fix(text: str | dict | None) -> dict:
 def _takes_chunks(schedule: str | None) -> bool:
     """The builder registry says ``schedule`` sets its chunks per rank by an option."""
     from ..schedule import ScheduleError
-    from ..schedule.builders import builder_info
+    from .pipeline import schedule_options
     try:
-        return schedule is not None and builder_info(schedule).chunks_option is not None
+        return schedule is not None and bool(schedule_options(schedule))
     except ScheduleError:
         return False
 

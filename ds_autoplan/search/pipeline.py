@@ -33,8 +33,7 @@ def schedule_options(name: str, v: int = 2) -> dict:
 def chunks_per_rank(name: str, parts, P: int) -> int | None:
     """Model chunks per rank of a costed partition when the builder takes them as an option
     (the registry's ``chunks_option``: interleaved's ``v``); None for a fixed placement."""
-    from ..schedule.builders import builder_info
-    return len(parts) // P if builder_info(name).chunks_option else None
+    return len(parts) // P if schedule_options(name) else None
 
 
 def options_of(name: str, parts: tuple, P: int) -> tuple:
