@@ -1,22 +1,41 @@
-"""Validation against published training runs (issue 11, item 6).
+"""Validation against published training runs (issues 11 and 20).
 
-For every row of bench/data/published_runs.yaml (Narayanan et al. 2021 Table 1, Korthikanti
-et al. 2022 Table 5, each row with its source): the published configuration costed by the
-planner's cost functions (cost/iteration.py over CostModel's per-layer tables; one compute
-model per GPU kind, nothing fitted per row) and the signed throughput error
-(predicted / published - 1); then the planner's free choice for the same model, machine and
-batch, its prediction, and whether its peak memory, re-checked with the closed form of
-cost/iteration.py under the engines' accounting (cost/memory.py), exceeds the budget.
+For every row of bench/data/published_runs.yaml (three stacks: Megatron-LM on Selene --
+Narayanan et al. 2021, Korthikanti et al. 2022; DeepSpeed's pipeline engine with Megatron
+tensor slicing -- MT-NLG 530B, BLOOM-176B; PyTorch FSDP -- MosaicML's MPT benchmarks on A100
+and H100; each row with its source): the published configuration costed by the planner's cost
+functions (cost/iteration.py over CostModel's per-layer tables) under the execution model of
+the engine that ran it (cost/engines.py), and the signed throughput error
+(published time / predicted time - 1).
 
-    python bench/published_runs.py [--quick] [--json out.json]
+One constant is calibrated, per GPU kind: ``sustained`` (the GEMM rate a training step keeps
+over the burst MAMF; prior per kind in data/gpus.yaml).  Nothing is fitted per row.
+* in-file error: calibrated on every source;
+* leave-one-source-out (LOSO) error: for each source, calibrated on every *other* source
+  (a kind no other source has keeps its per-kind prior) and the left-out rows predicted.
+Unpublished knobs (micro-batch size, interleaving) follow one rule: of the values the engine
+accepts that fit in memory, the one of median predicted time (lower median) under the prior;
+each row prints what it took and from how many choices.
+
+Then the planner's free choice for the same model, machine and batch, its prediction, and
+whether its peak memory, re-checked with the closed form under the engines' accounting
+(cost/memory.py), exceeds the budget.
+
+    python bench/published_runs.py [--quick] [--json out.json] [--write]
 
 --quick skips the free choice where the search space is large (more than 64 GPUs) so the run
-stays under a minute on two cores.  The last line is one JSON object with "median_abs_error",
-"max_abs_error", "rows", "free_choice_over_budget" and "published_infeasible".
+stays under a minute on two cores.  --write stores the calibrated constants and the LOSO error
+bands in ds_autoplan/data/calibration.json (what `ds-autoplan cost` and the plan report print).
+The last line is one JSON object with "median_abs_error", "max_abs_error",
+"loso_median_abs_error", "loso_max_abs_error", "sources", "rows", "free_choice_over_budget"
+and "published_infeasible".
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import math
 import os
 import statistics
 import sys
@@ -26,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _measure as M  # noqa: E402
 
+from ds_autoplan.cost.compute import get_gpu, gpu_kinds  # noqa: E402
 from ds_autoplan.cost.iteration import Config, config_cost  # noqa: E402
 from ds_autoplan.cost.memory import usable_budget  # noqa: E402
 from ds_autoplan.cost.model import CostModel  # noqa: E402
@@ -34,6 +54,8 @@ from ds_autoplan.spec.cluster import GB  # noqa: E402
 from ds_autoplan.spec.presets import read_mapping  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "published_runs.yaml")
+CALIBRATION = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "ds_autoplan", "data", "calibration.json")
 
 
 def load_rows(path: str = DATA) -> list[dict]:
@@ -42,8 +64,10 @@ def load_rows(path: str = DATA) -> list[dict]:
     rows = []
     for r in d["runs"]:
         r = {**{k: v for k, v in base.items() if k != "model"}, **r}
-        r["model"] = {**base["model"], "name": r["id"], "num_layers": r["layers"],
+        r["model"] = {**base["model"], **r.get("model", {}), "name": r["id"], "num_layers": r["layers"],
                       "hidden": r["hidden"], "heads": r["heads"]}
+        if r.get("vocab"):
+            r["model"]["vocab"] = r["vocab"]
         rows.append(r)
     return rows
 
@@ -53,6 +77,8 @@ def published_time(r: dict) -> float:
     meas = r["measured"]
     if "iteration_time_s" in meas:
         return float(meas["iteration_time_s"])
+    if "tokens_per_s" in meas:                    # MPT tables: Throughput (T/s), all GPUs
+        return r["batch"] * r["model"]["seq_len"] / float(meas["tokens_per_s"])
     B, s, L, h, V = r["batch"], r["model"]["seq_len"], r["layers"], r["hidden"], r["model"]["vocab"]
     F = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
     return F / (r["gpus"] * meas["tflops_per_gpu"] * 1e12)
@@ -86,20 +112,87 @@ def candidates(r: dict, model) -> list[Config]:
     return out
 
 
-def cost_published(r: dict):
+def cost_model(r: dict, model, cluster, sustained: float | None = None) -> CostModel:
+    """The row's cost model: its engine's execution model; ``sustained`` replaces the GPU
+    kind's constant (None: the per-kind prior of data/gpus.yaml, uncalibrated)."""
+    cm = CostModel(model, cluster, r["precision"], r.get("runtime", "any"), execution=r.get("execution"))
+    if cm.gpu is not None:
+        prior = get_gpu(cluster.gpu, calibrated=False)
+        cm.gpu = dataclasses.replace(prior, sustained=prior.sustained if sustained is None else sustained)
+    return cm
+
+
+def unpublished_rule(costed: list):
+    """Of (cfg, cost) for every accepted value of the unpublished knobs, the one of median
+    predicted time among those that fit (the lower median; all of them when none fits):
+    neither the fastest (optimistic) nor the slowest choice."""
+    fit = [x for x in costed if x[1].fits] or costed
+    fit.sort(key=lambda x: x[1].time)
+    return fit[(len(fit) - 1) // 2], len(fit)
+
+
+def cost_published(r: dict, sustained: float | None = None, cfg: Config | None = None):
+    """((cfg, cost), cluster, choices): the published configuration costed; ``cfg`` fixes the
+    unpublished knobs (else :func:`unpublished_rule` chooses them)."""
     model, cluster = setup(r)
-    cm = CostModel(model, cluster, r["precision"], r.get("runtime", "any"),
-                   overlap_grad_reduce=bool(r.get("overlap_grad_reduce", False)),
-                   overlap_tp_comm=bool(r.get("overlap_tp_comm", True)))
-    best, best_any = None, None
+    cm = cost_model(r, model, cluster, sustained)
     E = usable_budget(cluster)[0]          # the planner's default budget, headroom kept
-    for cfg in candidates(r, model):
-        c = config_cost(cm, cfg, E)
-        if best_any is None or c.time < best_any[1].time:
-            best_any = (cfg, c)
-        if c.fits and (best is None or c.time < best[1].time):
-            best = (cfg, c)
-    return best or best_any, cluster
+    if cfg is not None:
+        return (cfg, config_cost(cm, cfg, E)), cluster, 1
+    best, n = unpublished_rule([(c, config_cost(cm, c, E)) for c in candidates(r, model)])
+    return best, cluster, n
+
+
+def kind_of(r: dict) -> str:
+    return load_cluster(r["cluster"]).gpu
+
+
+def calibrate(rows: list, cfgs: dict, prior: dict) -> dict:
+    """Per GPU kind, the ``sustained`` at which the median signed log error of that kind's
+    ``rows`` is zero (bisection; predicted time falls as it rises); kinds without rows keep
+    ``prior``."""
+    out = dict(prior)
+    for kind in sorted({kind_of(r) for r in rows}):
+        rs = [r for r in rows if kind_of(r) == kind]
+        lo, hi = 0.5, 1.2
+        for _ in range(16):
+            mid = (lo + hi) / 2
+            e = statistics.median(math.log(published_time(r) / cost_published(r, mid, cfgs[r["id"]])[0][1].time)
+                                  for r in rs)
+            lo, hi = (lo, mid) if e > 0 else (mid, hi)   # published slower: lower the rate
+        out[kind] = round((lo + hi) / 2, 4)
+    return out
+
+
+def error(r: dict, sustained: dict, cfg: Config) -> float:
+    return published_time(r) / cost_published(r, sustained[kind_of(r)], cfg)[0][1].time - 1.0
+
+
+def cross_validate(rows: list, cfgs: dict, prior: dict) -> tuple[dict, dict, dict]:
+    """(calibration on all sources, in-file errors by row id, LOSO errors by row id)."""
+    full = calibrate(rows, cfgs, prior)
+    infile = {r["id"]: error(r, full, cfgs[r["id"]]) for r in rows}
+    loso = {}
+    for src in sorted({r["source_id"] for r in rows}):
+        cal = calibrate([r for r in rows if r["source_id"] != src], cfgs, prior)
+        for r in rows:
+            if r["source_id"] == src:
+                loso[r["id"]] = error(r, cal, cfgs[r["id"]])
+    return full, infile, loso
+
+
+def bands(rows: list, loso: dict) -> dict:
+    """Expected error bands from the LOSO errors: overall and per execution model (median and
+    max |error|, signed median, rows)."""
+    def band(ids):
+        e = [loso[i] for i in ids]
+        return {"median_abs": round(statistics.median(abs(x) for x in e), 4),
+                "max_abs": round(max(abs(x) for x in e), 4),
+                "median_signed": round(statistics.median(e), 4), "rows": len(e)}
+    out = {"all": band([r["id"] for r in rows])}
+    for ex in sorted({r.get("execution", "any") for r in rows}):
+        out[ex] = band([r["id"] for r in rows if r.get("execution", "any") == ex])
+    return out
 
 
 def free_choice(r: dict, cluster):
@@ -134,18 +227,25 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="free choice only up to 64 GPUs (< 60 s)")
     ap.add_argument("--json", help="write the rows and summary here")
     ap.add_argument("--data", default=DATA, help="the published-runs YAML")
+    ap.add_argument("--write", action="store_true",
+                    help=f"store the calibration and LOSO bands in {os.path.relpath(CALIBRATION)}")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    rows, errs, over, infeasible = [], [], 0, 0
-    hdr = (f"{'run':14s} {'GPUs':>5s} {'tp/pp/dp':>9s} {'mbs':>3s} {'v':>2s} {'recompute':>9s} "
-           f"{'published':>9s} {'predicted':>9s} {'error':>7s} {'peak/budget GB':>15s}  free choice")
+    data = load_rows(a.data)
+    prior = {k: g.sustained for k, g in gpu_kinds(calibrated=False).items()}
+    cfgs, nchoice, fits = {}, {}, {}
+    for r in data:                         # unpublished knobs: chosen once, under the prior
+        (cfg, c), _, n = cost_published(r)
+        cfgs[r["id"]], nchoice[r["id"]] = cfg, n
+    full, infile, loso = cross_validate(data, cfgs, prior)
+    rows, over, infeasible = [], 0, 0
+    hdr = (f"{'run':16s} {'GPUs':>5s} {'engine':>13s} {'tp/pp/dp':>9s} {'mbs':>3s} {'v':>2s} {'recompute':>9s} "
+           f"{'published':>9s} {'predicted':>9s} {'error':>7s} {'LOSO':>7s} {'peak/budget GB':>15s}  free choice")
     print(hdr)
     print("-" * len(hdr))
-    for r in load_rows(a.data):
+    for r in data:
         pub = published_time(r)
-        (cfg, c), cluster = cost_published(r)
-        err = pub / c.time - 1.0              # throughput error: predicted / published - 1
-        errs.append(err)
+        (cfg, c), cluster, _ = cost_published(r, full[kind_of(r)], cfgs[r["id"]])
         infeasible += not c.fits
         budget = usable_budget(cluster)[0] / GB
         fc, why = (None, "skipped (--quick)") if a.quick and r["gpus"] > 64 else free_choice(r, cluster)
@@ -155,17 +255,35 @@ def main(argv=None) -> int:
                 (" OVER BUDGET" if fc["over_budget"] else "")
         else:
             ftxt = why
-        print(f"{r['id']:14s} {r['gpus']:5d} {cfg.tp:>3d}/{cfg.pp}/{cfg.dp:<3d} {cfg.micro_batch:3d} {cfg.chunks:2d} "
-              f"{cfg.recompute:>9s} {pub:8.2f}s {c.time:8.2f}s {100 * err:+6.1f}% "
+        chose = "published" if nchoice[r["id"]] == 1 else f"median of {nchoice[r['id']]}"
+        print(f"{r['id']:16s} {r['gpus']:5d} {r.get('execution', 'any'):>13s} {cfg.tp:>3d}/{cfg.pp}/{cfg.dp:<3d} "
+              f"{cfg.micro_batch:3d} {cfg.chunks:2d} {cfg.recompute:>9s} {pub:8.2f}s {c.time:8.2f}s "
+              f"{100 * infile[r['id']]:+6.1f}% {100 * loso[r['id']]:+6.1f}% "
               f"{max(c.peak) / GB:6.1f}/{budget:5.1f}{'' if c.fits else ' OOM'}  {ftxt}")
-        rows.append({"id": r["id"], "source": f"{r['source']}, row {r['row']}", "published_s": pub,
-                     "predicted_s": c.time, "error": err, "micro_batch": cfg.micro_batch,
-                     "chunks": cfg.chunks, "fits": c.fits, "peak_gb": max(c.peak) / GB,
-                     "free_choice": fc})
-    abs_err = [abs(e) for e in errs]
+        rows.append({"id": r["id"], "source": f"{r['source']}, row {r['row']}", "source_id": r["source_id"],
+                     "execution": r.get("execution", "any"), "gpu": kind_of(r), "published_s": pub,
+                     "predicted_s": c.time, "error": infile[r["id"]], "loso_error": loso[r["id"]],
+                     "micro_batch": cfg.micro_batch, "chunks": cfg.chunks,
+                     "unpublished_choice": chose, "fits": c.fits, "peak_gb": max(c.peak) / GB,
+                     "unverified": r.get("unverified"), "free_choice": fc})
+    print("unpublished knobs: 'median of n' = the median-time choice among n that fit "
+          "(published_runs.unpublished_rule); calibrated sustained per kind: "
+          + ", ".join(f"{k} {v:.3f} (prior {prior[k]:.3f})" for k, v in full.items() if v != prior[k]))
+    abs_err = [abs(e) for e in infile.values()]
+    abs_loso = [abs(e) for e in loso.values()]
+    bnd = bands(data, loso)
     summary = {"median_abs_error": round(statistics.median(abs_err), 4), "max_abs_error": round(max(abs_err), 4),
+               "loso_median_abs_error": round(statistics.median(abs_loso), 4),
+               "loso_max_abs_error": round(max(abs_loso), 4),
+               "sources": len({r["source_id"] for r in data}),
                "rows": len(rows), "free_choice_over_budget": over, "published_infeasible": infeasible,
                "wall_s": round(time.perf_counter() - t0, 1)}
+    if a.write:
+        with open(CALIBRATION, "w") as f:
+            json.dump({"written_by": "bench/published_runs.py --write",
+                       "sustained": {k: v for k, v in full.items() if v != prior[k]},
+                       "bands": bnd, "sources": sorted({r["source_id"] for r in data})}, f, indent=1)
+            f.write("\n")
     return M.publish(summary, rows, a.json)
 
 

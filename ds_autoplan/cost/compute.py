@@ -62,18 +62,34 @@ class GPU:
 
 
 @lru_cache(maxsize=None)
-def gpu_kinds() -> dict:
+def gpu_kinds(calibrated: bool = True) -> dict:
+    """The GPU kinds of data/gpus.yaml; ``calibrated``: with the per-kind ``sustained`` that
+    bench/published_runs.py fitted on the published runs of that kind (data/calibration.json),
+    where it has one; else the per-kind prior of gpus.yaml."""
     data = gpu_table()
-    return {k: GPU(k, float(v["peak_tflops"]), float(v["mamf_tflops"]), float(v["sustained"]), int(v["sms"]),
-                   tuple(int(x) for x in v["tile"]), float(v["hbm_GBps"]), float(v["stream_eff"]),
-                   float(v["flash_eff"])) for k, v in data.items()}
+    cal = calibration()["sustained"] if calibrated else {}
+    return {k: GPU(k, float(v["peak_tflops"]), float(v["mamf_tflops"]), float(cal.get(k, v["sustained"])),
+                   int(v["sms"]), tuple(int(x) for x in v["tile"]), float(v["hbm_GBps"]),
+                   float(v["stream_eff"]), float(v["flash_eff"])) for k, v in data.items()}
 
 
-def get_gpu(name: str | None) -> GPU | None:
+@lru_cache(maxsize=None)
+def calibration() -> dict:
+    """data/calibration.json, written by ``bench/published_runs.py --write``: the per-kind
+    ``sustained`` fitted on published runs and the cross-validated error bands."""
+    import json
+    from pathlib import Path
+    p = Path(__file__).resolve().parents[1] / "data" / "calibration.json"
+    if not p.is_file():
+        return {"sustained": {}, "bands": {}}
+    return json.loads(p.read_text())
+
+
+def get_gpu(name: str | None, calibrated: bool = True) -> GPU | None:
     if not name:
         return None
     check_gpu(name)
-    return gpu_kinds()[name]
+    return gpu_kinds(calibrated)[name]
 
 
 class UnitTimes(NamedTuple):

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..spec.model import tied_embeddings
+from .engines import lockstep_time
 from .model import CostModel, Strategy
 
 RECOMPUTE = ("none", "selective", "full")
@@ -78,6 +80,7 @@ def config_cost(cm: CostModel, cfg: Config, budget: float | None = None) -> Conf
     fwd, bwd_ns, sync, f1, ob, ms, p2p = (col(tab.fwd), col(tab.bwd_ns), col(tab.bwd - tab.bwd_ns),
                                            col(tab.f1), col(tab.ob), col(tab.ms), col(tab.p2p))
     work, tail, peak = np.zeros(P), np.zeros(P), np.zeros(P)
+    f_r, b_r, x_r = np.zeros(P), np.zeros(P), np.zeros(P)
     act, trans = np.zeros(P), np.zeros(P)
     lo = 0
     for c, n in enumerate(nblk):
@@ -85,6 +88,9 @@ def config_cost(cm: CostModel, cfg: Config, budget: float | None = None) -> Conf
         r = c % P
         sl = slice(lo, hi)
         work[r] += fwd[sl].sum() + bwd_ns[sl].sum() + (2 * p2p[hi - 1] if c < S - 1 else 0.0)
+        f_r[r] += fwd[sl].sum()
+        b_r[r] += bwd_ns[sl].sum()
+        x_r[r] = p2p[hi - 1] if c < S - 1 else 0.0
         tail[r] += sync[sl].sum()
         peak[r] += ms[sl].sum()
         act[r] += f1[sl].sum()
@@ -94,6 +100,18 @@ def config_cost(cm: CostModel, cfg: Config, budget: float | None = None) -> Conf
         peak[r] += in_flight(P, r, m, v) * act[r] + trans[r]
     t_mb = float(work.max())
     bubble = (P - 1) / v * t_mb
-    T = m * t_mb + bubble + float(tail.max())
+    if P > 1 and cm.execution.tied_reduce and tied_embeddings(cm.model.config):
+        # tied word-embedding gradients all-reduced between the first and the last stage
+        # (DeepSpeed ReduceTiedGrads, Megatron finalize_model_grads) after the flush
+        E = cm.model.vocab * cm.model.hidden / cfg.tp * (4 if cm.precision != "fp16" else 2)
+        t_tied = cm.net.p2p(E, cfg.tp * cfg.dp)
+        tail[0] += t_tied
+        tail[P - 1] += t_tied
+    if cm.execution.lockstep and v == 1:
+        # DeepSpeed's TrainSchedule: neighbours in lock step (cost/engines.py)
+        T = lockstep_time(f_r, b_r, x_r, m) + float(tail.max())
+        bubble = T - float(tail.max()) - m * t_mb
+    else:
+        T = m * t_mb + bubble + float(tail.max())
     E = budget if budget is not None else cm.cluster.budget_bytes
     return ConfigCost(T, list(peak), bool(np.all(peak <= E)), t_mb, bubble, float(tail.max()))

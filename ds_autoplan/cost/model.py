@@ -14,6 +14,7 @@ from ..spec.cluster import ClusterSpec
 from ..spec.model import LayerSpec, ModelSpec
 from .collectives import Network
 from .compute import Dims, UnitTimes, attention_score_bytes, get_gpu, unit_times
+from .engines import Execution, get_execution, grad_bytes
 from .memory import OPT_STEP_BYTES, RUNTIMES, local_optimizer_fraction, state_bytes
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -96,18 +97,24 @@ class CostModel:
     flags do not set --overlap-grad-reduce.  The optimizer step and ZeRO's parameter all-gather
     after it are never hidden.
     ``overlap_tp_comm``: the backward TP all-reduce of the column-parallel input gradient runs
-    beside their weight-gradient GEMMs (Megatron since its 2022 releases; False: Megatron-LM 2021)."""
+    beside their weight-gradient GEMMs (Megatron since its 2022 releases; False: Megatron-LM 2021).
+    ``execution``: the engine's execution model (cost/engines.py; a name or an Execution): what
+    it overlaps and serialises; it sets both overlap switches unless they are given."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str = "bf16",
-                 runtime: str = "any", overlap_grad_reduce: bool = False, overlap_tp_comm: bool = True):
+                 runtime: str = "any", overlap_grad_reduce: bool | None = None,
+                 overlap_tp_comm: bool | None = None, execution: "Execution | str | None" = None):
         from ..spec import SpecError
         if precision not in PRECISIONS:
             raise SpecError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if runtime not in RUNTIMES:
             raise SpecError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
         self.model, self.cluster, self.precision = model, cluster, precision
-        self.runtime, self.overlap_grad_reduce = runtime, overlap_grad_reduce
-        self.overlap_tp_comm = overlap_tp_comm
+        ex = execution if isinstance(execution, Execution) else get_execution(execution)
+        self.execution = ex
+        self.runtime = runtime
+        self.overlap_grad_reduce = ex.grad_overlap if overlap_grad_reduce is None else overlap_grad_reduce
+        self.overlap_tp_comm = ex.tp_overlap if overlap_tp_comm is None else overlap_tp_comm
         self.gpu = get_gpu(cluster.gpu)
         self.dims = Dims.of(model) if self.gpu is not None else None
         self.net = Network(cluster)
@@ -138,7 +145,8 @@ class CostModel:
         ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p = (np.zeros(shape) for _ in range(8))
         allowed = np.ones(shape, dtype=bool)
         R = np.zeros((T, S, S))
-        net = self.net
+        net, ex = self.net, self.execution
+        gcb = grad_bytes(ex, self.precision, cb)
         for j, s in enumerate(strategies):
             t, d, z = s.tp, s.dp, s.zero
             b = B_m / d
@@ -166,21 +174,26 @@ class CostModel:
                 # (§4.2.2): 2 (t-1)/t X / BW, a ring all-reduce's own two phases, so t_AR stands
                 A_tp = u.tp_allreduces * net.all_reduce(b * u.boundary * ab, t, s.tp_stride()) if t > 1 else 0.0
                 ds = s.dp_stride()
-                X = W * cb
+                X, Xg = W * cb, W * gcb          # parameters / gradients on the wire
                 g_f = net.all_gather(X, d, ds) if z == 3 else 0.0
-                g_b = (net.all_gather(X, d, ds) + net.reduce_scatter(X, d, ds)) if z == 3 else \
-                    (net.reduce_scatter(X, d, ds) if z == 2 else 0.0)
-                g_sync = {0: net.all_reduce(X, d, ds), 1: net.reduce_scatter(X, d, ds), 2: 0.0, 3: 0.0}[z]
-                # after the step: ZeRO-1/2 gather the updated parameters; the Adam step itself
-                # streams the rank's optimizer shard through HBM (memory-bound)
-                tail = (net.all_gather(X, d, ds) if z in (1, 2) else 0.0) + self.step_time(W * opt_share)
+                g_b = (net.all_gather(X, d, ds) + net.reduce_scatter(Xg, d, ds)) if z == 3 else \
+                    (net.reduce_scatter(Xg, d, ds) if z == 2 else 0.0)
+                g_sync = {0: net.all_reduce(Xg, d, ds),
+                          1: net.all_reduce(Xg, d, ds) if ex.full_allreduce else net.reduce_scatter(Xg, d, ds),
+                          2: 0.0, 3: 0.0}[z]
+                # after the step: ZeRO-1/2 gather the updated parameters (hidden behind the next
+                # forward with Megatron's --overlap-param-gather); the Adam step itself streams
+                # the rank's optimizer shard through HBM (memory-bound)
+                gather = net.all_gather(X, d, ds) if z in (1, 2) and not ex.param_gather_overlap else 0.0
+                tail = gather + self.step_time(W * opt_share)
                 k_comp = k.bwd + (k.fwd if ck else k.attn if sel else 0.0)   # recompute replays
                 # Megatron overlaps the backward TP all-reduce of the column-parallel input
                 # gradient with their weight-gradient GEMMs; CKPT repeats the forward's
                 k_tp = (self.ov(A_tp, k.wcol) - k.wcol if k.wcol and self.overlap_tp_comm else A_tp) + \
                     (A_tp if ck else 0.0)
                 base = self.ov(k_comp, g_b) + k_tp
-                fwd[i, j] = k.fwd + A_tp + g_f
+                # FSDP prefetches the next layer's all-gather behind this layer's forward
+                fwd[i, j] = (self.ov(k.fwd, g_f) if ex.zero3_prefetch else k.fwd + g_f) + A_tp
                 bwd_ns[i, j] = base
                 bwd[i, j] = (self.ov(k_comp, g_sync + g_b) + k_tp if self.overlap_grad_reduce
                              else base + g_sync) + tail
@@ -233,7 +246,8 @@ class CostModel:
         SP each TP rank holds and sends X/t.  Without it, Megatron's scatter/gather (Narayanan et
         al. 2021 §4.1) sends X/t per rank and all-gathers it over NVLink on arrival; DeepSpeed's
         pipeline engine sends the whole X from every TP rank ('any' keeps that bound)."""
-        if q > 1 or t == 1 or self.runtime != "megatron":
+        split = self.runtime == "megatron" if self.execution.p2p_split is None else self.execution.p2p_split
+        if q > 1 or t == 1 or not split:
             return self.net.p2p(X / q, s.n)
         return self.net.p2p(X / t, s.n) + self.net.all_gather(X, t, s.tp_stride())
 

@@ -1,0 +1,152 @@
+"""What each engine overlaps and what it serialises (issue 20, item 1): one execution model per
+engine, read from the installed libraries, that the cost model (cost/model.py) and the closed
+form (cost/iteration.py) apply.
+
+* ``deepspeed`` -- DeepSpeed 0.19.8's PipelineEngine running its own TrainSchedule
+  (runtime/pipe/schedule.py): every step exchanges activations / gradients with both
+  neighbours through blocking ``p2p.send``/``p2p.recv`` (runtime/pipe/p2p.py: ``dist.send``,
+  ``async_op`` refused) *before* its compute, so neighbouring stages advance in lock step and a
+  step lasts as long as the slowest stage's forward or backward in it (:func:`lockstep_time`).
+  After the last step (the flush): ReduceTiedGrads (``all_reduce`` of the tied embedding grads
+  between the first and last stage), ReduceGrads (``_exec_reduce_grads``: with bf16 the
+  BF16_Optimizer's ``buffered_allreduce_fallback`` -- a full all-reduce of the gradients over
+  the data-parallel group even though the optimizer is ZeRO-1-sharded; fp16 ZeRO-1
+  ``reduce_gradients`` reduces each partition to its owner), then OptimizerStep and the ZeRO-1
+  parameter all-gather.  Nothing overlaps the backward.  Every TP rank sends the whole
+  activation (no Megatron scatter/gather).  DeepSpeed has no TP of its own: Megatron-DeepSpeed's
+  layers are taken without the backward TP overlap [decision: the 2021-22 forks the published
+  runs used].
+* ``megatron-core`` -- Megatron-LM on megatron-core 0.16.1: gradients reduced in fp32 for bf16
+  (training/arguments.py: ``accumulate_allreduce_grads_in_fp32`` is set for bf16 unless
+  ``--grad-reduce-in-bf16``); ``--overlap-grad-reduce`` (DistributedDataParallelConfig,
+  default False) overlaps the bucketed reduction with the last micro-batch's backward;
+  ``--overlap-param-gather`` the distributed optimizer's parameter all-gather with the next
+  forward; the backward all-reduce of the column-parallel input gradient runs beside their
+  weight-gradient GEMMs (``async_grad_allreduce`` in tensor_parallel/layers.py); tied
+  embedding grads all-reduced between first and last stage (finalize_model_grads).
+  Pipeline schedules with batched isend/irecv: the planner's own 1F1B / interleaved timing.
+* ``megatron-2021`` -- Megatron-LM as in Narayanan et al. 2021: gradients all-reduced after the
+  backward in the parameter dtype, no TP communication overlap.
+* ``fsdp`` -- PyTorch FSDP FULL_SHARD (ZeRO-3): each layer's parameter all-gather is issued
+  before the previous layer's compute finishes (forward and backward prefetch), the gradient
+  reduce-scatter runs in the backward hooks; only what compute cannot cover is exposed.
+* ``any`` -- the engine-neutral model the planner has always used (reductions after the
+  backward in the parameter dtype, TP overlap on): what a plan emitted for either runtime does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import numpy as np
+
+OVERLAPS = ("grad-reduce", "param-gather", "tp-comm")
+
+
+@dataclass(frozen=True)
+class Execution:
+    name: str
+    grad_overlap: bool = False          # DP gradient reduction beside the last backward
+    param_gather_overlap: bool = False  # ZeRO-1/2 parameter all-gather beside the next forward
+    tp_overlap: bool = True             # backward TP all-reduce beside the column-parallel wgrad
+    grad_bytes: float | None = None     # bytes per gradient element on the wire (None: parameter dtype)
+    full_allreduce: bool = False        # ZeRO-1 reduces with a whole all-reduce (DeepSpeed BF16_Optimizer)
+    p2p_split: bool | None = None       # True: Megatron scatter/gather (X/t per TP rank); None: the runtime's
+    zero3_prefetch: bool = False        # ZeRO-3 forward all-gather hidden behind the previous layer
+    lockstep: bool = False              # DeepSpeed TrainSchedule: neighbours advance in lock step
+    tied_reduce: bool = False           # tied embedding grads all-reduced between first and last stage
+
+    def with_overlap(self, flags) -> "Execution":
+        """The same engine with the overlap switches named in ``flags`` ('grad-reduce',
+        'param-gather', 'tp-comm', each optionally prefixed 'no-') set."""
+        kw = {}
+        for f in flags:
+            on = not f.startswith("no-")
+            key = f[3:] if not on else f
+            if key not in OVERLAPS:
+                from ..spec import SpecError
+                raise SpecError(f"unknown overlap {f!r}; choose from {', '.join(OVERLAPS)} (or no-...)")
+            kw[{"grad-reduce": "grad_overlap", "param-gather": "param_gather_overlap",
+                "tp-comm": "tp_overlap"}[key]] = on
+        return replace(self, **kw)
+
+    def label(self) -> str:
+        on = [n for n, a in zip(OVERLAPS, ("grad_overlap", "param_gather_overlap", "tp_overlap"))
+              if getattr(self, a)]
+        return f"{self.name} (overlap: {', '.join(on) or 'none'})"
+
+
+ENGINES = {
+    "any": Execution("any"),
+    "megatron-core": Execution("megatron-core", grad_bytes=None, p2p_split=True, tied_reduce=True),
+    "megatron-2021": Execution("megatron-2021", tp_overlap=False, p2p_split=True, tied_reduce=True),
+    "deepspeed": Execution("deepspeed", tp_overlap=False, full_allreduce=True, p2p_split=False,
+                           lockstep=True, tied_reduce=True),
+    "fsdp": Execution("fsdp", grad_overlap=True, zero3_prefetch=True, p2p_split=False),
+}
+
+
+def get_execution(name: str | None, overlap=None) -> Execution:
+    """The execution model ``name`` (None: 'any') with ``overlap`` switches ('a,b' or a list)."""
+    from ..spec import SpecError
+    key = name or "any"
+    if key not in ENGINES:
+        raise SpecError(f"unknown execution model {key!r}; choose from {', '.join(ENGINES)}")
+    e = ENGINES[key]
+    if overlap:
+        flags = [f.strip() for f in overlap.split(",")] if isinstance(overlap, str) else list(overlap)
+        e = e.with_overlap([f for f in flags if f])
+    return e
+
+
+def grad_bytes(e: Execution, precision: str, cb: int) -> float:
+    """Bytes per gradient element in the data-parallel reduction: Megatron-LM reduces bf16
+    models' gradients in fp32 (see the module docstring), the others in the parameter dtype."""
+    if e.grad_bytes is not None:
+        return e.grad_bytes
+    return 4 if e.name == "megatron-core" and precision == "bf16" else cb
+
+
+@lru_cache(maxsize=None)
+def trainschedule_steps(m: int, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """DeepSpeed TrainSchedule's step map (runtime/pipe/schedule.py, ``_step_to_micro_batch``)
+    for the 2(m + P - 1) steps x P stages: (forward step?, micro-batch valid?, previous step's
+    micro-batch valid?); a micro-batch id outside [0, m) idles."""
+    k = np.arange(2 * (m + P - 1))[:, None]
+    s = np.arange(P)[None, :]
+    even_k, even_s = k % 2 == 0, s % 2 == 0
+    fwd = np.broadcast_to(even_k == even_s, (len(k), P))
+    mb_f = np.where(even_k, k // 2, (k - 1) // 2) - s // 2
+    mb_b = np.where(even_k, k // 2 - P + (s + 1) // 2, (k - 1) // 2 - P + 1 + s // 2)
+    mb = np.where(fwd, mb_f, mb_b)
+    valid = (mb >= 0) & (mb < m)
+    prev = np.vstack([np.zeros((1, P), bool), valid[:-1]])
+    return fwd, valid, prev
+
+
+def lockstep_time(f: np.ndarray, b: np.ndarray, x: np.ndarray, m: int) -> float:
+    """Seconds of DeepSpeed's TrainSchedule over P stages with per-micro-batch forward ``f[s]``,
+    backward ``b[s]`` and p2p transfer ``x[s]`` (stage s to s+1).  Each step first exchanges
+    with one neighbour through blocking send/recv (a forward step with the previous stage:
+    SendGrad + RecvActivation; a backward step with the next: RecvGrad + SendActivation), so it
+    starts when both have finished the step before; then computes.  Discrete-event recurrence
+    over the steps (exact for this schedule)."""
+    P = len(f)
+    if P == 1:
+        return m * float(f[0] + b[0])
+    fwd, valid, prev = trainschedule_steps(m, P)
+    idx = np.arange(P)
+    partner = np.where(fwd, idx - 1, idx + 1)                       # [steps, P]
+    has_nb = (partner >= 0) & (partner < P)
+    comm = has_nb & (valid | prev)
+    # the two transfers of a step (send of the previous result, receive of this one) are
+    # separate blocking calls: their times add
+    n = has_nb * (valid.astype(int) + prev.astype(int))
+    link = n * np.where(fwd, x[np.clip(idx - 1, 0, P - 1)], x[np.clip(idx, 0, P - 1)])
+    work = np.where(valid, np.where(fwd, f[None, :], b[None, :]), 0.0)
+    end = np.zeros(P)
+    for k in range(len(work)):
+        pk = np.clip(partner[k], 0, P - 1)
+        start = np.where(comm[k], np.maximum(end, end[pk]) + link[k], end)
+        end = start + work[k]
+    return float(end.max())

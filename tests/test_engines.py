@@ -1,0 +1,60 @@
+"""Engine execution models (cost/engines.py): DeepSpeed's TrainSchedule step map equals the
+library's, the lock-step recurrence's closed cases, and what each engine exposes."""
+import numpy as np
+import pytest
+
+from ds_autoplan.cost.engines import ENGINES, get_execution, lockstep_time, trainschedule_steps
+from ds_autoplan.cost.iteration import Config, config_cost
+from ds_autoplan.cost.model import CostModel, Strategy
+from ds_autoplan.spec import SpecError, load_cluster, load_model
+
+
+@pytest.mark.parametrize("m,P", [(1, 2), (4, 2), (8, 4), (5, 3), (3, 5)])
+def test_step_map_is_deepspeeds(m, P):
+    from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, TrainSchedule
+    fwd, valid, _ = trainschedule_steps(m, P)
+    for s in range(P):
+        for k, cmds in enumerate(TrainSchedule(m, P, s).steps()):
+            kinds = {type(c) for c in cmds}
+            assert (ForwardPass in kinds) == bool(fwd[k, s] and valid[k, s]), (k, s)
+            assert (BackwardPass in kinds) == bool(not fwd[k, s] and valid[k, s]), (k, s)
+
+
+def test_lockstep_uniform_stages_is_1f1b_and_p2p_adds_per_step():
+    """Uniform stages and free links: (m + P - 1)(f + b), the 1F1B makespan; each step's two
+    blocking transfers add to its critical path; a slow stage paces every step it is in."""
+    f, b = np.ones(4), 3 * np.ones(4)
+    assert lockstep_time(f, b, np.zeros(4), 8) == pytest.approx((8 + 3) * 4)
+    with_p2p = lockstep_time(f, b, 0.1 * np.ones(4), 8)
+    assert with_p2p > (8 + 3) * 4 + 0.1 * 8
+    slow = lockstep_time(np.array([1, 2, 1, 1.]), np.array([3, 6, 3, 3.]), np.zeros(4), 8)
+    assert slow >= 8 * 8
+
+
+def test_engines_expose_what_they_serialise():
+    """DeepSpeed's bf16 ZeRO-1 all-reduces gradients (2x a reduce-scatter) and sends whole
+    activations from every TP rank; Megatron-LM reduces bf16 gradients in fp32; overlap
+    switches hide the reduction; FSDP hides the forward all-gather behind compute."""
+    m = load_model("gpt3-1.3b")
+    c = load_cluster("64xa100-80gb")
+    s1 = Strategy(2, 8, 1)
+    blk = 2
+    sync = {e: (lambda t: t.bwd[blk, 0] - t.bwd_ns[blk, 0])(CostModel(m, c, execution=e).tables([s1], 16))
+            for e in ("any", "deepspeed", "megatron-core")}
+    assert sync["deepspeed"] > sync["any"] and sync["megatron-core"] > sync["any"]
+    ov = CostModel(m, c, execution=get_execution("megatron-core", "grad-reduce,param-gather")).tables([s1], 16)
+    assert ov.bwd[blk, 0] - ov.bwd_ns[blk, 0] < sync["megatron-core"]
+    ds, mg = CostModel(m, c, execution="deepspeed"), CostModel(m, c, execution="megatron-core")
+    assert ds.tables([s1], 16).p2p[blk, 0] > mg.tables([s1], 16).p2p[blk, 0]
+    s3 = Strategy(1, 8, 3)
+    fs, plain = CostModel(m, c, execution="fsdp").tables([s3], 8), CostModel(m, c).tables([s3], 8)
+    assert fs.fwd[blk, 0] < plain.fwd[blk, 0]
+    assert config_cost(CostModel(m, c, execution="deepspeed"), Config(1, 4, 2, 1, 8, 1)).time > 0
+
+
+def test_unknown_engine_or_overlap_is_a_clear_error():
+    with pytest.raises(SpecError, match="unknown execution model"):
+        get_execution("colossal")
+    with pytest.raises(SpecError, match="unknown overlap"):
+        get_execution("megatron-core", "everything")
+    assert set(ENGINES) >= {"deepspeed", "megatron-core", "megatron-2021", "fsdp", "any"}
