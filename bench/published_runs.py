@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _measure as M  # noqa: E402
 
 from ds_autoplan.cost.compute import get_gpu, gpu_kinds  # noqa: E402
+from ds_autoplan.cost.engines import get_execution  # noqa: E402
 from ds_autoplan.cost.iteration import Config, config_cost  # noqa: E402
 from ds_autoplan.cost.memory import usable_budget  # noqa: E402
 from ds_autoplan.cost.model import CostModel  # noqa: E402
@@ -79,9 +80,20 @@ def published_time(r: dict) -> float:
         return float(meas["iteration_time_s"])
     if "tokens_per_s" in meas:                    # MPT tables: Throughput (T/s), all GPUs
         return r["batch"] * r["model"]["seq_len"] / float(meas["tokens_per_s"])
+    if "model_tflops_per_gpu" in meas:            # PaLM-style MFU count (Chowdhery et al. App. B)
+        return model_flops(r) / (r["gpus"] * meas["model_tflops_per_gpu"] * 1e12)
     B, s, L, h, V = r["batch"], r["model"]["seq_len"], r["layers"], r["hidden"], r["model"]["vocab"]
     F = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
     return F / (r["gpus"] * meas["tflops_per_gpu"] * 1e12)
+
+
+def model_flops(r: dict) -> float:
+    """FLOPs of one iteration by Chowdhery et al. (PaLM) App. B: (6 N + 12 L h s) per token,
+    N = the model's parameters without the input embedding."""
+    model = load_model(r["model"])
+    s = r["model"]["seq_len"]
+    N = sum(u.params for u in model.layers) + model.post.params
+    return r["batch"] * s * (6 * N + 12 * model.num_layers * model.hidden * s)
 
 
 def setup(r: dict):
@@ -115,7 +127,10 @@ def candidates(r: dict, model) -> list[Config]:
 def cost_model(r: dict, model, cluster, sustained: float | None = None) -> CostModel:
     """The row's cost model: its engine's execution model; ``sustained`` replaces the GPU
     kind's constant (None: the per-kind prior of data/gpus.yaml, uncalibrated)."""
-    cm = CostModel(model, cluster, r["precision"], r.get("runtime", "any"), execution=r.get("execution"))
+    ex = get_execution(r.get("execution"), r.get("overlap"))
+    if r.get("grad_reduce_dtype") == "fp32":
+        ex = dataclasses.replace(ex, grad_bytes=4)
+    cm = CostModel(model, cluster, r["precision"], r.get("runtime", "any"), execution=ex)
     if cm.gpu is not None:
         prior = get_gpu(cluster.gpu, calibrated=False)
         cm.gpu = dataclasses.replace(prior, sustained=prior.sustained if sustained is None else sustained)
@@ -231,7 +246,10 @@ def main(argv=None) -> int:
                     help=f"store the calibration and LOSO bands in {os.path.relpath(CALIBRATION)}")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    data = load_rows(a.data)
+    every = load_rows(a.data)
+    data = [r for r in every if r.get("costed", True)]
+    skipped = [{"id": r["id"], "source": r["source"], "why": r["not_costed"]} for r in every
+               if not r.get("costed", True)]
     prior = {k: g.sustained for k, g in gpu_kinds(calibrated=False).items()}
     cfgs, nchoice, fits = {}, {}, {}
     for r in data:                         # unpublished knobs: chosen once, under the prior
@@ -266,6 +284,8 @@ def main(argv=None) -> int:
                      "micro_batch": cfg.micro_batch, "chunks": cfg.chunks,
                      "unpublished_choice": chose, "fits": c.fits, "peak_gb": max(c.peak) / GB,
                      "unverified": r.get("unverified"), "free_choice": fc})
+    for x in skipped:
+        print(f"{x['id']:16s} not costed: {x['why'][:110]}...")
     print("unpublished knobs: 'median of n' = the median-time choice among n that fit "
           "(published_runs.unpublished_rule); calibrated sustained per kind: "
           + ", ".join(f"{k} {v:.3f} (prior {prior[k]:.3f})" for k, v in full.items() if v != prior[k]))
@@ -276,15 +296,17 @@ def main(argv=None) -> int:
                "loso_median_abs_error": round(statistics.median(abs_loso), 4),
                "loso_max_abs_error": round(max(abs_loso), 4),
                "sources": len({r["source_id"] for r in data}),
-               "rows": len(rows), "free_choice_over_budget": over, "published_infeasible": infeasible,
+               "rows": len(rows), "not_costed": len(skipped), "free_choice_over_budget": over, "published_infeasible": infeasible,
                "wall_s": round(time.perf_counter() - t0, 1)}
     if a.write:
         with open(CALIBRATION, "w") as f:
             json.dump({"written_by": "bench/published_runs.py --write",
                        "sustained": {k: v for k, v in full.items() if v != prior[k]},
+                       "sustained_sources": {k: sorted({r["source_id"] for r in data if kind_of(r) == k})
+                                             for k, v in full.items() if v != prior[k]},
                        "bands": bnd, "sources": sorted({r["source_id"] for r in data})}, f, indent=1)
             f.write("\n")
-    return M.publish(summary, rows, a.json)
+    return M.publish(summary, rows + [{"not_costed": skipped}], a.json)
 
 
 if __name__ == "__main__":
