@@ -58,3 +58,32 @@ def test_unknown_engine_or_overlap_is_a_clear_error():
     with pytest.raises(SpecError, match="unknown overlap"):
         get_execution("megatron-core", "everything")
     assert set(ENGINES) >= {"deepspeed", "megatron-core", "megatron-2021", "fsdp", "any"}
+
+
+def test_cost_and_plan_take_the_engine_and_print_its_band(capsys, tmp_path):
+    """`cost --execution/--overlap` cost under that engine's execution model and print the
+    cross-validated error band stored by bench/published_runs.py; overlapping the gradient
+    reduction is never slower; a wrong switch is one clear error."""
+    from ds_autoplan.cli import main
+    from ds_autoplan.cost.compute import calibration
+    import json
+    args = ["--model", "gpt3-1.3b", "--cluster", "2x8xa100-ib200", "--global-batch", "64",
+            "--config", "tp=2,pp=2,mbs=2,zero=1,schedule=1f1b", "--json"]
+    times = {}
+    for ov in ("no-grad-reduce", "grad-reduce,param-gather"):
+        assert main(["cost", *args, "--execution", "megatron-core", "--overlap", ov]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["yours"]["execution"].startswith("megatron-core")
+        assert out["yours"]["error_band"] == dict(calibration()["bands"]["megatron-core"], over="megatron-core")
+        times[ov] = out["yours"]["iteration_time_s"]
+    assert times["grad-reduce,param-gather"] < times["no-grad-reduce"]
+    assert main(["cost", *args[:-1], "--runtime", "deepspeed"]) == 0
+    text = capsys.readouterr().out
+    assert "execution model: deepspeed" in text and "leave-one-source-out" in text
+    assert main(["cost", *args, "--overlap", "everything"]) != 0
+    assert "unknown overlap" in capsys.readouterr().err
+    assert main(["plan", *args[:6], "--runtime", "megatron", "--no-wide", "--quiet",
+                 "--out", str(tmp_path / "p")]) == 0
+    assert "execution model megatron-core" in capsys.readouterr().out
+    report = (tmp_path / "p" / "report.md").read_text()
+    assert "Execution model: megatron-core" in report and "leave-one-source-out" in report

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from .plan_cmd import add_problem_args
+from .plan_cmd import add_problem_args, execution_of
 
 
 def add_parser(sub) -> None:
@@ -24,17 +24,20 @@ def _costed(args, fix):
     from ..search import search
     return search(args.model, args.cluster, args.global_batch, args.seq, precision=args.precision,
                   budget_gb=args.memory_budget_gb, world_size=args.world_size, profile=args.profile,
-                  wide=False, keep_sim=False, fix=fix, runtime=args.runtime, headroom_gb=args.headroom_gb)
+                  wide=False, keep_sim=False, fix=fix, runtime=args.runtime, headroom_gb=args.headroom_gb,
+                  execution=execution_of(args))
 
 
 def _line(res) -> dict:
     s = res.best.summary(res.plan.global_batch_size, res.model.seq_len)
     pr = res.plan.predicted
-    s.update(mfu=pr["mfu"], memory_budget_gb=pr["memory_budget_gb"])
+    s.update(mfu=pr["mfu"], memory_budget_gb=pr["memory_budget_gb"], execution=pr["execution"],
+             error_band=pr["error_band"])
     return s
 
 
 def run(args) -> int:
+    from ..cost.engines import band_text
     from ..search.fix import describe, parse_fix, reasons
     from ..spec import SpecError
     fix = parse_fix(args.config)
@@ -50,6 +53,7 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(out, default=float))
         return 0
+    print(f"execution model: {free['execution']}")
     for label, s in (("your configuration", mine), ("planner's choice", free)):
         if s is None:
             print(f"{label:<19}: cannot run: {why_not}")
@@ -58,6 +62,7 @@ def run(args) -> int:
         print(f"{'':<21}predicted {s['iteration_time_s']:.4g} s/iteration, "
               f"{s['throughput_tokens_per_s']:.6g} tokens/s, MFU {s['mfu']:.1%}, peak memory "
               f"{max(s['peak_memory_gb']):.2f} GB / {s['memory_budget_gb']:.1f} GB")
+        print(f"{'':<21}{band_text(s['error_band'])}")
     if mine is not None:
         x = out["speedup"]
         if x > 1 + 1e-9:

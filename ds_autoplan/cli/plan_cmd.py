@@ -53,8 +53,25 @@ def add_problem_args(p) -> None:
                         "--memory-budget-gb)")
     p.add_argument("--runtime", choices=["any", "megatron", "deepspeed"], default="any",
                    help="whose memory accounting plans must fit (default: the larger of both)")
+    p.add_argument("--execution", choices=["any", "megatron-core", "megatron-2021", "deepspeed", "fsdp"],
+                   default=None,
+                   help="the engine's execution model: what it overlaps and serialises "
+                        "(ds_autoplan/cost/engines.py; default: the --runtime's engine, 'any' for any)")
+    p.add_argument("--overlap", default=None, metavar="A,B",
+                   help="engine overlap switches: grad-reduce, param-gather, tp-comm (no-X turns one off), "
+                        "e.g. Megatron-LM's --overlap-grad-reduce --overlap-param-gather = grad-reduce,param-gather")
     p.add_argument("--world-size", type=int, default=None, help="expected number of devices (checked)")
     p.add_argument("--profile", default=None, help="YAML/JSON of measured cluster overrides")
+
+
+RUNTIME_ENGINE = {"any": "any", "megatron": "megatron-core", "deepspeed": "deepspeed"}
+
+
+def execution_of(args):
+    """The execution model the command line names: --execution (default: the --runtime's
+    engine) with --overlap's switches."""
+    from ..cost.engines import get_execution
+    return get_execution(args.execution or RUNTIME_ENGINE[args.runtime], args.overlap)
 
 
 def summary(plan) -> dict:
@@ -69,6 +86,7 @@ def summary(plan) -> dict:
             "search_time_s": pr["search_time_s"], "num_microbatches": plan.num_microbatches,
             "layers_per_stage": plan.layers_per_stage, "recompute_per_stage": plan.recompute_per_stage,
             "mfu": pr["mfu"], "ratio_vs_best_baseline": pr.get("ratio_vs_best_baseline"),
+            "execution": pr.get("execution"), "error_band": pr.get("error_band"),
             "wide_gain": pr.get("wide_gain")}
 
 
@@ -135,7 +153,7 @@ def run(args) -> int:
                  wide=not args.no_wide, progress=not args.quiet and sys.stderr.isatty(),
                  world_size=args.world_size, profile=args.profile, keep_sim=bool(args.out),
                  pp=args.pp, tp=args.tp, sequence_parallel=args.sequence_parallel, fix=args.fix,
-                 runtime=args.runtime, headroom_gb=args.headroom_gb)
+                 runtime=args.runtime, headroom_gb=args.headroom_gb, execution=execution_of(args))
     # the search's memoised schedules and tables (~10^6 objects) stay alive: out of the
     # cyclic collector's reach while the report and plots allocate (it would re-scan them,
     # some 0.3 s), back in it when the command returns
@@ -170,6 +188,8 @@ def _report(res, args) -> int:
               f"{pr['throughput_tokens_per_s']:.6g} tokens/s, MFU {pr['mfu']:.1%}, "
               f"peak memory {max(pr['peak_memory_gb_per_stage']):.2f} GB / {pr['memory_budget_gb']:.1f} GB"
               f" (headroom {pr['memory_headroom_gb']:.1f} GB kept free, {pr['memory_runtime']} accounting)")
+        from ..cost.engines import band_text
+        print(f"execution model {pr['execution']}: {band_text(pr.get('error_band'))}")
         if pr.get("ratio_vs_best_baseline"):
             print(f"{pr['ratio_vs_best_baseline']:.3f}x the best baseline; search {pr['search_time_s']:.2f} s")
         if files:

@@ -150,3 +150,21 @@ def lockstep_time(f: np.ndarray, b: np.ndarray, x: np.ndarray, m: int) -> float:
         start = np.where(comm[k], np.maximum(end, end[pk]) + link[k], end)
         end = start + work[k]
     return float(end.max())
+
+
+def error_band(name: str | None) -> dict | None:
+    """The expected error of a prediction under execution model ``name``: the leave-one-source-out
+    band bench/published_runs.py --write stored (data/calibration.json) for that engine, else
+    over all engines; None when no band is stored."""
+    from .compute import calibration
+    b = calibration().get("bands", {})
+    out = b.get(name or "any") or b.get("all")
+    return dict(out, over=name if name in b else "all") if out else None
+
+
+def band_text(b: dict | None) -> str:
+    """One line: the expected error band ``b`` of a prediction (:func:`error_band`)."""
+    if not b:
+        return "expected error: unknown (no cross-validated band stored)"
+    return (f"expected error +-{100 * b['median_abs']:.0f}% (median), up to +-{100 * b['max_abs']:.0f}% "
+            f"(leave-one-source-out over {b['rows']} published runs, {b['over']})")

@@ -79,6 +79,9 @@ def write_report(res, out_dir: str) -> list[str]:
       f"MFU {pred['mfu']:.1%}.")
     if pred.get("ratio_vs_best_baseline"):
         w(f" Versus the best baseline: **{pred['ratio_vs_best_baseline']:.3f}x**.")
+    if pred.get("execution"):
+        from ..cost.engines import band_text
+        w(f" Execution model: {pred['execution']}; {band_text(pred.get('error_band'))}.")
     w("\n## Layers, recompute and memory per stage\n")
     w("| stage | layers | recomputed fraction |")
     w("|---|---|---|")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..cost.engines import error_band
 from ..cost.memory import usable_budget
 from ..cost.model import CostModel, Strategy
 from ..plan import Plan
@@ -100,7 +101,8 @@ class Planner:
                  schedules=None, partitioner: str = "bmw", max_tp: int | None = None,
                  allow_zero: tuple = (0, 1, 2, 3), progress: bool = False,
                  pp: int | None = None, tp: int | None = None, sequence_parallel: str = "auto",
-                 fix: dict | str | None = None, runtime: str = "any", headroom_gb: float | None = None):
+                 fix: dict | str | None = None, runtime: str = "any", headroom_gb: float | None = None,
+                 execution=None):
         self.fix = fx = parse_fix(fix)
         pp, tp = _merge_fix(fx, "pp", pp), _merge_fix(fx, "tp", tp)
         sequence_parallel = fx.get("sp", sequence_parallel)
@@ -115,7 +117,7 @@ class Planner:
         self.chunks = fx.get("v")
         self.model, self.cluster, self.B = model, cluster, int(global_batch)
         self.E, self.headroom_gb = usable_budget(cluster, budget_gb, headroom_gb)
-        self.cm = CostModel(model, cluster, precision, runtime)
+        self.cm = CostModel(model, cluster, precision, runtime, execution=execution)
         self.precision, self.units = precision, units
         self.schedules = available(schedules or DEFAULT_SCHEDULES)
         if partitioner not in part.PARTITIONERS:
@@ -529,13 +531,14 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
            world_size: int | None = None, profile: str | None = None, units: int = 512,
            max_tp: int | None = None, keep_sim: bool = True, pp: int | None = None,
            tp: int | None = None, sequence_parallel: str = "auto", fix=None,
-           runtime: str = "any", headroom_gb: float | None = None) -> SearchResult:
+           runtime: str = "any", headroom_gb: float | None = None, execution=None) -> SearchResult:
     """Plan ``model`` on ``cluster`` for ``global_batch``: the executable plan (never worse than
     the baselines on the same cost model), the baselines, the wide Galvatron-BMW result and
     the partitioner comparison.  ``pp``/``tp`` restrict the search to one degree;
     ``sequence_parallel``: 'auto' (on whenever tp > 1), 'on' (tp > 1 only) or 'off'; ``fix``:
     the user's configuration, as restrictions (:func:`ds_autoplan.search.fix.parse_fix`);
     ``runtime``: whose memory accounting the plan must fit ('any', 'megatron', 'deepspeed');
+    ``execution``: the engine's execution model (cost/engines.py; default 'any');
     ``headroom_gb``: memory kept free below the budget (cost/memory.py usable_budget)."""
     if profile and _is_model_profile(profile):
         # a model profile (ds-autoplan profile MODEL --out profile.json): measured per-layer
@@ -552,7 +555,7 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
     pl = Planner(model, cluster, global_batch, precision=precision, budget_gb=budget_gb,
                  partitioner=partitioner, schedules=schedules, progress=progress, units=units,
                  max_tp=max_tp, pp=pp, tp=tp, sequence_parallel=sequence_parallel, fix=fix,
-                 runtime=runtime, headroom_gb=headroom_gb)
+                 runtime=runtime, headroom_gb=headroom_gb, execution=execution)
     if next(pl.combos(), None) is None:
         if pl.fix:
             raise SpecError(f"--fix {pl.fix}: no layout of {cluster.world_size} devices and global "
@@ -619,6 +622,7 @@ def to_plan(c: Candidate, model, cluster, B, precision, pl: Planner, bl: dict, w
             "peak_memory_gb_per_stage": [round(x / GB, 3) for x in c.peak],
             "memory_budget_gb": round(pl.E / GB, 3), "memory_headroom_gb": round(pl.headroom_gb, 3),
             "memory_runtime": pl.cm.runtime, "search_time_s": dt,
+            "execution": pl.cm.execution.label(), "error_band": error_band(pl.cm.execution.name),
             "baselines": {k: (v.summary(B, seq) if v is not None else None) for k, v in bl.items()},
             "wide": wd,
             "candidates_evaluated": pl.evaluated}
