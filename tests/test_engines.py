@@ -87,3 +87,31 @@ def test_cost_and_plan_take_the_engine_and_print_its_band(capsys, tmp_path):
     assert "execution model megatron-core" in capsys.readouterr().out
     report = (tmp_path / "p" / "report.md").read_text()
     assert "Execution model: megatron-core" in report and "leave-one-source-out" in report
+
+
+def test_leave_one_source_out_never_sees_the_left_out_source():
+    """bench/published_runs.py: calibrating a kind puts its median log error at zero; a source
+    left out is predicted from the other sources' calibration, and a kind no other source has
+    falls back to its per-kind prior (data/gpus.yaml)."""
+    import math
+    import os
+    import statistics
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    try:
+        import published_runs as pr
+    finally:
+        sys.path.pop(0)
+    from ds_autoplan.cost.compute import gpu_kinds
+    rows = [r for r in pr.load_rows() if r["id"] in ("mpt-7b-h100", "mpt-13b-h100", "bloom-176B", "mpt-7b-a100")]
+    cfgs = {r["id"]: pr.cost_published(r)[0][0] for r in rows}
+    prior = {k: g.sustained for k, g in gpu_kinds(calibrated=False).items()}
+    full, infile, loso = pr.cross_validate(rows, cfgs, prior)
+    h100 = [r for r in rows if pr.kind_of(r) == "h100-sxm-80gb"]
+    assert abs(statistics.median(math.log(1 + infile[r["id"]]) for r in h100)) < 1e-3
+    for r in h100:                    # only mpt2023 has H100 rows: left out, the prior predicts
+        assert loso[r["id"]] == pytest.approx(pr.error(r, prior, cfgs[r["id"]]))
+    bloom = next(r for r in rows if r["id"] == "bloom-176B")   # A100 from mpt2023's A100 row only
+    cal = pr.calibrate([r for r in rows if r["source_id"] != "bloom2022"], cfgs, prior)
+    assert loso["bloom-176B"] == pytest.approx(pr.error(bloom, cal, cfgs["bloom-176B"]))
+    assert cal["a100-sxm-80gb"] != full["a100-sxm-80gb"]
