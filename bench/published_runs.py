@@ -119,8 +119,9 @@ def candidates(r: dict, model) -> list[Config]:
         for v in chunks:
             if v > 1 and m % pp:          # Megatron's interleaving needs m a multiple of pp
                 continue
-            out.append(Config(tp, pp, dp, b, m, r.get("zero", 0), r["recompute"],
-                              bool(r.get("sequence_parallel")), v))
+            out.append(Config(tp=tp, pp=pp, dp=dp, micro_batch=b, num_microbatches=m,
+                              zero=r.get("zero", 0), recompute=r["recompute"],
+                              sp=bool(r.get("sequence_parallel")), chunks=v))
     return out
 
 
@@ -220,9 +221,8 @@ def free_choice(r: dict, cluster):
     except SpecError as e:
         return None, str(e).split(";")[0][:70]
     p = res.plan
-    cfg = Config(p.tp, p.pp, p.dp, p.micro_batch_size, p.num_microbatches, p.zero_stage,
-                 "full" if any(x > 0 for x in p.recompute_per_stage) else "none", p.sequence_parallel,
-                 2 if p.schedule == "interleaved" else 1)
+    cfg = Config(**p.parallel.with_(chunks=2 if p.schedule == "interleaved" else 1).as_dict(),
+                 recompute="full" if any(x > 0 for x in p.recompute_per_stage) else "none")
     cm = CostModel(model, cluster, r["precision"])
     check = config_cost(cm, cfg, res.plan.predicted["memory_budget_gb"] * GB)
     over = max(p.predicted["peak_memory_gb_per_stage"]) * GB > p.predicted["memory_budget_gb"] * GB * (1 + 1e-9)

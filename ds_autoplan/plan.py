@@ -2,7 +2,10 @@
 
 Contract (COMMON brief): ``pp, tp, dp, zero_stage, micro_batch_size, num_microbatches,
 global_batch_size, precision, schedule, schedule_options, layers_per_stage,
-recompute_per_stage`` and :meth:`Plan.build_schedule`.  Extra fields carry the model /
+recompute_per_stage`` and :meth:`Plan.build_schedule`.  The degrees are those of one
+:class:`~ds_autoplan.spec.parallel.Parallel` (:attr:`Plan.parallel`; a plan is built from one
+with :meth:`Plan.parallel_fields`), kept flat in ``plan.json``; ``ep``, ``etp`` and ``cp``
+are absent from older plan files and default to no expert / context parallelism.  Extra fields carry the model /
 cluster identity, the per-layer-group strategies of the wide Galvatron mode and the
 predicted cost, so ``plan.json`` alone reproduces the report.
 
@@ -19,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import PlanError
+from .spec import SpecError
+from .spec.parallel import Parallel
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -46,6 +51,9 @@ class Plan:
     sequence_parallel: bool = False      # Megatron SP (tp > 1 only); absent in old plan files
     selective_recompute: bool = False    # attention core recomputed on every layer (Megatron only)
     partitioner: str = "bmw"
+    ep: int = 1                          # expert parallelism (absent in old plan files)
+    etp: int = 0                         # expert tensor parallelism; 0: Megatron's default (= tp)
+    cp: int = 1                          # context parallelism
     # per-layer strategies of the wide (Galvatron) search: list of dicts
     # {"tp": int, "dp": int, "sdp": bool, "ckpt": bool} (one per model layer)
     layer_strategies: list = field(default_factory=list)
@@ -53,13 +61,16 @@ class Plan:
     notes: list = field(default_factory=list)
 
     def __post_init__(self):
+        if self.etp == 0:
+            self.etp = self.tp
         if self.global_batch_size == 0:
             self.global_batch_size = self.micro_batch_size * self.num_microbatches * self.dp
         self.validate()
 
     def validate(self) -> "Plan":
         """Raise :class:`PlanError` on the first field no runtime can execute."""
-        for k in ("pp", "tp", "dp", "micro_batch_size", "num_microbatches", "global_batch_size"):
+        for k in ("pp", "tp", "dp", "ep", "etp", "cp", "micro_batch_size", "num_microbatches",
+                  "global_batch_size"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise PlanError(f"plan: {k} must be a positive integer, got {v!r}")
@@ -77,6 +88,10 @@ class Plan:
         if not isinstance(self.schedule_options, dict):
             raise PlanError(f"plan: schedule_options must be a mapping, got {self.schedule_options!r}")
         self._validate_stages()
+        try:
+            self.parallel
+        except SpecError as e:
+            raise PlanError(f"plan: {e}") from None
         return self
 
     def _validate_stages(self) -> None:
@@ -119,7 +134,23 @@ class Plan:
 
     @property
     def world(self) -> int:
-        return self.pp * self.tp * self.dp
+        return self.parallel.world_size
+
+    @property
+    def parallel(self) -> Parallel:
+        """The plan's degrees and batch split (chunks: schedule stages per pipeline rank)."""
+        return Parallel(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, etp=self.etp, cp=self.cp,
+                        zero=self.zero_stage, sp=bool(self.sequence_parallel),
+                        chunks=max(1, len(self.layers_per_stage) // self.pp),
+                        micro_batch=self.micro_batch_size, num_microbatches=self.num_microbatches)
+
+    @staticmethod
+    def parallel_fields(par: Parallel) -> dict[str, Any]:
+        """The Plan fields of ``par`` (``Plan(**Plan.parallel_fields(par), ...)``); chunks are
+        the schedule's (``layers_per_stage`` and ``schedule_options``)."""
+        return {"pp": par.pp, "tp": par.tp, "dp": par.dp, "ep": par.ep, "etp": par.etp,
+                "cp": par.cp, "zero_stage": par.zero, "sequence_parallel": par.sp,
+                "micro_batch_size": par.micro_batch, "num_microbatches": par.num_microbatches}
 
     def build_schedule(self):
         """The pipeline schedule this plan runs (lazy import: planning needs no torch).

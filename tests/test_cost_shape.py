@@ -177,9 +177,9 @@ def test_closed_form_matches_eq9_for_balanced_1f1b():
     1F1B rank r are min(p - r, m); interleaving divides the bubble by v."""
     m = load_model("gpt3-1.3b")
     cm = CostModel(m, load_cluster("8xa100-80gb"))
-    c1 = config_cost(cm, Config(2, 4, 1, 1, 16, recompute="full"))
+    c1 = config_cost(cm, Config(tp=2, pp=4, num_microbatches=16, recompute="full"))
     assert c1.time == pytest.approx(16 * c1.per_microbatch + 3 * c1.per_microbatch + c1.tail)
-    c2 = config_cost(cm, Config(2, 4, 1, 1, 16, recompute="full", chunks=2))
+    c2 = config_cost(cm, Config(tp=2, pp=4, num_microbatches=16, recompute="full", chunks=2))
     assert c2.bubble == pytest.approx(3 / 2 * c2.per_microbatch)
     assert [in_flight(4, r, 16, 1) for r in range(4)] == [4, 3, 2, 1]
     assert in_flight(4, 0, 16, 2) == (2 * 3 + 4 + 1) / 2
@@ -238,7 +238,9 @@ def test_closed_form_agrees_with_the_planners_simulation(P, t, d, z, m, B_m):
     peak memory exactly."""
     from ds_autoplan.search.planner import Planner
     pl = Planner(load_model("gpt3-13b"), load_cluster("2x8xa100-ib200"), 256)
-    e = pl.evaluate(P, t, d, z, m, B_m, ckpt="full", partitioner="even")
-    c = config_cost(pl.cm, Config(t, P, d, B_m // d, m, z, "full", True, 1), pl.E)
+    par = Config(tp=t, pp=P, dp=d, micro_batch=B_m // d, num_microbatches=m, zero=z, sp=True,
+                 recompute="full")
+    e = pl.evaluate(par, ckpt="full", partitioner="even")
+    c = config_cost(pl.cm, par, pl.E)
     assert c.time == pytest.approx(e.time, rel=0.02)
     assert max(c.peak) == pytest.approx(max(e.peak), rel=1e-6)

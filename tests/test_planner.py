@@ -368,11 +368,11 @@ def test_sequence_parallel_lets_a_plan_fit():
     assert rec(off) > rec(auto) == 0
     # the auto plan's configuration fits without recompute only with SP
     m, c = load_model("gpt3-1.3b", 8192), load_cluster("8xa100-80gb")
-    cfg = (auto.pp, auto.tp, auto.dp, auto.zero_stage, auto.num_microbatches,
-           auto.micro_batch_size * auto.dp)
-    t = {mode: Planner(m, c, 32, budget_gb=8, sequence_parallel=mode).evaluate(*cfg, ckpt="none",
-                                                                             schedules=[]).time
-         for mode in ("auto", "off")}
+    cfg = dict(pp=auto.pp, tp=auto.tp, dp=auto.dp, zero=auto.zero_stage,
+               num_microbatches=auto.num_microbatches, micro_batch=auto.micro_batch_size)
+    pls = {mode: Planner(m, c, 32, budget_gb=8, sequence_parallel=mode) for mode in ("auto", "off")}
+    t = {mode: pl.evaluate(pl.config(**cfg), ckpt="none", schedules=[]).time
+         for mode, pl in pls.items()}
     assert np.isfinite(t["auto"]) and not np.isfinite(t["off"])
 
 
@@ -415,7 +415,7 @@ def test_rank_balance_moves_blocks_off_rank0_instead_of_recompute():
     from ds_autoplan.search.planner import Planner
     pl = Planner(load_model("gpt3-1.3b"), load_cluster("8xtitan-24gb"), 64, precision="fp16", budget_gb=8,
                  runtime="deepspeed")
-    cand = pl.evaluate(4, 1, 2, 0, 32, 2, schedules=["v-min"])
+    cand = pl.evaluate(pl.config(pp=4, dp=2, num_microbatches=32), schedules=["v-min"])
     tb, tb0 = _time_balanced(cand.ctx, "v-min")
     place = build("v-min", 4, 8).placement
     assert tb.ok and tb0.peak[0] > pl.E and not tb0.fits
@@ -442,7 +442,8 @@ def test_rank_balance_partitions_valid_and_fit(model, budget, cfg, name):
     pl = Planner(load_model(model), load_cluster("8xtitan-24gb"), 64, precision="fp16", budget_gb=budget,
                  runtime="deepspeed")
     P, t, d, z, m, B_m = cfg
-    ctx = pl.ctx(P, m, B_m, pl.exec_strats(t, d, z))
+    c = pl.config(pp=P, tp=t, dp=d, zero=z, num_microbatches=m, micro_batch=B_m // d)
+    ctx = pl.ctx_of(c, pl.exec_strats(c))
     evs = choose_schedule(ctx, (pl.L // P,) * P, [0] * len(ctx.seq), [name])
     e = next(x for x in evs if len(x.parts) == num_stages(name, P))     # interleaved: v = 2
     tb, _ = _time_balanced(ctx, name)

@@ -69,11 +69,11 @@ def test_space_has_any_divisor():
     """24 devices: pp 3 and 6, tp dividing a node, micro-batch 3 are all in the space."""
     pl = Planner(load_model("gpt3-13b"), load_cluster(C24), 72)
     combos = list(pl.combos())
-    assert {3, 6, 12, 24} <= {c[0] for c in combos}
-    assert {c[1] for c in combos} == {1, 2, 4, 8}
-    assert any(c[5] // c[2] == 3 for c in combos)
-    for P, t, d, z, m, B_m in combos:
-        assert P * t * d == 24 and B_m * m == 72 and B_m % d == 0
+    assert {3, 6, 12, 24} <= {c.pp for c in combos}
+    assert {c.tp for c in combos} == {1, 2, 4, 8}
+    assert any(c.micro_batch == 3 for c in combos)
+    for c in combos:
+        assert c.pp * c.tp * c.dp == c.world_size == 24 and c.global_batch == 72
 
 
 def _argcheck(tmp_path, flag_lists, world):
@@ -170,8 +170,8 @@ def test_wide_space_contains_the_executable_one():
     pl = Planner(load_model("gpt3-1.3b"), load_cluster("2x8xa100-ib200"), 64)
     for P in pl.pp_degrees():
         wide = {(s.tp, s.dp, s.zero, s.ckpt) for s in pl.wide_strategies(16 // P)}
-        for P_, t, d, z, m, B_m in pl.combos(pps=[P]):
-            for s in pl.exec_strats(t, d, z):
+        for c in pl.combos(pps=[P]):
+            for s in pl.exec_strats(c):
                 assert (s.tp, s.dp, s.zero, s.ckpt) in wide
 
 

@@ -72,13 +72,13 @@ def install_megatron_lm(plan) -> Schedule | None:
         if problems:
             _refuse(f"the Megatron-LM arguments do not fit the plan {os.environ.get(ENV, '')}: "
                     + "; ".join(problems))
-        if sched.placement_kind == "v":
+        if not sched.round_robin:
             args.pipeline_model_parallel_layout = _v_layout(plan, sched)
         return out
     mi.validate_args = validate_args
     install(plan, schedule=sched,
             wrap=lambda fb: _LossesToLastRank(fb, sched.placement[sched.num_stages - 1]))
-    if sched.placement_kind == "v":
+    if not sched.round_robin:
         _placement_predicates(sched)
     _hook_get_model(mt, sched)
     if any(a.kind == Kind.W for r in sched.ranks for a in r):
@@ -102,7 +102,7 @@ def _split_local_spec() -> None:
 def check_args(args, plan, sched: Schedule) -> list[str]:
     """Every way Megatron-LM's (validated) ``args`` disagree with ``plan``, as messages."""
     d, S = sched.num_ranks, sched.num_stages
-    v = S // d
+    v = sched.chunks_per_rank
     got = {"--pipeline-model-parallel-size": (args.pipeline_model_parallel_size, d),
            "--tensor-model-parallel-size": (args.tensor_model_parallel_size, plan.tp),
            "--micro-batch-size": (args.micro_batch_size, plan.micro_batch_size),
@@ -119,7 +119,7 @@ def check_args(args, plan, sched: Schedule) -> list[str]:
     if getattr(args, "overlap_moe_expert_parallel_comm", False):
         out.append("--overlap-moe-expert-parallel-comm runs Megatron's combined 1F1B, not the plan's schedule")
     out += _recompute_problems(args, plan)
-    if sched.placement_kind == "v":
+    if not sched.round_robin:
         out += _v_problems(args)
     elif not out:
         counts = _megatron_counts(args, S)
@@ -237,7 +237,7 @@ def _hook_get_model(mt, sched: Schedule) -> None:
     ``sched.stages_of(r)[c]``: for a V placement ``model_provider`` gets that stage's
     ``pre_process``/``post_process``; then every chunk's full-layer recompute is turned off
     (:func:`_full_recompute_off`)."""
-    v, last_stage = sched.placement_kind == "v", sched.num_stages - 1
+    v, last_stage = not sched.round_robin, sched.num_stages - 1
     get_model = mt.get_model
 
     def get_model_planned(model_provider_func, *args, **kwargs):

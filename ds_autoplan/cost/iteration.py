@@ -18,27 +18,21 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..spec.model import tied_embeddings
+from ..spec.parallel import Parallel
 from .engines import lockstep_time
 from .model import CostModel, Strategy
 
 RECOMPUTE = ("none", "selective", "full")
 
 
-@dataclass(frozen=True)
-class Config:
-    tp: int
-    pp: int
-    dp: int
-    micro_batch: int
-    num_microbatches: int
-    zero: int = 0
+@dataclass(frozen=True, kw_only=True)
+class Config(Parallel):
+    """A uniform configuration: its degrees and batch split (``chunks``: interleaved model
+    chunks per rank, 1 = plain 1F1B) and one recompute mode for every layer."""
     recompute: str = "none"
-    sequence_parallel: bool = False
-    chunks: int = 1                  # interleaved model chunks per rank (1 = plain 1F1B)
 
     def strategy(self) -> Strategy:
-        return Strategy(self.tp, self.dp, self.zero, False, self.recompute == "full",
-                        self.sequence_parallel and self.tp > 1, self.recompute == "selective")
+        return Strategy.of(self, ckpt=self.recompute == "full", sel=self.recompute == "selective")
 
 
 @dataclass
@@ -70,7 +64,7 @@ def in_flight(pp: int, rank: int, m: int, v: int) -> float:
 def config_cost(cm: CostModel, cfg: Config, budget: float | None = None) -> ConfigCost:
     """Iteration seconds and per-rank peak bytes of ``cfg`` under ``cm``."""
     s = cfg.strategy()
-    B_m = cfg.micro_batch * cfg.dp
+    B_m = cfg.batch_per_microbatch
     tab = cm.tables([s], B_m)
     seq = np.concatenate([[0], cm.block_types, [1]])
     v, P, m = cfg.chunks, cfg.pp, cfg.num_microbatches

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..spec.cluster import ClusterSpec
 from ..spec.model import LayerSpec, ModelSpec
+from ..spec.parallel import Parallel
 from .collectives import Network
 from .compute import Dims, UnitTimes, attention_score_bytes, get_gpu, unit_times
 from .engines import Execution, get_execution, grad_bytes
@@ -31,6 +32,11 @@ class Strategy(NamedTuple):
     ckpt: bool = False
     sp: bool = False         # Megatron sequence parallelism (Korthikanti et al. 2022 §4.2.2); needs tp > 1
     sel: bool = False        # selective recompute of the attention core (Korthikanti et al. §5); ckpt wins
+
+    @classmethod
+    def of(cls, par: Parallel, *, ckpt: bool = False, sel: bool = False) -> "Strategy":
+        """The intra-stage strategy of a uniform configuration ``par`` (every layer alike)."""
+        return cls(tp=par.tp, dp=par.dp, zero=par.zero, ckpt=ckpt, sp=par.sequence_parallel, sel=sel)
 
     @property
     def n(self) -> int:

@@ -17,28 +17,29 @@ def ds_config(plan: Plan) -> dict:
     ``pipeline`` section as given and the engine reads it back from there.
     ``pipeline.activation_checkpoint_interval`` is 0: DeepSpeed's switch is global, the
     ds_autoplan runtime recomputes per stage (``recompute_per_stage``)."""
-    if plan.pp > 1 and plan.zero_stage > 1:
-        raise ValueError(f"ZeRO stage {plan.zero_stage} cannot run with pipeline parallelism "
-                         f"(pp={plan.pp}) in DeepSpeed")
+    par = plan.parallel
+    if par.pp > 1 and par.zero > 1:
+        raise ValueError(f"ZeRO stage {par.zero} cannot run with pipeline parallelism "
+                         f"(pp={par.pp}) in DeepSpeed")
     cfg = {
         "train_batch_size": plan.global_batch_size,
-        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
-        "gradient_accumulation_steps": plan.num_microbatches,
-        "zero_optimization": {"stage": plan.zero_stage},
+        "train_micro_batch_size_per_gpu": par.micro_batch,
+        "gradient_accumulation_steps": par.num_microbatches,
+        "zero_optimization": {"stage": par.zero},
         "gradient_clipping": 1.0,
         "steps_per_print": 10,
         "wall_clock_breakdown": False,
         "activation_checkpointing": {"partition_activations": False,
                                      "contiguous_memory_optimization": False,
                                      "cpu_checkpointing": False},
-        "pipeline": {"activation_checkpoint_interval": 0, "stages": plan.pp,
+        "pipeline": {"activation_checkpoint_interval": 0, "stages": par.pp,
                      "partition": "autoplan", "autoplan": plan.to_dict()},
     }
     if plan.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif plan.precision == "fp16":
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
-    if plan.zero_stage >= 1:
+    if par.zero >= 1:
         cfg["zero_optimization"].update({"overlap_comm": True, "contiguous_gradients": True})
     return cfg
 

@@ -21,7 +21,7 @@ def megatron_stage_counts(plan: Plan) -> list[int] | None:
     """Layer counts in Megatron's (vpp, pp) order, or None when Megatron's placement cannot
     express the schedule's (V-shapes put stage 2P-1-r on rank r)."""
     sched = _schedule(plan)
-    if sched is not None and sched.placement_kind not in ("sequential", "interleaved"):
+    if sched is not None and not sched.round_robin:
         return None
     return list(plan.layers_per_stage)      # 1F1B: pp order; interleaved: chunk*pp + rank
 
@@ -44,17 +44,18 @@ def megatron_config(plan: Plan, model=None) -> dict:
             m = load_model(plan.model, plan.seq_len or None)
         except SpecError:          # not a preset (profiled or user spec): sizes from the plan only
             m = None
-    vpp = len(plan.layers_per_stage) // plan.pp if plan.pp > 1 else None
+    par = plan.parallel
+    vpp = par.chunks if par.pp > 1 else None
     cfg = {
-        "tensor_model_parallel_size": plan.tp,
-        "pipeline_model_parallel_size": plan.pp,
+        "tensor_model_parallel_size": par.tp,
+        "pipeline_model_parallel_size": par.pp,
         "virtual_pipeline_model_parallel_size": vpp if vpp and vpp > 1 else None,
-        "sequence_parallel": bool(plan.sequence_parallel and plan.tp > 1),
-        "micro_batch_size": plan.micro_batch_size,
+        "sequence_parallel": par.sequence_parallel,
+        "micro_batch_size": par.micro_batch,
         "global_batch_size": plan.global_batch_size,
-        "num_microbatches": plan.num_microbatches,
-        "data_parallel_size": plan.dp,
-        "use_distributed_optimizer": plan.zero_stage >= 1,
+        "num_microbatches": par.num_microbatches,
+        "data_parallel_size": par.dp,
+        "use_distributed_optimizer": par.zero >= 1,
         "bf16": plan.precision == "bf16", "fp16": plan.precision == "fp16",
     }
     if m is not None:

@@ -147,7 +147,7 @@ def write_report(res, out_dir: str) -> list[str]:
     for c in sorted(res.alternatives, key=lambda c: c.time):
         why = "chosen" if c is best else ("does not fit" if not c.ok else
                                            f"{c.time / best.time:.3f}x slower")
-        w(f"| {c.P} | {c.tp} | {_sp(c.sp)} | {c.dp} | {c.zero} | {c.m} | {c.schedule} | "
+        w(f"| {c.pp} | {c.tp} | {_sp(c.sp)} | {c.dp} | {c.zero} | {c.m} | {c.schedule} | "
           f"{_fmt(c.time if c.ok else None, 4)} | {why} |")
     w("\n## Plots\n")
     for f in files:

@@ -138,6 +138,19 @@ class Schedule:
         return self.stages_of(self.placement[stage]).index(stage)
 
     @property
+    def chunks_per_rank(self) -> int:
+        """Model chunks (stages) each rank holds: S / d (every placement here is uniform)."""
+        return self.num_stages // self.num_ranks
+
+    @property
+    def round_robin(self) -> bool:
+        """Stage s on rank s mod d (sequential, or Megatron's interleaved order): the order
+        Megatron's own pipeline layout expresses.  False for a V (the return leg runs from the
+        last rank back to rank 0, so the first and the last stage share rank 0)."""
+        d = self.num_ranks
+        return all(r == s % d for s, r in enumerate(self.placement))
+
+    @property
     def placement_kind(self) -> str:
         d, S = self.num_ranks, self.num_stages
         if self.placement == sequential_placement(d):

@@ -19,6 +19,7 @@ from ..plan import Plan
 from ..spec import SpecError
 from ..spec.cluster import GB, ClusterSpec, load_cluster
 from ..spec.model import ModelSpec, load_model
+from ..spec.parallel import Parallel
 from . import partition as part
 from .dp import INF, Context
 from .pipeline import DEFAULT_SCHEDULES, Eval, available, choose_schedule, chunks_per_rank, \
@@ -32,14 +33,9 @@ SP_MODES = ("auto", "on", "off")
 
 @dataclass
 class Candidate:
-    """An executable configuration and its cost."""
+    """An executable configuration (``par``: its degrees and batch split) and its cost."""
     name: str
-    P: int
-    tp: int
-    dp: int
-    zero: int
-    m: int
-    B_m: int
+    par: Parallel
     time: float
     schedule: str = "1f1b"
     parts: tuple = ()
@@ -59,6 +55,32 @@ class Candidate:
         return math.isfinite(self.time)
 
     @property
+    def pp(self) -> int:
+        return self.par.pp
+
+    @property
+    def tp(self) -> int:
+        return self.par.tp
+
+    @property
+    def dp(self) -> int:
+        return self.par.dp
+
+    @property
+    def zero(self) -> int:
+        return self.par.zero
+
+    @property
+    def m(self) -> int:
+        """Micro-batches per iteration."""
+        return self.par.num_microbatches
+
+    @property
+    def B_m(self) -> int:
+        """Samples of one micro-batch over the data-parallel group."""
+        return self.par.batch_per_microbatch
+
+    @property
     def sp(self) -> bool:
         """Sequence parallelism, as the config's strategies were costed."""
         return bool(self.ctx is not None and self.ctx.strategies[0].sp)
@@ -69,11 +91,11 @@ class Candidate:
         return bool(self.ctx is not None and self.ctx.strategies[0].sel)
 
     def summary(self, B: int, seq: int) -> dict:
-        return {"name": self.name, "pp": self.P, "tp": self.tp, "dp": self.dp, "zero_stage": self.zero,
+        return {"name": self.name, "pp": self.pp, "tp": self.tp, "dp": self.dp, "zero_stage": self.zero,
                 "micro_batch_size": self.B_m // self.dp if self.dp else 0, "num_microbatches": self.m,
                 "sequence_parallel": self.sp, "selective_recompute": self.selective,
                 "schedule": self.schedule, "partitioner": self.partitioner,
-                "chunks": chunks_per_rank(self.schedule, self.parts, self.P) or 1,
+                "chunks": chunks_per_rank(self.schedule, self.parts, self.pp) or 1,
                 "bubble": self.bubble,
                 "iteration_time_s": self.time if self.ok else None,
                 "throughput_tokens_per_s": B * seq / self.time if self.ok else 0.0,
@@ -166,9 +188,12 @@ class Planner:
         return self._ctx[key]
 
     def combos(self, pps=None, tps=None, zeros=None):
-        """(P, t, d, zero, m, B_m) of the executable space: DeepSpeed's pipeline engine takes
-        ZeRO 0/1 only with P > 1 (integration.md §1.3); any micro-batch per GPU dividing the
-        batch share of a data-parallel rank."""
+        """The executable space as :class:`Parallel` configurations (chunks decided later by
+        the schedule): DeepSpeed's pipeline engine takes ZeRO 0/1 only with pp > 1
+        (docs/planner.md); any micro-batch per GPU dividing the batch share of a data-parallel
+        rank.  Sequence parallelism is one flag per plan (Megatron-core has one for the model);
+        'auto' sets it whenever tp > 1: on the cost model it never adds time (same TP volume, a
+        smaller p2p tensor) and always saves memory (Korthikanti et al. 2022 §4.2.2)."""
         for P in pps or self.pps or self.pp_degrees():
             n = self.N // P
             for t in tps or self.tps:
@@ -186,23 +211,29 @@ class Planner:
                         m = self.B // (b * d)
                         if P > 1 and m < P:
                             continue
-                        yield P, t, d, z, m, b * d
+                        yield self.config(tp=t, pp=P, dp=d, zero=z, micro_batch=b,
+                                          num_microbatches=m)
 
-    def exec_strats(self, t, d, z, sel: bool = False):
-        """The two strategies of an executable config (without / with CKPT).  Sequence
-        parallelism is one flag per plan (Megatron-core has one for the model); 'auto' sets it
-        whenever t > 1: on the cost model it never adds time (same TP volume, a smaller p2p
-        tensor) and always saves memory (Korthikanti et al. 2022 §4.2.2)."""
-        sp = t > 1 and self.sp != "off"
-        return (Strategy(t, d, z, False, False, sp, sel), Strategy(t, d, z, False, True, sp, sel))
+    def config(self, **degrees) -> Parallel:
+        """A configuration of this planner's space (keywords as :class:`Parallel`), with
+        sequence parallelism as the planner's mode sets it (on whenever tp > 1 unless 'off')."""
+        return Parallel(sp=degrees.get("tp", 1) > 1 and self.sp != "off", **degrees)
 
-    def mode_strats(self, t, d, z, ckpt: str) -> tuple:
+    def exec_strats(self, c: Parallel, sel: bool = False):
+        """The two strategies of an executable config (without / with CKPT)."""
+        return (Strategy.of(c, ckpt=False, sel=sel), Strategy.of(c, ckpt=True, sel=sel))
+
+    def mode_strats(self, c: Parallel, ckpt: str) -> tuple:
         """Strategies a recompute mode chooses among: 'dp'/'full' with and without full-layer
         CKPT; 'none' without; 'selective' the attention core only, on every layer (Megatron's
         --recompute-granularity selective does not mix with full-layer recompute)."""
         if ckpt in ("none", "selective"):
-            return self.exec_strats(t, d, z, ckpt == "selective")[:1]
-        return self.exec_strats(t, d, z)
+            return self.exec_strats(c, ckpt == "selective")[:1]
+        return self.exec_strats(c)
+
+    def ctx_of(self, c: Parallel, strats) -> Context:
+        """The search context of configuration ``c`` over the strategies ``strats``."""
+        return self.ctx(c.pp, c.num_microbatches, c.batch_per_microbatch, strats)
 
     def recompute_modes(self) -> list[str]:
         """Recompute modes to search: the fixed one, else per-layer CKPT, plus selective
@@ -216,46 +247,51 @@ class Planner:
         a, b = (self.cm.tables([s], d).f1 for s in (Strategy(t, d), Strategy(t, d, sel=True)))
         return ["dp", "selective"] if np.any(b < a) else ["dp"]
 
-    def _units(self, t, d, z, B_m, what: str) -> np.ndarray:
+    def _units(self, c: Parallel, what: str) -> np.ndarray:
         """Per-unit figure (pre, blocks, post) of the config without CKPT: one strategy's
         table, so ranking the whole space costs no Context and no CKPT column."""
-        tab = self.cm.tables(self.exec_strats(t, d, z)[:1], B_m)
+        tab = self.cm.tables(self.exec_strats(c)[:1], c.batch_per_microbatch)
         return getattr(tab, what)[self._seq, 0]
 
-    def static_floor(self, P, t, d, z, m, B_m) -> float:
+    def static_floor(self, c: Parallel) -> float:
         """Model states of the heaviest even stage: no plan of this config fits below it."""
-        ms = self._units(t, d, z, B_m, "ms")
-        q = self.L // P
+        ms = self._units(c, "ms")
+        q = self.L // c.pp
         return float(max(ms[0] + ms[1:1 + q].sum(), ms[-1] + ms[-1 - q:-1].sum()))
 
-    def lower_bound(self, P, t, d, z, m, B_m) -> float:
+    def lower_bound(self, c: Parallel) -> float:
         """No bubble, perfect balance, no recompute: m * sum_l c_ns / P (for B&B ordering)."""
-        return m * float(self._units(t, d, z, B_m, "c_ns").sum()) / P
+        return c.num_microbatches * float(self._units(c, "c_ns").sum()) / c.pp
 
     # -- evaluation of one executable config ------------------------------------------
-    def evaluate(self, P, t, d, z, m, B_m, *, partitioner=None, schedules=None, ckpt=None,
+    def evaluate(self, c: Parallel, *, partitioner=None, schedules=None, ckpt=None,
                  name="plan", keep_sim=False, bound: float = INF) -> Candidate:
         """ckpt: 'dp' (per-layer choice + stage-aware), 'none', 'full' (uniform, Megatron);
         default: the --fix recompute ('dp' unless fixed)."""
         self.evaluated += 1
         ckpt = ckpt or self.ckpt
-        ctx = self.ctx(P, m, B_m, self.mode_strats(t, d, z, ckpt))
+        ctx = self.ctx_of(c, self.mode_strats(c, ckpt))
         pname = partitioner or self.partitioner
-        L = self.L
+        L, P = self.L, c.pp
+
+        def cand(time, schedule, parts, recompute, peak, partitioner, cx, plan=None, sim=None,
+                 bubble=0.0):
+            return Candidate(name, par=c.with_(chunks=max(1, len(parts or ()) // P)), time=time,
+                             schedule=schedule, parts=parts, recompute=recompute, peak=peak,
+                             partitioner=partitioner, ctx=cx, plan=plan, sim=sim, bubble=bubble)
         if ckpt == "full":
             parts = part.even_partition(L, P)
             plan = [1 if self.cm.units[u].checkpointable else 0 for u in ctx.seq]
-            full = self.ctx(P, m, B_m, self.exec_strats(t, d, z))
+            full = self.ctx_of(c, self.exec_strats(c))
             if P == 1:
                 C, Cns, Mem = full.stage_costs(parts, plan)
                 T = full.pipeline_time(parts, plan) if Mem.max() <= self.E else INF
-                return Candidate(name, P, t, d, z, m, B_m, T, "1f1b", parts, [L], list(Mem), "even",
-                                 full, plan)
+                return cand(T, "1f1b", parts, [L], list(Mem), "even", full, plan)
             figs = stage_figures(full, parts, [0] * len(full.seq), plan)
             e = stage_aware_recompute(full, "1f1b", parts, figs, [f["nblk"] for f in figs], keep_sim,
                                       max_rounds=0)
-            return Candidate(name, P, t, d, z, m, B_m, e.time if e.fits else INF, "1f1b", parts,
-                             e.recompute, e.peak, "even", full, plan, e.sim, bubble=e.bubble)
+            return cand(e.time if e.fits else INF, "1f1b", parts, e.recompute, e.peak, "even", full,
+                        plan, e.sim, bubble=e.bubble)
         if pname == "bmw":
             T, parts, plan, base = part.bmw(ctx)
         elif pname == "even":
@@ -267,26 +303,26 @@ class Planner:
             T, parts, plan = part.merak(ctx)
         if P == 1 or not schedules and schedules is not None:
             if plan is None:
-                return Candidate(name, P, t, d, z, m, B_m, INF, "1f1b", parts or (), [], [], pname, ctx)
+                return cand(INF, "1f1b", parts or (), [], [], pname, ctx)
             _, _, Mem = ctx.stage_costs(parts, plan)
             rec = [sum(1 for u in range(lo, hi) if plan[u] == 1) for lo, hi in ctx.bounds(parts)]
-            return Candidate(name, P, t, d, z, m, B_m, T, "1f1b", parts, rec, list(Mem), pname, ctx, plan)
+            return cand(T, "1f1b", parts, rec, list(Mem), pname, ctx, plan)
         if plan is None:       # the 1F1B DP found nothing: schedules with less memory may fit
             parts = part.even_partition(L, P)
             plan = [0] * len(ctx.seq)
         lean = ckpt in ("none", "selective")         # no full-layer recompute
-        full = self.ctx(P, m, B_m, self.exec_strats(t, d, z, ckpt == "selective")) if lean else ctx
+        full = self.ctx_of(c, self.exec_strats(c, ckpt == "selective")) if lean else ctx
         scheds = schedules or self.schedules
         evs = choose_schedule(full, parts, plan, scheds, keep_sim, bound, chunks=self.chunks)
         if lean:
             evs = [e for e in evs if not any(e.recompute)]
         if not evs or not evs[0].ok:
-            return Candidate(name, P, t, d, z, m, B_m, INF, "1f1b", parts, [], [], pname, ctx, plan)
+            return cand(INF, "1f1b", parts, [], [], pname, ctx, plan)
         e: Eval = evs[0]
-        c = Candidate(name, P, t, d, z, m, B_m, e.time, e.schedule, e.parts, e.recompute, e.peak,
-                      pname if e.schedule == "1f1b" else e.partitioner, full, plan, e.sim, bubble=e.bubble)
-        c.alts = evs
-        return c
+        out = cand(e.time, e.schedule, e.parts, e.recompute, e.peak,
+                   pname if e.schedule == "1f1b" else e.partitioner, full, plan, e.sim, bubble=e.bubble)
+        out.alts = evs
+        return out
 
     # -- searches -----------------------------------------------------------------------
     def _bar(self, total, desc):
@@ -298,11 +334,12 @@ class Planner:
         except ImportError:   # pragma: no cover
             return None
 
-    def estimate(self, P, t, d, z, m, B_m, partitioner=None, ckpt=None):
+    def estimate(self, c: Parallel, partitioner=None, ckpt=None):
         """Eq. 9 time (1F1B, no simulation) of the partitioner's plan: the cheap ranking key."""
         ckpt = ckpt or self.ckpt
-        ctx = self.ctx(P, m, B_m, self.mode_strats(t, d, z, ckpt))
+        ctx = self.ctx_of(c, self.mode_strats(c, ckpt))
         pname = partitioner or self.partitioner
+        P = c.pp
         if ckpt == "full":
             parts = part.even_partition(self.L, P)
             plan = [1 if self.cm.units[u].checkpointable else 0 for u in ctx.seq]
@@ -321,9 +358,9 @@ class Planner:
         memory-lean schedule may), branch and bound on the no-bubble lower bound."""
         ranked = []
         for c in self.combos():
-            if self.static_floor(*c) > self.E:
+            if self.static_floor(c) > self.E:
                 continue
-            ranked.append((self.lower_bound(*c), c))
+            ranked.append((self.lower_bound(c), c))
         ranked.sort(key=lambda r: r[0])
         bar = self._bar(len(ranked), "search")
         best_est, scored = INF, []
@@ -332,7 +369,7 @@ class Planner:
                 bar.update(1)
             if lb >= best_est:         # no schedule beats the incumbent's 1F1B time
                 break
-            est = self.estimate(*c, ckpt=ckpt)
+            est = self.estimate(c, ckpt=ckpt)
             best_est = min(best_est, est)
             scored.append((est, lb, c))
         if bar:
@@ -346,7 +383,7 @@ class Planner:
         for est, lb, c in todo:
             if best is not None and lb >= best.time:
                 continue
-            cand = self.evaluate(*c, bound=best.time if best is not None else INF, ckpt=ckpt)
+            cand = self.evaluate(c, bound=best.time if best is not None else INF, ckpt=ckpt)
             cand.estimate = est
             tried.append(cand)
             if cand.ok and (best is None or cand.time < best.time):
@@ -357,15 +394,15 @@ class Planner:
         """Best config of a restricted space: ranked by Eq. 9, the winner costed in full."""
         ek = {k: v for k, v in kw.items() if k in ("partitioner", "ckpt")}
         ranked = []
-        for lb, c in sorted((self.lower_bound(*c), c) for c in combos):
+        for lb, c in _by_key(((self.lower_bound(c), c) for c in combos)):
             if len(ranked) >= 2 and lb >= ranked[1][0]:     # no later config ranks in the top 2
                 break
-            ranked = sorted(ranked + [(self.estimate(*c, **ek), c)], key=lambda x: x[0])[:2]
+            ranked = sorted(ranked + [(self.estimate(c, **ek), c)], key=lambda x: x[0])[:2]
         best = None
         for est, c in ranked[:2]:
             if not math.isfinite(est):
                 break
-            cand = self.evaluate(*c, name=name, **kw)
+            cand = self.evaluate(c, name=name, **kw)
             if cand.ok and (best is None or cand.time < best.time):
                 best = cand
         return best
@@ -455,17 +492,17 @@ class Planner:
 
     def _wide_entry(self, c: Candidate) -> dict:
         """An executable plan as a point of the wide space."""
-        return {"time": c.time, "pp": c.P, "num_microbatches": c.m, "layers_per_stage": list(c.parts),
+        return {"time": c.time, "pp": c.pp, "num_microbatches": c.m, "layers_per_stage": list(c.parts),
                 "strategies": layer_labels(c), "schedule": c.schedule, "source": "executable plan",
                 "throughput_tokens_per_s": self.B * self.model.seq_len / c.time}
 
     def admits(self, c: Candidate) -> bool:
         """``c`` lies in the space the user restricted (--pp/--tp/--sequence-parallel/--fix)."""
-        want = dict(pp=c.P, tp=c.tp, dp=c.dp, zero=c.zero, mbs=c.B_m // c.dp, schedule=c.schedule,
-                    v=chunks_per_rank(c.schedule, c.parts, c.P))
+        want = dict(pp=c.pp, tp=c.tp, dp=c.dp, zero=c.zero, mbs=c.par.micro_batch, schedule=c.schedule,
+                    v=chunks_per_rank(c.schedule, c.parts, c.pp))
         if any(self.fix.get(k, x) != x for k, x in want.items()):
             return False
-        if self.pps and c.P not in self.pps or c.tp not in self.tps:
+        if self.pps and c.pp not in self.pps or c.tp not in self.tps:
             return False
         if self.ckpt in ("none", "selective"):
             return not any(c.recompute) and c.selective == (self.ckpt == "selective")
@@ -475,17 +512,23 @@ class Planner:
         """Least per-device memory of any executable config (max pipeline stage, all CKPT,
         memory-balanced split, micro-batch 1) for the 'cannot fit' message."""
         best = INF
-        for P, t, d, z, m, B_m in self.combos():
-            if B_m != d:
+        for c in self.combos():
+            if c.micro_batch != 1:
                 continue
-            ctx = self.ctx(P, m, B_m, self.exec_strats(t, d, z))
+            ctx = self.ctx_of(c, self.exec_strats(c))
             plan = [1 if self.cm.units[u].checkpointable else 0 for u in ctx.seq]
-            parts = part.minmax_partition(part.stage_matrices(ctx, plan, "mem")) if P > 1 else (self.L,)
+            parts = part.minmax_partition(part.stage_matrices(ctx, plan, "mem")) if c.pp > 1 else (self.L,)
             if parts is None:
                 continue
             _, _, Mem = ctx.stage_costs(parts, plan)
             best = min(best, float(Mem.max()))
         return best
+
+
+def _by_key(items) -> list:
+    """(key, config) pairs sorted by key, ties by (pp, tp, dp, zero, micro-batches, batch)."""
+    return sorted(items, key=lambda x: (x[0], x[1].pp, x[1].tp, x[1].dp, x[1].zero,
+                                        x[1].num_microbatches, x[1].batch_per_microbatch))
 
 
 def _merge_fix(fx: dict, key: str, value):
@@ -591,14 +634,14 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
                         f"(budget {E:.1f} GB per device)")
     # the winner's simulation (2P micro-batches) is kept for the Gantt and memory plots
     e = (best.alts or [None])[0]
-    if keep_sim and best.P > 1 and best.sim is None and e is not None and e.figs is not None:
+    if keep_sim and best.pp > 1 and best.sim is None and e is not None and e.figs is not None:
         from .pipeline import simulate_plan
         best.sim = simulate_plan(e.ctx, e.schedule, e.parts, e.recompute, e.figs, True)[3]
     parts_cmp = {}
-    if best.P > 1:          # partitioners compared on the winner's configuration (1F1B, Eq. 9)
+    if best.pp > 1:          # partitioners compared on the winner's configuration (1F1B, Eq. 9)
         for pn in part.PARTITIONERS:
-            parts_cmp[pn] = pl.evaluate(best.P, best.tp, best.dp, best.zero, best.m, best.B_m,
-                                        partitioner=pn, schedules=[], name=pn)
+            parts_cmp[pn] = pl.evaluate(best.par.with_(chunks=1), partitioner=pn, schedules=[],
+                                        name=pn)
     tp0 = time.perf_counter()
     wd = pl.search_wide(best) if wide else {}
     phases["wide"] = time.perf_counter() - tp0
@@ -633,7 +676,7 @@ def to_plan(c: Candidate, model, cluster, B, precision, pl: Planner, bl: dict, w
         pred["wide_gain"] = wd["bmw"]["throughput_tokens_per_s"] / tok
         # the wide mode is costed like the paper (1F1B): also compare with our best 1F1B
         t1 = min((e.time for e in alts if e.schedule == "1f1b" and e.ok), default=None)
-        if c.P == 1:
+        if c.pp == 1:
             t1 = c.time
         if t1:
             pred["wide_gain_vs_1f1b"] = wd["bmw"]["throughput_tokens_per_s"] / (B * seq / t1)
@@ -641,19 +684,19 @@ def to_plan(c: Candidate, model, cluster, B, precision, pl: Planner, bl: dict, w
                                 "fits": e.fits, "layers_per_stage": list(e.parts),
                                 "recompute_layers": list(e.recompute),
                                 "peak_memory_gb": [round(x / GB, 3) for x in e.peak]} for e in alts]
-    return Plan(pp=c.P, tp=c.tp, dp=c.dp, zero_stage=c.zero, micro_batch_size=c.B_m // c.dp,
-                num_microbatches=c.m, global_batch_size=B, precision=precision, schedule=c.schedule,
-                schedule_options=schedule_options(c.schedule, len(nblk) // c.P), layers_per_stage=nblk,
+    return Plan(**Plan.parallel_fields(c.par.with_(sp=c.sp)), global_batch_size=B,
+                precision=precision, schedule=c.schedule,
+                schedule_options=schedule_options(c.schedule, len(nblk) // c.pp), layers_per_stage=nblk,
                 recompute_per_stage=[round(x, 6) for x in rec], model=model.name, cluster=cluster.name,
                 seq_len=seq, num_layers=model.num_layers, world_size=cluster.world_size,
-                sequence_parallel=c.sp, selective_recompute=c.selective, partitioner=c.partitioner, layer_strategies=layer_labels(c), predicted=pred,
+                selective_recompute=c.selective, partitioner=c.partitioner, layer_strategies=layer_labels(c), predicted=pred,
                 notes=[c.note] if c.note else [])
 
 
 def layer_labels(c: Candidate) -> list[str]:
     """Per-unit strategy labels (embedding, blocks in schedule-stage order, head); recomputed
     blocks are the first ones of their stage (Megatron's 'block' method)."""
-    base = Strategy(c.tp, c.dp, c.zero, sp=c.sp).label()
+    base = Strategy.of(c.par.with_(sp=c.sp)).label()
     out = [base]
     for n, r in zip(c.parts, c.recompute or [0] * len(c.parts)):
         out += [base + "+CKPT"] * int(r) + [base] * (n - int(r))

@@ -114,7 +114,7 @@ class MegatronSetup:
 
 
 def layout_for(schedule: Schedule, layers_per_stage):
-    if schedule.placement_kind in ("sequential", "interleaved"):
+    if schedule.round_robin:
         return layout_string(layers_per_stage)   # Megatron's own layout; stage order == vpp-major
     return StageLayerLayout(stage_layer_lists(layers_per_stage), schedule.placement)
 
@@ -132,7 +132,7 @@ def plan_overrides(plan, schedule: Schedule | None = None) -> tuple[dict, list, 
         raise ScheduleError(f"plan.recompute_per_stage has {len(plan.recompute_per_stage)} "
                             f"entries, expected {S}")
     layout = layout_for(sched, lps)
-    vpp = S // d if S > d else None
+    vpp = sched.chunks_per_rank if S > d else None
     over = dict(num_layers=sum(lps), tensor_model_parallel_size=plan.tp,
                 sequence_parallel=bool(plan.sequence_parallel and plan.tp > 1),   # needs tp > 1
                 pipeline_model_parallel_size=d, virtual_pipeline_model_parallel_size=vpp,
@@ -163,9 +163,12 @@ def initialize(plan, schedule: Schedule | None = None, **model_parallel_kwargs) 
     if world != plan.tp * sched.num_ranks * plan.dp:
         raise ScheduleError(f"plan needs tp*pp*dp = {plan.tp}*{sched.num_ranks}*{plan.dp} = "
                             f"{plan.tp * sched.num_ranks * plan.dp} processes, world size is {world}")
-    if sched.placement_kind == "v":
-        # embedding and output layer both live on pp rank 0 in a V placement
-        model_parallel_kwargs.setdefault("get_embedding_ranks", lambda pp_ranks, *a: [pp_ranks[0]])
+    if not sched.round_robin:
+        # the embedding (first stage) and the output layer (last stage) live where the
+        # placement puts them (a V: both on pp rank 0), not on Megatron's first and last rank
+        ends = sorted({sched.placement[0], sched.placement[-1]})
+        model_parallel_kwargs.setdefault("get_embedding_ranks",
+                                         lambda pp_ranks, *a: [pp_ranks[r] for r in ends])
     with startup_watchdog("Megatron model-parallel initialisation"):
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=sched.num_ranks,

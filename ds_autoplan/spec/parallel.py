@@ -1,0 +1,91 @@
+"""One parallel configuration: every degree a plan sets, in one place (docs/architecture.md).
+
+:class:`Parallel` is what the cost model's closed form (cost/iteration.py), the search's
+candidates (search/planner.py), the Plan (plan.py) and the emitters read their degrees from.
+A new degree is a field here, its validation here, and its use where it costs or emits.
+
+Names follow Megatron-core's parallel_state (0.16.1): ``tp`` tensor, ``pp`` pipeline,
+``dp`` data, ``cp`` context, ``ep`` expert, ``etp`` expert tensor parallelism.  The ranks of
+one pipeline stage are tp * cp * dp (Megatron's order tp-cp-ep-dp-pp); the expert layers
+regroup the same ranks as etp * ep * expert-dp, so expert_dp = tp * cp * dp / (etp * ep).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from . import SpecError
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel:
+    """The degrees and the batch split of one uniform configuration (keywords only).
+
+    ``zero``: ZeRO stage over the data-parallel group (Megatron's distributed optimizer: 1);
+    ``sp``: Megatron sequence parallelism (tp > 1 only); ``chunks``: model chunks (virtual
+    stages) per pipeline rank; ``micro_batch``: samples per data-parallel rank per
+    micro-batch; ``num_microbatches``: micro-batches per iteration (gradient accumulation);
+    ``etp``: None means Megatron's default, the dense tensor-parallel degree."""
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    cp: int = 1
+    zero: int = 0
+    sp: bool = False
+    chunks: int = 1
+    micro_batch: int = 1
+    num_microbatches: int = 1
+
+    def __post_init__(self):
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        for k in ("tp", "pp", "dp", "ep", "etp", "cp", "chunks", "micro_batch", "num_microbatches"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise SpecError(f"{k} must be a positive integer, got {v!r}")
+        if self.zero not in ZERO_STAGES:
+            raise SpecError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if (self.tp * self.cp * self.dp) % (self.ep * self.etp):
+            raise SpecError(f"ep x etp = {self.ep} x {self.etp} must divide the tp x cp x dp = "
+                            f"{self.tp * self.cp * self.dp} ranks of a pipeline stage")
+
+    # ---- derived ----
+    @property
+    def world_size(self) -> int:
+        """Devices: tp * cp * dp per stage, times pp stages."""
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def stage_ranks(self) -> int:
+        """Devices of one pipeline stage (tp * cp * dp)."""
+        return self.tp * self.cp * self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert-data-parallel degree: the stage's ranks regrouped as etp * ep * expert_dp
+        (megatron-core parallel_state's expert groups)."""
+        return self.stage_ranks // (self.ep * self.etp)
+
+    @property
+    def batch_per_microbatch(self) -> int:
+        """Samples of one micro-batch over the whole data-parallel group."""
+        return self.micro_batch * self.dp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.num_microbatches * self.dp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Megatron SP as it runs: only with tensor parallelism."""
+        return self.sp and self.tp > 1
+
+    def with_(self, **changes) -> "Parallel":
+        """A copy with ``changes`` (validated again)."""
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
