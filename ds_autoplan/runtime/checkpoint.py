@@ -26,15 +26,12 @@ import random
 import torch
 import torch.distributed as dist
 
-from ..errors import UserError
+from .checkpoint_files import (MANIFEST, CheckpointError, fault_point, loadable_without_code,
+                               read_manifest, safe_load, torch_save, verify)
 from .rng import RngState
 
 META = "autoplan_checkpoint.json"
 FORMAT = 1
-
-
-class CheckpointError(UserError):
-    """A checkpoint folder that is missing, from another framework or another model."""
 
 
 def state_path(ckpt_dir, layer: int) -> str:
@@ -58,6 +55,7 @@ def write_meta(ckpt_dir, *, framework: str, plan, step: int, num_layers: int, op
             "lr_scheduler": type(scheduler).__name__ if scheduler is not None else None}
     with open(os.path.join(os.fspath(ckpt_dir), META), "w") as f:
         json.dump(meta, f, indent=1)
+    fault_point("file")
     return meta
 
 
@@ -72,8 +70,14 @@ def read_meta(ckpt_dir, framework: str | None = None, num_layers: int | None = N
             with open(latest) as f:
                 hint = f"; its latest checkpoint is {os.path.join(os.fspath(ckpt_dir), f.read().strip())}"
         raise CheckpointError(f"{ckpt_dir} is not a ds_autoplan checkpoint (no {META}){hint}")
-    with open(path) as f:
-        meta = json.load(f)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: not a ds_autoplan checkpoint description (a JSON "
+                              f"{type(meta).__name__}, not an object)")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: checkpoint format {meta.get('format')!r}, this version "
                               f"reads format {FORMAT}")
@@ -96,16 +100,21 @@ def save_train_state(ckpt_dir, *, scheduler=None, optimizer=None) -> None:
     them)."""
     groups = [{k: v for k, v in g.items() if k != "params"}
               for g in getattr(optimizer, "param_groups", [])]
-    torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "param_groups": groups}, os.path.join(os.fspath(ckpt_dir), TRAIN_STATE))
+    state = {"scheduler": scheduler.state_dict() if scheduler is not None else None,
+             "param_groups": groups}
+    loadable_without_code(state, f"the learning-rate scheduler's state_dict ({type(scheduler).__name__}) "
+                                 "or the optimizer's parameter groups")
+    torch_save(state, os.path.join(os.fspath(ckpt_dir), TRAIN_STATE))
 
 
 def load_train_state(ckpt_dir) -> dict:
-    """What :func:`save_train_state` wrote (empty entries for a checkpoint without it)."""
-    path = os.path.join(os.fspath(ckpt_dir), TRAIN_STATE)
-    if not os.path.isfile(path):
-        return {"scheduler": None, "param_groups": []}
-    return torch.load(path, weights_only=False)
+    """What :func:`save_train_state` wrote; a missing or unreadable file raises
+    :class:`CheckpointError` naming it (never a silent restart of the schedule)."""
+    state = safe_load(os.path.join(os.fspath(ckpt_dir), TRAIN_STATE))
+    if not isinstance(state, dict) or not {"scheduler", "param_groups"} <= state.keys():
+        raise CheckpointError(f"{os.path.join(os.fspath(ckpt_dir), TRAIN_STATE)}: not a "
+                              "ds_autoplan train state (no scheduler / param_groups)")
+    return state
 
 
 def load_scheduler(scheduler, train_state: dict, ckpt_dir) -> None:
@@ -150,35 +159,63 @@ def save_rank_state(ckpt_dir, client_state=None) -> None:
     generator, which data pipelines draw from) and its ``client_state`` (DeepSpeed's engine
     keeps one per rank too)."""
     import numpy as np
-    torch.save({"torch": RngState().state_dict(), "python": random.getstate(),
-                "numpy": np.random.get_state(), "client_state": dict(client_state or {})},
-               rank_state_path(ckpt_dir, dist.get_rank()))
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    client_state = dict(client_state or {})
+    loadable_without_code(client_state, "client_state")
+    torch_save({"torch": RngState().state_dict(), "python": random.getstate(),
+                "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
+                          float(gauss)),              # plain values: no numpy objects to unpickle
+                "client_state": client_state}, rank_state_path(ckpt_dir, dist.get_rank()))
 
 
-def restore_rank_state(ckpt_dir, meta: dict) -> tuple[int | None, dict]:
-    """Continue the generators of saved rank ``rank % saved world size`` on this rank; returns
-    that rank and its ``client_state`` (``(None, {})``: the checkpoint has no per-rank state).
+def rank_state_source(meta: dict) -> int:
+    """The saved rank whose generators this rank continues: ``rank % saved world size``
+    (read with :func:`read_rank_state`, put in place with :func:`apply_rank_state`).
 
     Under the plan the checkpoint was saved under, every rank continues its own generators and
     dropout is reproduced exactly.  Under another plan the generators continue (they do not
     restart from the seed, so the masks of the steps before the checkpoint are not drawn
     again), but a layer's masks are drawn on whichever rank holds it now, in that rank's
     schedule order: dropout is then *not* the uninterrupted run's."""
-    src = dist.get_rank() % int(meta.get("world_size") or 1)
+    return dist.get_rank() % int(meta.get("world_size") or 1)
+
+
+def read_rank_state(ckpt_dir, src: int) -> dict:
+    """Saved rank ``src``'s state (:func:`save_rank_state`), read without running code; a
+    missing or unreadable file raises :class:`CheckpointError` naming it (never a silent
+    reset of that rank's generators and ``client_state``)."""
     path = rank_state_path(ckpt_dir, src)
-    if not os.path.isfile(path):
-        return None, {}
+    sd = safe_load(path)
+    if not isinstance(sd, dict) or not {"torch", "python", "numpy", "client_state"} <= sd.keys():
+        raise CheckpointError(f"{path}: not a ds_autoplan rank state (generators, client_state)")
+    return sd
+
+
+def apply_rank_state(sd: dict) -> tuple:
+    """Continue the generators :func:`read_rank_state` read; returns its ``client_state``."""
     import numpy as np
-    sd = torch.load(path, weights_only=False)
     RngState.from_state_dict(sd["torch"]).restore()
     random.setstate(sd["python"])
-    np.random.set_state(sd["numpy"])
-    return src, sd["client_state"]
+    name, keys, pos, has_gauss, gauss = sd["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    return sd["client_state"]
+
+
+def check_files(ckpt_dir) -> int:
+    """Verify every file of ``ckpt_dir`` against its manifest (sizes and sha256); returns
+    how many files it lists, raises :class:`CheckpointError` naming each missing, truncated,
+    changed or unlisted file."""
+    problems = verify(ckpt_dir)
+    if problems:
+        raise CheckpointError(f"checkpoint {ckpt_dir} is damaged: " + "; ".join(problems))
+    return len(read_manifest(ckpt_dir))
 
 
 def describe(ckpt_dir) -> str:
-    """Human-readable summary: framework, step, the plan it was saved under, optimizer."""
+    """Human-readable summary: framework, step, the plan it was saved under, optimizer, and
+    the verification of its files against the manifest."""
     meta = read_meta(ckpt_dir)
+    files = check_files(ckpt_dir)
     p = meta["plan"] or {}
     opts = p.get("schedule_options") or {}
     counters = "".join(f", {k} {v}" for k, v in (meta.get("counters") or {}).items())
@@ -194,10 +231,12 @@ def describe(ckpt_dir) -> str:
              f"global batch {p.get('global_batch_size')}",
              f"optimizer {meta['optimizer']['class']} {meta['optimizer']['param_groups']}, "
              f"lr scheduler {meta.get('lr_scheduler')}",
+             f"files: {files} verified against {MANIFEST} (size and sha256 of each)",
              "loads under any plan for the same model (schedule, partition, pp, dp, ZeRO 0/1)"]
     return "\n".join(lines)
 
 
-__all__ = ["CheckpointError", "FORMAT", "META", "TRAIN_STATE", "describe", "load_scheduler",
-           "load_train_state", "rank_state_path", "read_meta", "restore_param_groups",
-           "restore_rank_state", "save_rank_state", "save_train_state", "state_path", "write_meta"]
+__all__ = ["CheckpointError", "FORMAT", "META", "TRAIN_STATE", "apply_rank_state", "check_files",
+           "describe", "load_scheduler", "load_train_state", "rank_state_path", "rank_state_source",
+           "read_meta", "read_rank_state", "restore_param_groups", "save_rank_state",
+           "save_train_state", "state_path", "write_meta"]

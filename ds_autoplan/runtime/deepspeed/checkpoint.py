@@ -30,9 +30,12 @@ import torch.distributed as dist
 
 from deepspeed.utils import logger
 
-from ..checkpoint import (META, CheckpointError, load_scheduler, load_train_state, read_meta,
-                          restore_param_groups, restore_rank_state, save_rank_state,
-                          save_train_state, state_path, write_meta)
+from ..checkpoint import (META, CheckpointError, apply_rank_state, load_scheduler,
+                          load_train_state, rank_state_source, read_meta, read_rank_state,
+                          restore_param_groups, save_rank_state, save_train_state, state_path,
+                          write_meta)
+from ..checkpoint_files import (SafeFiles, agree, resolve, safe_load, save_atomically, torch_save,
+                                verify_before_load, write_latest)
 
 MASTER = "fp32"      # key of the fp32 master weight in a parameter's saved state
 
@@ -86,29 +89,34 @@ def _copied(state: dict) -> dict:
 def save_checkpoint(engine, save_dir, step: int | None = None, plan=None, client_state=None) -> None:
     """Write ``engine``'s weights, fp32 masters and optimizer state, keyed by global layer, its
     learning-rate scheduler, step counters, random generators (per rank) and ``client_state``
-    (each rank its own), and the plan it runs (call on every rank)."""
+    (each rank its own), and the plan it runs (call on every rank).  ``save_dir`` appears
+    complete or not at all, and an existing one stays intact until the new copy is complete
+    (:func:`ds_autoplan.runtime.checkpoint_files.save_atomically`)."""
     mod = engine.module
     if not hasattr(mod, "local_layers"):
         raise CheckpointError("save_checkpoint needs an engine from ds_autoplan.initialize")
     zero = _zero_optimizer(engine)           # refuses an unsupported optimizer before writing
-    os.makedirs(save_dir, exist_ok=True)
-    mod.save_state_dict(save_dir, checkpoint_engine=engine.checkpoint_engine)   # DeepSpeed's files
     keys, scalars = _state_keys(zero) if zero is not None else ([], {})
     per_layer: dict = {}
-    for i, name, p in _params(engine):
+    for i, name, p in _params(engine):       # collective under ZeRO: before any file is written
         per_layer.setdefault(i, {})[name] = _saved_state(engine, zero, p, keys, scalars)
-    if engine.grid.data_parallel_id == 0:
-        for i, states in per_layer.items():
-            torch.save(states, state_path(save_dir, i))
-    save_rank_state(save_dir, client_state)
-    if dist.get_rank() == 0:
-        save_train_state(save_dir, scheduler=engine.lr_scheduler, optimizer=engine.optimizer)
-        write_meta(save_dir, framework="deepspeed", step=engine.global_steps if step is None else step,
-                   plan=plan if plan is not None else engine._config.pipeline.get("autoplan"),
-                   num_layers=len(mod._layer_specs), optimizer=engine.optimizer,
-                   scheduler=engine.lr_scheduler, counters={"global_samples": engine.global_samples,
-                             "skipped_steps": engine.skipped_steps})
-    dist.barrier()
+
+    def write(folder):
+        mod.save_state_dict(folder, checkpoint_engine=SafeFiles(engine.checkpoint_engine))
+        if engine.grid.data_parallel_id == 0:
+            for i, states in per_layer.items():
+                torch_save(states, state_path(folder, i))
+        save_rank_state(folder, client_state)
+        if dist.get_rank() == 0:
+            save_train_state(folder, scheduler=engine.lr_scheduler, optimizer=engine.optimizer)
+            write_meta(folder, framework="deepspeed",
+                       step=engine.global_steps if step is None else step,
+                       plan=plan if plan is not None else engine._config.pipeline.get("autoplan"),
+                       num_layers=len(mod._layer_specs), optimizer=engine.optimizer,
+                       scheduler=engine.lr_scheduler,
+                       counters={"global_samples": engine.global_samples,
+                                 "skipped_steps": engine.skipped_steps})
+    save_atomically(save_dir, write)
 
 
 def _restore_zero(zero, saved, params, with_state: bool) -> None:
@@ -143,23 +151,66 @@ def _restore_plain(optimizer, saved, params, with_state: bool) -> None:
             optimizer.state[p] = _copied({k: v for k, v in st.items() if k != MASTER})
 
 
-def _saved_states(engine, load_dir) -> tuple[dict, list]:
-    """``{(layer, name): saved state}`` and ``[((layer, name), parameter)]`` of this rank."""
-    saved, params = {}, []
-    for i, name, p in _params(engine):
+def _read_states(engine, load_dir) -> dict:
+    """This rank's saved per-layer states, ``{(layer, name): state}``."""
+    saved = {}
+    for i, name, _ in _params(engine):
         if i not in saved:
-            saved[i] = torch.load(state_path(load_dir, i), weights_only=False)
-        if name not in saved[i]:
-            raise CheckpointError(f"{load_dir}: layer {i} has no state for parameter {name!r}")
-        params.append(((i, name), p))
-    return {(i, n): s for i, states in saved.items() for n, s in states.items()}, params
+            saved[i] = safe_load(state_path(load_dir, i))
+        if not isinstance(saved[i], dict) or name not in saved[i]:
+            raise CheckpointError(f"{state_path(load_dir, i)}: no state for parameter {name!r} "
+                                  f"of layer {i}")
+    return {(i, n): s for i, states in saved.items() for n, s in states.items()}
 
 
-def _restore_training(engine, load_dir, meta, optimizer_states: bool, lr_scheduler_states: bool) -> dict:
+def _read_weights(mod, load_dir) -> dict:
+    """The layer files DeepSpeed's ``load_state_dir`` will ask for (every local chunk), read
+    now with :func:`safe_load`."""
+    out = {}
+
+    def read():
+        for idx, layer in enumerate(mod.forward_funcs):
+            if not hasattr(layer, "load_state_dict"):
+                continue
+            paths = mod.ckpt_layer_path_list(load_dir, idx)
+            if not paths:
+                raise CheckpointError(f"{load_dir}: no weights file for layer "
+                                      f"{idx + mod._local_start} (layer_{idx + mod._local_start:02d}"
+                                      "-*model_states.pt)")
+            out.update((path, safe_load(path)) for path in paths)
+    mod._each_chunk(read)
+    return out
+
+
+def _read_all(engine, load_dir, meta, module_only: bool) -> dict:
+    """Every file this rank's load needs, read without running code before anything is
+    applied: all ranks agree on success first, so one bad file stops every rank with the
+    same line instead of leaving the others waiting in a collective."""
+    exc, out = None, {}
+    try:
+        out["weights"] = _read_weights(engine.module, load_dir)
+        out["states"] = _read_states(engine, load_dir)
+        if not module_only:
+            out["train"] = load_train_state(load_dir)
+            out["rng_from_rank"] = rank_state_source(meta)
+            out["rank"] = read_rank_state(load_dir, out["rng_from_rank"])
+    except CheckpointError as e:
+        exc = e
+    agree(exc, f"cannot load {load_dir}")
+    return out
+
+
+def _params_of(engine) -> list:
+    """``[((layer, name), parameter)]`` of this rank."""
+    return [((i, name), p) for i, name, p in _params(engine)]
+
+
+def _restore_training(engine, files, meta, optimizer_states: bool, lr_scheduler_states: bool,
+                      load_dir) -> dict:
     """Parameter-group hyperparameters (with the optimizer state, as DeepSpeed's
     ``optimizer.load_state_dict`` restores them), scheduler, step counters and this rank's
     state (generators; returns its ``client_state``)."""
-    train = load_train_state(load_dir)
+    train = files["train"]
     if optimizer_states:
         restore_param_groups(engine.optimizer, train["param_groups"], load_dir)
     if lr_scheduler_states:
@@ -168,8 +219,8 @@ def _restore_training(engine, load_dir, meta, optimizer_states: bool, lr_schedul
     engine.global_steps = meta["step"]
     engine.global_samples = counters.get("global_samples", meta["step"] * engine.train_batch_size())
     engine.skipped_steps = counters.get("skipped_steps", 0)
-    meta["rng_from_rank"], client_state = restore_rank_state(load_dir, meta)
-    return client_state
+    meta["rng_from_rank"] = files["rng_from_rank"]
+    return apply_rank_state(files["rank"])
 
 
 def load_checkpoint(engine, load_dir, *, optimizer_states: bool = True,
@@ -181,21 +232,25 @@ def load_checkpoint(engine, load_dir, *, optimizer_states: bool = True,
     Weights, fp32 masters, optimizer state, the learning-rate scheduler (with the parameter
     groups' lr as it left them) and the step counters (``global_steps``, ``global_samples``,
     ``skipped_steps``) continue exactly under any plan.  Random generators: each rank continues
-    saved rank ``rank % saved world size`` (:func:`ds_autoplan.runtime.checkpoint.restore_rank_state`):
+    saved rank ``rank % saved world size`` (:func:`ds_autoplan.runtime.checkpoint.rank_state_source`):
     dropout is reproduced exactly under the same plan only.  ``module_only``: weights and fp32
     masters only (a warm start: no optimizer, scheduler, counters or generators)."""
     mod = engine.module
+    load_dir = resolve(load_dir)
     meta = read_meta(load_dir, framework="deepspeed", num_layers=len(mod._layer_specs))
     zero = _zero_optimizer(engine)
-    mod.load_state_dir(load_dir, checkpoint_engine=engine.checkpoint_engine)    # strict: same model
-    saved, params = _saved_states(engine, load_dir)
+    verify_before_load(load_dir)
+    files = _read_all(engine, load_dir, meta, module_only)
+    mod.load_state_dir(load_dir, checkpoint_engine=SafeFiles(engine.checkpoint_engine,
+                                                              files["weights"]))   # strict: same model
+    params = _params_of(engine)
     with_state = optimizer_states and not module_only
     if zero is not None:
-        _restore_zero(zero, saved, params, with_state)
+        _restore_zero(zero, files["states"], params, with_state)
     else:
-        _restore_plain(engine.optimizer, saved, params, with_state)
+        _restore_plain(engine.optimizer, files["states"], params, with_state)
     meta["client_state"] = {} if module_only else \
-        _restore_training(engine, load_dir, meta, optimizer_states, lr_scheduler_states)
+        _restore_training(engine, files, meta, optimizer_states, lr_scheduler_states, load_dir)
     dist.barrier()
     return meta
 
@@ -218,11 +273,17 @@ def engine_save(engine, save_dir, tag=None, client_state=None, save_latest=True,
                               "checkpoints; use DeepSpeed's default checkpoint engine")
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     engine._checkpoint_tag_validation(tag)      # DeepSpeed's: the same tag on every rank
+    if not tag or tag in (".", "..") or os.sep in tag or tag.startswith("."):
+        raise CheckpointError(f"checkpoint tag {tag!r}: a tag is one folder name (no "
+                              f"{os.sep!r}, not hidden)")
     save_checkpoint(engine, os.path.join(save_dir, tag), client_state=client_state)
+    exc = None
     if save_latest and dist.get_rank() == 0:
-        with open(os.path.join(save_dir, "latest"), "w") as fh:
-            fh.write(tag)
-    dist.barrier()
+        try:                                    # only once the tag is complete, atomically
+            write_latest(save_dir, tag)
+        except OSError as e:
+            exc = CheckpointError(f"cannot write {os.path.join(save_dir, 'latest')}: {e}")
+    agree(exc, "saving the checkpoint's latest file failed")
     return True
 
 
@@ -230,11 +291,19 @@ def _tagged_dir(load_dir, tag):
     """The folder ``engine_load`` reads: ``load_dir/tag``, else the tag in ``load_dir/latest``,
     else ``load_dir`` itself when :func:`save_checkpoint` wrote it; None when there is none."""
     if tag is not None:
-        return os.path.join(load_dir, str(tag))
+        return resolve(os.path.join(load_dir, str(tag)))
     latest = os.path.join(load_dir, "latest")
     if os.path.isfile(latest):
-        with open(latest) as fh:
-            return os.path.join(load_dir, fh.read().strip())
+        with open(latest, "rb") as fh:
+            try:
+                tag = fh.read().decode().strip()
+            except UnicodeDecodeError:
+                raise CheckpointError(f"{latest}: not a tag name (not text)") from None
+        path = resolve(os.path.join(load_dir, tag))
+        if not tag or os.sep in tag or not os.path.isdir(path):
+            raise CheckpointError(f"{latest} names {tag!r}, which is not a checkpoint folder in "
+                                  f"{load_dir}")
+        return path
     return load_dir if os.path.isfile(os.path.join(load_dir, META)) else None
 
 

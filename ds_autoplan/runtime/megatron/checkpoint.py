@@ -13,12 +13,14 @@ DeepSpeed runtime.
 """
 from __future__ import annotations
 
-import os
 
 import torch.distributed as dist
 
-from ..checkpoint import (load_scheduler, load_train_state, read_meta, restore_rank_state,
-                          save_rank_state, save_train_state, write_meta)
+from ..checkpoint import (apply_rank_state, load_scheduler, load_train_state, rank_state_source,
+                          read_meta, read_rank_state, save_rank_state, save_train_state,
+                          write_meta)
+from ..checkpoint_files import (CheckpointError, agree, check_dcp_metadata, fault_point,
+                                no_code_on_load, resolve, save_atomically, verify_before_load)
 from .shim import cpu_shim
 
 
@@ -76,19 +78,21 @@ def save_checkpoint(chunks, optimizer, save_dir, *, plan, step: int, scheduler=N
     """Write the model chunks and the Megatron optimizer of this rank with
     ``dist_checkpointing.save``, the plan's metadata, ``scheduler`` (Megatron-core's
     ``OptimizerParamScheduler`` or anything with ``state_dict``) and each rank's
-    ``client_state`` and random generators (call on every rank)."""
+    ``client_state`` and random generators (call on every rank).  ``save_dir`` appears complete
+    or not at all, and an existing one stays intact until the new copy is complete
+    (:func:`ds_autoplan.runtime.checkpoint_files.save_atomically`)."""
     from megatron.core import dist_checkpointing
-    if dist.get_rank() == 0:
-        os.makedirs(save_dir, exist_ok=True)
-    dist.barrier()
-    with cpu_shim(remap_cuda_factories=True):     # its writer synchronises CUDA
-        dist_checkpointing.save(_sharded(chunks, optimizer, False), save_dir)
-    save_rank_state(save_dir, client_state)
-    if dist.get_rank() == 0:
-        save_train_state(save_dir, scheduler=scheduler)
-        write_meta(save_dir, framework="megatron", plan=plan, step=step,
-                   num_layers=_num_layers(chunks), optimizer=optimizer, scheduler=scheduler)
-    dist.barrier()
+
+    def write(folder):
+        with cpu_shim(remap_cuda_factories=True):     # its writer synchronises CUDA
+            dist_checkpointing.save(_sharded(chunks, optimizer, False), folder)
+        fault_point("file")
+        save_rank_state(folder, client_state)
+        if dist.get_rank() == 0:
+            save_train_state(folder, scheduler=scheduler)
+            write_meta(folder, framework="megatron", plan=plan, step=step,
+                       num_layers=_num_layers(chunks), optimizer=optimizer, scheduler=scheduler)
+    save_atomically(save_dir, write)
 
 
 def _init_fresh_state(optimizer) -> None:
@@ -157,18 +161,28 @@ def load_checkpoint(chunks, optimizer, load_dir, *, scheduler=None) -> dict:
     The scheduler is loaded after the optimizer: ``OptimizerParamScheduler.load_state_dict``
     sets every parameter group's lr and weight decay for the saved step.  Random generators:
     each rank continues saved rank ``rank % saved world size``
-    (:func:`ds_autoplan.runtime.checkpoint.restore_rank_state`), so dropout is reproduced exactly
+    (:func:`ds_autoplan.runtime.checkpoint.rank_state_source`), so dropout is reproduced exactly
     under the same plan only."""
     from megatron.core import dist_checkpointing
+    load_dir = resolve(load_dir)
     meta = read_meta(load_dir, framework="megatron", num_layers=_num_layers(chunks))
+    verify_before_load(load_dir)
+    exc, train, rank_state = None, None, None
+    meta["rng_from_rank"] = rank_state_source(meta)
+    try:                                  # our files first: every rank agrees they are sound
+        train, rank_state = load_train_state(load_dir), read_rank_state(load_dir, meta["rng_from_rank"])
+        check_dcp_metadata(load_dir)
+    except CheckpointError as e:
+        exc = e
+    agree(exc, f"cannot load {load_dir}")
     _init_fresh_state(optimizer)
-    with cpu_shim(remap_cuda_factories=True):
+    with cpu_shim(remap_cuda_factories=True), no_code_on_load(load_dir):
         loaded = dist_checkpointing.load(_sharded(chunks, optimizer, True), load_dir)
     for c, m in enumerate(chunks):
         _unwrapped(m).load_state_dict(loaded[f"model{c}"])
     _load_optimizer(optimizer, _in_own_layout(loaded["optimizer"], optimizer))
-    load_scheduler(scheduler, load_train_state(load_dir), load_dir)
-    meta["rng_from_rank"], meta["client_state"] = restore_rank_state(load_dir, meta)
+    load_scheduler(scheduler, train, load_dir)
+    meta["client_state"] = apply_rank_state(rank_state)
     dist.barrier()
     return meta
 

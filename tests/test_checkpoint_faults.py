@@ -1,0 +1,540 @@
+"""Fault injection for checkpoints (issue 17, items 1, 3 and 7): SIGKILL at every point of a
+save (one process, and the DeepSpeed runtime on 2 ranks, and Megatron-core's), truncated,
+deleted, changed and unlisted files, crafted pickles in every kind of checkpoint file, and
+concurrent writers.  What must hold: the previous checkpoint stays loadable and ``latest``
+names a complete tag; a damaged checkpoint is refused naming the file; no file runs code on
+load (a crafted object's ``__reduce__`` would create a marker file)."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pathlib
+import pickle
+import shutil
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+from ds_autoplan.runtime import checkpoint_files as cf
+from ds_autoplan.runtime.checkpoint_files import CheckpointError
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+class Marker:
+    """Unpickling it creates ``path``: the proof that a load ran code."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _write(folder, content: str, n: int = 4):
+    for i in range(n):
+        torch.save({"w": torch.full((64,), float(i)), "tag": content}, os.path.join(folder, f"f{i}.pt"))
+        cf.fault_point("file")
+
+
+def _contents(folder) -> set:
+    return {torch.load(os.path.join(folder, f), weights_only=True)["tag"]
+            for f in os.listdir(folder) if f.endswith(".pt")}
+
+
+def _in_child(fn) -> int:
+    """Run ``fn`` in a forked child; its exit status (negative: killed by that signal)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fn()
+        finally:
+            os._exit(0)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def _leftovers(parent) -> list:
+    return [e for e in os.listdir(parent) if ".autoplan-" in e]
+
+
+# -- one process: every kill point of a save -----------------------------------------------
+
+SAVE_POINTS = ["staged", "file:2", "written", "manifest", "installed", "latest-tmp"]
+
+
+@pytest.mark.parametrize("fault", SAVE_POINTS)
+@pytest.mark.parametrize("same_tag", [True, False], ids=["resave-same-tag", "new-tag"])
+def test_sigkill_at_every_point_of_a_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch,
+                                                                         fault, same_tag):
+    """Save tag t1 and ``latest``; a second save (the same tag again, or t2) is SIGKILLed at
+    ``fault``: ``latest`` names a complete tag (t1's content, or the new one when the kill came
+    after its rename) and the next save clears the staging folder the kill left."""
+    def save(tag, content):
+        cf.save_atomically(tmp_path / tag, lambda d: _write(d, content))
+        cf.write_latest(tmp_path, tag)
+    save("t1", "old")
+    monkeypatch.setenv("DS_AUTOPLAN_CHECKPOINT_FAULT", fault)
+    tag2 = "t1" if same_tag else "t2"
+    assert _in_child(lambda: save(tag2, "new")) == -signal.SIGKILL
+    latest = (tmp_path / "latest").read_text()
+    assert latest == "t1" and cf.verify(tmp_path / "t1") == []
+    renamed = fault in ("installed", "latest-tmp")        # killed after the new tag was in place
+    assert _contents(tmp_path / "t1") == ({"new"} if same_tag and renamed else {"old"})
+    if not same_tag:
+        assert (tmp_path / "t2").exists() == renamed
+        assert not renamed or (cf.verify(tmp_path / "t2") == [] and _contents(tmp_path / "t2") == {"new"})
+    monkeypatch.delenv("DS_AUTOPLAN_CHECKPOINT_FAULT")
+    save(tag2, "third")
+    assert _contents(tmp_path / tag2) == {"third"} and _leftovers(tmp_path) == []
+
+
+def test_a_kill_between_the_two_renames_of_the_fallback_swap_keeps_the_old_copy(tmp_path, monkeypatch):
+    """Without an atomic exchange (file systems lacking RENAME_EXCHANGE) the old tag is moved
+    aside first: killed then, loading finds the old copy (``resolve``), and the next save puts
+    it back before replacing it."""
+    monkeypatch.setattr(cf, "exchange", lambda a, b: False)
+    final = tmp_path / "t1"
+    cf.save_atomically(final, lambda d: _write(d, "old"))
+    monkeypatch.setenv("DS_AUTOPLAN_CHECKPOINT_FAULT", "between-renames")
+    assert _in_child(lambda: cf.save_atomically(final, lambda d: _write(d, "new"))) == -signal.SIGKILL
+    assert not final.exists()
+    found = cf.resolve(final)
+    assert cf.verify(found) == [] and _contents(found) == {"old"}
+    monkeypatch.delenv("DS_AUTOPLAN_CHECKPOINT_FAULT")
+    cf.save_atomically(final, lambda d: _write(d, "new"))
+    assert _contents(final) == {"new"} and _leftovers(tmp_path) == []
+
+
+def test_sigkill_at_random_moments_of_slow_saves(tmp_path, monkeypatch):
+    """An outside SIGKILL at random moments of a slowed save of the same tag: every time the
+    tag verifies and holds one whole save's content."""
+    import random
+    rng = random.Random(7)
+    final = tmp_path / "t"
+    cf.save_atomically(final, lambda d: _write(d, "s0"))
+    monkeypatch.setenv("DS_AUTOPLAN_CHECKPOINT_DELAY", "0.02")
+    for i in range(1, 9):
+        pid = os.fork()
+        if pid == 0:
+            cf.save_atomically(final, lambda d, i=i: _write(d, f"s{i}"))
+            os._exit(0)
+        time.sleep(rng.uniform(0.0, 0.25))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        assert cf.verify(cf.resolve(final)) == [], i
+        assert len(_contents(cf.resolve(final))) == 1
+
+
+def test_concurrent_writers_leave_one_complete_checkpoint(tmp_path, monkeypatch):
+    """Two processes saving the same tag and ``latest`` at once (slowed to overlap): the tag
+    verifies and holds one writer's whole content, no staging folder is left."""
+    monkeypatch.setenv("DS_AUTOPLAN_CHECKPOINT_DELAY", "0.01")
+
+    def writer(content):
+        def run():
+            for _ in range(3):
+                cf.save_atomically(tmp_path / "t", lambda d: _write(d, content))
+                cf.write_latest(tmp_path, "t")
+        return run
+    pids = []
+    for c in ("a", "b"):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                writer(c)()
+                os._exit(0)
+            except BaseException:
+                os._exit(1)
+        pids.append(pid)
+    assert [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids] == [0, 0]
+    assert cf.verify(tmp_path / "t") == [] and len(_contents(tmp_path / "t")) == 1
+    assert (tmp_path / "latest").read_text() == "t" and _leftovers(tmp_path) == []
+
+
+def test_a_failing_writer_leaves_the_existing_checkpoint_and_no_staging(tmp_path):
+    cf.save_atomically(tmp_path / "t", lambda d: _write(d, "old"))
+
+    def bad(d):
+        _write(d, "new", n=2)
+        raise OSError(28, "No space left on device")
+    with pytest.raises(OSError, match="No space left"):
+        cf.save_atomically(tmp_path / "t", bad)
+    assert _contents(tmp_path / "t") == {"old"} and _leftovers(tmp_path) == []
+
+
+def test_a_checkpoint_target_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "t").write_text("mine")
+    with pytest.raises(CheckpointError, match="exists and is not a folder"):
+        cf.save_atomically(tmp_path / "t", lambda d: _write(d, "x"))
+    assert (tmp_path / "t").read_text() == "mine"
+
+
+def test_saved_folders_follow_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        cf.save_atomically(tmp_path / "t", lambda d: _write(d, "x"))
+        cf.write_latest(tmp_path, "t")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "t").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "latest").stat().st_mode & 0o777 == 0o644
+
+
+# -- verification: each damaged file named ---------------------------------------------------
+
+@pytest.fixture
+def sealed(tmp_path):
+    cf.save_atomically(tmp_path / "c", lambda d: _write(d, "x"))
+    return tmp_path / "c"
+
+
+def test_truncated_deleted_changed_and_unlisted_files_are_named(sealed):
+    with open(sealed / "f0.pt", "r+b") as f:
+        f.truncate(100)
+    (sealed / "f1.pt").unlink()
+    data = bytearray((sealed / "f2.pt").read_bytes())
+    data[-30] ^= 0xFF
+    (sealed / "f2.pt").write_bytes(bytes(data))
+    (sealed / "layer_09-model_00-model_states.pt").write_bytes(b"planted")
+    problems = cf.verify(sealed)
+    assert any(p.startswith(f"{sealed / 'f0.pt'}: truncated: 100 bytes") for p in problems), problems
+    assert f"{sealed / 'f1.pt'}: missing (listed in manifest.json)" in problems
+    assert any(p.startswith(f"{sealed / 'f2.pt'}: checksum mismatch") for p in problems)
+    assert f"{sealed / 'layer_09-model_00-model_states.pt'}: not listed in manifest.json" in problems
+    assert len(problems) == 4
+
+
+def test_a_truncated_file_read_directly_is_one_line_naming_it(sealed):
+    with open(sealed / "f0.pt", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointError) as e:
+        cf.safe_load(sealed / "f0.pt")
+    assert str(e.value).startswith(f"{sealed / 'f0.pt'}: truncated or damaged") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("content,why", [(b"{not json", "not valid JSON"), (b"[1, 2]", "not a ds_autoplan manifest"),
+                                         (b"\xff\xfe", "not valid JSON")])
+def test_a_malformed_manifest_is_one_line(sealed, content, why):
+    (sealed / "manifest.json").write_bytes(content)
+    with pytest.raises(CheckpointError, match=why):
+        cf.verify(sealed)
+
+
+def test_a_missing_manifest_means_an_incomplete_save(sealed):
+    (sealed / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="has no manifest.json: its save did not complete"):
+        cf.verify(sealed)
+
+
+# -- no code on load ---------------------------------------------------------------------------
+
+def test_a_crafted_pickle_is_refused_naming_the_file_and_runs_nothing(tmp_path):
+    marker = tmp_path / "MARKER"
+    torch.save({"state": {"x": Marker(marker)}}, tmp_path / "evil.pt")
+    with pytest.raises(CheckpointError, match=r"evil.pt: refused: .*could run code .*GLOBAL io.open"):
+        cf.safe_load(tmp_path / "evil.pt")
+    assert not marker.exists()
+
+
+def test_client_state_that_could_not_load_safely_is_refused_at_save(tmp_path):
+    with pytest.raises(CheckpointError, match="client_state holds an object other than tensors"):
+        cf.loadable_without_code({"cb": Marker(tmp_path / "m")}, "client_state")
+    cf.loadable_without_code({"epoch": 3, "t": torch.ones(2), "betas": (0.9, 0.99), "x": None},
+                             "client_state")
+
+
+def test_megatron_dist_checkpointing_reads_run_no_code(tmp_path):
+    """Inside ``no_code_on_load``: DCP's ``.metadata`` (a plain pickle torch reads with
+    ``pickle.load``), Megatron's ``common.pt`` and DCP's non-tensor items (``torch.load(...,
+    weights_only=False)`` in torch's DefaultLoadPlanner) are refused with the file named."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    marker = tmp_path / "MARKER"
+    with open(tmp_path / ".metadata", "wb") as f:
+        pickle.dump(Marker(marker), f, protocol=4)
+    with pytest.raises(CheckpointError, match=r"\.metadata: refused: .*builtins\.open|io\.open"):
+        with cf.no_code_on_load(tmp_path):
+            FileSystemReader(str(tmp_path)).read_metadata()
+    torch.save({"x": Marker(marker)}, tmp_path / "common.pt")
+    with pytest.raises(CheckpointError, match=r"common.pt: refused"):
+        with cf.no_code_on_load(tmp_path):
+            torch.load(str(tmp_path / "common.pt"), map_location="cpu")     # as Megatron does
+    buf = io.BytesIO()
+    torch.save(Marker(marker), buf)
+    buf.seek(0)
+    planner = DefaultLoadPlanner()
+    planner.flatten_state_dict, planner.state_dict = False, {}
+
+    class Item:
+        class dest_index:
+            fqn = "x"
+    with pytest.raises(CheckpointError, match="a non-tensor item of a .distcp file: refused"):
+        with cf.no_code_on_load(tmp_path):
+            planner.load_bytes(Item, buf)
+    assert not marker.exists()
+    assert torch.load is cf._NoCodeLoad.__init__.__globals__["torch"].load   # put back
+
+
+def test_real_dcp_metadata_passes_the_allow_list(tmp_path):
+    """A DCP checkpoint torch writes (tensors and a non-tensor item) loads through the guard."""
+    import torch.distributed.checkpoint as dcp
+    sd = {"w": torch.arange(6.0).reshape(2, 3), "extra": {"lr": 0.1, "name": "adam"}}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    out = {"w": torch.zeros(2, 3), "extra": {"lr": 0.0, "name": ""}}
+    with cf.no_code_on_load(tmp_path / "d"):
+        dcp.load(out, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    assert torch.equal(out["w"], sd["w"]) and out["extra"] == sd["extra"]
+
+
+# -- the CLI -----------------------------------------------------------------------------------
+
+def _info(path, capsys):
+    from ds_autoplan.cli import main
+    rc = main(["checkpoint", "info", str(path)])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def _meta_checkpoint(tmp_path):
+    from ds_autoplan.runtime.checkpoint import META
+
+    def write(d):
+        _write(d, "x")
+        (pathlib.Path(d) / META).write_text(json.dumps({
+            "format": 1, "framework": "deepspeed", "step": 1, "num_layers": 2, "world_size": 1,
+            "counters": {}, "plan": {}, "optimizer": {"class": "Adam", "param_groups": []},
+            "lr_scheduler": None}))
+    cf.save_atomically(tmp_path / "c", write)
+    return tmp_path / "c"
+
+
+def test_checkpoint_info_verifies_the_files(tmp_path, capsys):
+    ck = _meta_checkpoint(tmp_path)
+    rc, out, _ = _info(ck, capsys)
+    assert rc == 0 and "files: 5 verified against manifest.json" in out
+    with open(ck / "f3.pt", "r+b") as f:
+        f.truncate(10)
+    rc, out, err = _info(ck, capsys)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert f"{ck / 'f3.pt'}: truncated: 10 bytes" in err
+
+
+@pytest.mark.parametrize("content", ["{\"format\": 1, ", "[]", "\x00\x01"])
+def test_checkpoint_info_on_malformed_metadata_is_one_line(tmp_path, capsys, content):
+    from ds_autoplan.runtime.checkpoint import META
+    ck = _meta_checkpoint(tmp_path)
+    (ck / META).write_text(content)
+    rc, out, err = _info(ck, capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and META in err, err
+    assert "Traceback" not in err
+
+
+# -- the DeepSpeed runtime on 2 ranks ----------------------------------------------------------
+
+WORKER = str(HERE / "checkpoint_faults_deepspeed.py")
+RESULT = "AUTOPLAN_RESULT "
+# (name, tag of the second save, fault): a kill of rank 1 while it writes its files, of rank 0
+# after every rank wrote (before the manifest), after the manifest (before the rename), after
+# the rename (before ``latest``), while ``latest`` is replaced
+DS_KILLS = [("resave-rank1-writing", "t1", "file:2@1"), ("resave-before-manifest", "t1", "written@0"),
+            ("resave-before-rename", "t1", "manifest@0"), ("newtag-before-latest", "t2", "installed@0"),
+            ("newtag-writing-latest", "t2", "latest-tmp@0")]
+
+
+def _rows(out):
+    return [json.loads(ln[len(RESULT):]) for ln in out.splitlines() if ln.startswith(RESULT)]
+
+
+@pytest.fixture(scope="module")
+def ds_kills(tmp_path_factory):
+    """Each kill scenario's folder and the digests rank 0 printed before the kill."""
+    pytest.importorskip("deepspeed")
+    from ds_autoplan.runtime.launch import spawn
+    root = tmp_path_factory.mktemp("ds-kills")
+    out = {}
+    for name, tag2, fault in DS_KILLS:
+        outs = spawn([WORKER, "save", str(root / name), tag2, fault], 2, timeout=300, grace=5)
+        assert any(rc == -signal.SIGKILL for rc, _ in outs), outs[0][1][-3000:]
+        out[name] = {r["saved"]: r for r in _rows(outs[0][1])}
+        assert "t1" in out[name], outs[0][1][-3000:]
+    return root, out
+
+
+def _layer_file(folder, layer: int) -> str:
+    """DeepSpeed's weights file of ``layer`` (``layer_XX-[model_YY-]model_states.pt``)."""
+    (path,) = pathlib.Path(folder).glob(f"layer_{layer:02d}-*model_states.pt")
+    return path.name
+
+
+def _plant(src, dst, rel, obj):
+    """Copy checkpoint ``src`` to ``dst`` with ``rel`` replaced by ``torch.save(obj)`` and the
+    manifest re-sealed (as an attacker who rewrites it would)."""
+    shutil.copytree(src, dst)
+    torch.save(obj, dst / rel)
+    (dst / "manifest.json").unlink()
+    cf._seal(str(dst))
+
+
+@pytest.fixture(scope="module")
+def ds_loads(ds_kills):
+    """One 2-rank process group loads every kill scenario's ``latest`` and every damaged or
+    crafted copy of a good checkpoint."""
+    from ds_autoplan.runtime.launch import spawn
+    root, _ = ds_kills
+    good = root / "newtag-before-latest" / "t1"
+    marker = root / "MARKER"
+    cases = [{"name": n, "dir": str(root / n)} for n, _, _ in DS_KILLS]
+    cases += [{"name": n + ":t2", "dir": str(root / n), "tag": "t2"} for n, t, _ in DS_KILLS if t == "t2"]
+    bad = root / "bad"
+    bad.mkdir()
+    evil = {"x": Marker(marker)}
+    for name, rel, obj in [("evil-rank-state", "autoplan_rank_00001.pt", evil),
+                           ("evil-train-state", "autoplan_train_state.pt", evil),
+                           ("evil-layer-state", "layer_02-autoplan_states.pt", evil),
+                           ("evil-layer-weights", _layer_file(good, 1), evil)]:
+        _plant(good, bad / name, rel, obj)
+        cases.append({"name": name, "dir": str(bad / name)})
+    for name, rel, how in [("truncated-weights", _layer_file(good, 3), "truncate"),
+                           ("deleted-rank-state", "autoplan_rank_00001.pt", "delete"),
+                           ("deleted-train-state", "autoplan_train_state.pt", "delete")]:
+        shutil.copytree(good, bad / name)
+        if how == "truncate":
+            with open(bad / name / rel, "r+b") as f:
+                f.truncate(200)
+        else:
+            (bad / name / rel).unlink()
+        cases.append({"name": name, "dir": str(bad / name)})
+    (root / "cases.json").write_text(json.dumps(cases))
+    outs = spawn([WORKER, "load", str(root / "cases.json")], 2, timeout=300, grace=5)
+    assert all(rc == 0 for rc, _ in outs), outs[0][1][-3000:] + outs[1][1][-3000:]
+    rows = {(r["name"], r["rank"]): r for _, o in outs for r in _rows(o)}
+    return rows, marker
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name,tag2,fault", DS_KILLS, ids=[k[0] for k in DS_KILLS])
+def test_deepspeed_rank_killed_during_save_leaves_latest_loadable(ds_kills, ds_loads, name, tag2, fault):
+    """Rank 0 or 1 SIGKILLed inside ``engine.save_checkpoint``: ``latest`` names a complete
+    tag, which loads on 2 ranks with the weights it was saved with."""
+    root, digests = ds_kills
+    rows, _ = ds_loads
+    assert (root / name / "latest").read_text() == "t1"       # the kill came before latest moved
+    assert cf.verify(root / name / "t1") == []
+    for r in range(2):
+        row, saved = rows[(name, r)], digests[name]["t1"] if r == 0 else None
+        assert "error" not in row, row
+        assert row["path"] == str(root / name / "t1") and row["step"] == 1
+        assert row["client_state"] == {"epoch": 1}
+        if saved is not None:                                  # rank 0's layers as saved
+            assert row["digest"] == pytest.approx(saved["digest"], rel=1e-12)
+    if tag2 == "t2":        # killed after its rename: the new tag is complete too
+        assert cf.verify(root / name / "t2") == []
+        assert rows[(name + ":t2", 0)]["step"] == 2
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["evil-rank-state", "evil-train-state", "evil-layer-state",
+                                  "evil-layer-weights"])
+def test_deepspeed_crafted_pickle_in_any_checkpoint_file_is_refused(ds_loads, name):
+    """A pickled object in a rank state, the train state, a layer's optimizer state or one of
+    DeepSpeed's per-layer weight files (manifest re-sealed to match): both ranks stop with one
+    line naming the file (also the rank that does not read it), the marker never appears."""
+    rows, marker = ds_loads
+    for r in range(2):
+        err = rows[(name, r)].get("error", "")
+        assert "refused" in err and "could run code" in err and "\n" not in err, rows[(name, r)]
+    assert not marker.exists()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name,file", [("truncated-weights", "model_states.pt: truncated"),
+                                       ("deleted-rank-state", "autoplan_rank_00001.pt: missing"),
+                                       ("deleted-train-state", "autoplan_train_state.pt: missing")])
+def test_deepspeed_damaged_checkpoint_is_refused_naming_the_file(ds_loads, name, file):
+    rows, _ = ds_loads
+    for r in range(2):
+        err = rows[(name, r)].get("error", "")
+        assert err.startswith("checkpoint ") and file in err, rows[(name, r)]
+
+
+# -- the Megatron-core runtime on 2 ranks ------------------------------------------------------
+
+M_WORKER = str(HERE / "checkpoint_faults_megatron.py")
+
+
+def _launch(cases, root, world=2):
+    """Every rank's output of ``cases`` run through ds_autoplan.runtime.launch's worker."""
+    from ds_autoplan.runtime.launch import spawn
+    path = root / f"cases-{len(list(root.glob('cases-*')))}.json"
+    path.write_text(json.dumps(cases))
+    return spawn(["-m", "ds_autoplan.runtime.launch", str(path)], world, timeout=400, grace=5)
+
+
+@pytest.fixture(scope="module")
+def megatron_faults(tmp_path_factory):
+    """A Megatron checkpoint re-saved in place and SIGKILLed on rank 1 after
+    dist_checkpointing wrote its files; then one process group loads it and crafted and
+    damaged copies of it."""
+    pytest.importorskip("megatron.core")
+    root = tmp_path_factory.mktemp("megatron-faults")
+    ck = root / "ck"
+    outs = _launch([{"fn": M_WORKER + ":killed_resave", "dir": str(ck), "fault": "file@1"}], root)
+    assert any(rc == -signal.SIGKILL for rc, _ in outs), outs[0][1][-3000:]
+    saved = [r for r in _rows(outs[0][1]) if r.get("saved") == 1]
+    assert saved, outs[0][1][-3000:]
+    marker = root / "MARKER"
+    bad = root / "bad"
+    bad.mkdir()
+    cases = [{"name": "killed", "dir": str(ck)}]
+    for name, rel in [("evil-common", "common.pt"), ("evil-rank-state", "autoplan_rank_00001.pt"),
+                      ("evil-train-state", "autoplan_train_state.pt")]:
+        _plant(ck, bad / name, rel, {"x": Marker(marker)})
+        cases.append({"name": name, "dir": str(bad / name)})
+    shutil.copytree(ck, bad / "evil-metadata")           # DCP's metadata: a plain pickle
+    with open(bad / "evil-metadata" / ".metadata", "wb") as f:
+        pickle.dump(Marker(marker), f, protocol=4)
+    (bad / "evil-metadata" / "manifest.json").unlink()
+    cf._seal(str(bad / "evil-metadata"))
+    cases.append({"name": "evil-metadata", "dir": str(bad / "evil-metadata")})
+    shutil.copytree(ck, bad / "truncated")
+    with open(bad / "truncated" / "__1_0.distcp", "r+b") as f:
+        f.truncate(1000)
+    cases.append({"name": "truncated", "dir": str(bad / "truncated")})
+    outs = _launch([dict(c, fn=M_WORKER + ":load") for c in cases], root)
+    assert all(rc == 0 for rc, _ in outs), outs[0][1][-3000:] + outs[1][1][-3000:]
+    rows = {(r["name"], r["rank"]): r for _, o in outs for r in _rows(o)}
+    return rows, saved[0], marker, ck
+
+
+@pytest.mark.multiproc
+def test_megatron_rank_killed_during_resave_leaves_the_previous_checkpoint(megatron_faults):
+    rows, saved, _, ck = megatron_faults
+    assert cf.verify(ck) == []
+    for r in range(2):
+        row = rows[("killed", r)]
+        assert "error" not in row, row
+        assert row["step"] == 1 and row["client_state"] == {"epoch": 1}
+    assert rows[("killed", 0)]["digest"] == pytest.approx(saved["digest"], rel=1e-12)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["evil-metadata", "evil-common", "evil-rank-state", "evil-train-state"])
+def test_megatron_crafted_pickle_in_any_checkpoint_file_is_refused(megatron_faults, name):
+    """DCP's ``.metadata`` (torch reads it with ``pickle.load``), Megatron's ``common.pt``, a
+    rank state, the train state: refused naming the file on both ranks, the marker never made."""
+    rows, _, marker, _ = megatron_faults
+    for r in range(2):
+        err = rows[(name, r)].get("error", "")
+        assert "refused" in err and "could run code" in err and "\n" not in err, rows[(name, r)]
+    assert not marker.exists()
+
+
+@pytest.mark.multiproc
+def test_megatron_truncated_shard_is_refused_naming_it(megatron_faults):
+    rows, _, _, _ = megatron_faults
+    for r in range(2):
+        assert "__1_0.distcp: truncated: 1000 bytes" in rows[("truncated", r)].get("error", ""), rows
