@@ -188,8 +188,9 @@ class Plan:
         return cls.from_dict(d)
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            f.write(self.to_json() + "\n")
+        """Write plan.json atomically (ds_autoplan.outputs.write_file)."""
+        from .outputs import text, write_file
+        write_file(path, text(self.to_json() + "\n"), what="plan")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":

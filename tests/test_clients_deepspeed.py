@@ -111,7 +111,7 @@ def test_plan_is_for_the_scripts_alexnet_and_keeps_its_config(client, autoplan_1
     assert [u["params"] for u in prof["units"] if u["params"]] == [
         23296, 307392, 663936, 884992, 590080, 37752832, 16781312, 40970]       # AlexNet(num_classes=10)
     user = json.loads((CLIENT / "ds_config.json").read_text())
-    cfg = json.loads((client / "ds_autoplan_out" / "ds_config.json").read_text())
+    cfg = json.loads((client / "ds_autoplan_out" / "ds_config.autoplan.json").read_text())
     for k in ("optimizer", "steps_per_print", "wall_clock_breakdown"):
         assert cfg[k] == user[k], k
     assert "gradient_clipping" not in cfg and "bf16" not in cfg and "fp16" not in cfg
@@ -129,7 +129,7 @@ def test_1f1b_losses_equal_deepspeeds_own_engine(client, autoplan_1f1b):
     plan = json.loads((client / "ds_autoplan_out" / "plan.json").read_text())
     cuts = [0, plan["layers_per_stage"][0], 22]
     args = [a if not a.startswith("--deepspeed_config") else
-            f"--deepspeed_config={client / 'ds_autoplan_out' / 'ds_config.json'}" for a in ARGS]
+            f"--deepspeed_config={client / 'ds_autoplan_out' / 'ds_config.autoplan.json'}" for a in ARGS]
     rc, out, ref = _run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
                          "train.py", *args], client, _env(SHIM_PARTS=",".join(map(str, cuts))))
     assert rc == 0, out[-4000:]

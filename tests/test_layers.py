@@ -16,7 +16,8 @@ ROOT = pathlib.Path(ds_autoplan.__file__).resolve().parent
 # Plan, the search's product, under the search.  Packages in one layer are independent.
 LAYERS = [
     {"errors"},                          # user-facing error types
-    {"spec", "schedule"},                # what is trained on what; the schedule vocabulary
+    {"spec", "schedule", "outputs"},     # what is trained on what; the schedule vocabulary;
+                                         # atomic output files (every writing command)
     {"cost", "plan", "profile"},         # cost model; the Plan contract; measured profiles
     {"search", "dynamic"},               # static search (-> Plan); per-step planning
     {"emit", "report"},                  # Plan -> engine configs; reports

@@ -337,7 +337,8 @@ def test_cli_profile_writes_the_per_tensor_partition_report(tmp_path, capsys):
     from ds_autoplan.cli import main
     out, rep = str(tmp_path / "p.json"), tmp_path / "p.policy.json"
     args = ["profile", "module:test_swap.model", "--out", out, "--repeats", "1", "--warmup", "0",
-            "--batch-size", "2", "--stages", "2", "--per-tensor", "--swap-GBps", "1000"]
+            "--batch-size", "2", "--stages", "2", "--per-tensor", "--swap-GBps", "1000",
+            "--policy-out", str(rep)]
     assert main(args) == 0
     from ds_autoplan.profile import Profile
     p = Profile.load(out)

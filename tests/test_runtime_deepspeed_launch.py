@@ -57,7 +57,7 @@ def test_deepspeed_autoplan_end_to_end(tmp_path):
         out = run.stdout + run.stderr
         assert run.returncode == 0, out[-3000:]
         assert "step 1 loss" in out
-        assert (tmp_path / "ds_autoplan_out" / "ds_config.json").exists()
+        assert (tmp_path / "ds_autoplan_out" / "ds_config.autoplan.json").exists()
         assert (tmp_path / "ds_autoplan_out" / "plan.json").exists()
     finally:
         r = _cli("patch", "deepspeed", "--revert", env=env)

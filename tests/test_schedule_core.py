@@ -171,12 +171,14 @@ def test_simulator_properties(d, extra, name, f, b, w, p2p):
 def test_cli_simulate_json_and_errors(tmp_path, capsys):
     from ds_autoplan.cli import main
     assert main(["simulate", "--schedule", "1f1b", "-d", "4", "-n", "8", "--json",
-                 "--plot", str(tmp_path / "g.png")]) == 0
+                 "--plot", str(tmp_path / "g.png"), "--memory-plot", str(tmp_path / "m.svg")]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["peak_activation"] == [4, 3, 2, 1]
     assert out["bubble_ratio"] == pytest.approx(3 / 11)
     assert set(out) >= {"makespan", "bubble_ratio", "peak_activation", "schedule"}
-    assert (tmp_path / "g.png").stat().st_size > 0 and (tmp_path / "g-memory.png").exists()
+    assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "m.svg").read_text().lstrip().startswith("<?xml")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.png", "m.svg"]    # nothing else
     assert main(["simulate", "--compare", "1f1b,gpipe", "-d", "4", "-n", "8", "--json"]) == 0
     cmp_ = json.loads(capsys.readouterr().out)["compare"]
     assert cmp_[1]["peak_ratio"] == 2.0

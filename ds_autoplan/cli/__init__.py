@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as e:
         print(f"ds-autoplan {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+    except OSError as e:       # a missing input, a read-only file system, no permission...
         print(f"ds-autoplan {args.command}: error: {e}", file=sys.stderr)
         return 2
 

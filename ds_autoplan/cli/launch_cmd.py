@@ -13,10 +13,14 @@ import base64
 import json
 import os
 
+from ..emit.deepspeed import MERGED_CONFIG   # the script's ds_config.json is never written
 from . import UserError
 
 PLAN_ENV = "DS_AUTOPLAN_PLAN"
 BOOTSTRAP = "ds_autoplan.clients.bootstrap"
+
+# what a launch writes under --out (ds_autoplan.outputs.write_folder)
+OUT_FILES = ("plan.json", MERGED_CONFIG, "profile.json")
 
 
 def _planner_options(env) -> dict:
@@ -41,10 +45,10 @@ def _plan_model_now(model, cluster, global_batch, pp, schedules, world, out) -> 
     if plan.world != world:
         raise UserError(f"the plan uses {plan.world} ranks (cluster {cluster}) but the launch has "
                         f"{world}; pass a cluster with {world} devices")
+    from ..outputs import json_text, text, write_folder
+    write_folder(out, {"plan.json": text(plan.to_json() + "\n"),
+                       MERGED_CONFIG: json_text(ds_config(plan))}, complete=False)
     plan_path = os.path.join(out, "plan.json")
-    plan.save(plan_path)
-    with open(os.path.join(out, "ds_config.json"), "w") as fh:
-        json.dump(ds_config(plan), fh, indent=2)
     print(f"ds-autoplan: {model} on {cluster} ({world} ranks): pp={plan.pp} tp={plan.tp} "
           f"dp={plan.dp} schedule={plan.schedule} -> {plan_path}", flush=True)
     return plan_path
@@ -58,8 +62,10 @@ def apply_autoplan(args, world: int, env, model=None, cluster=None, global_batch
     o = _planner_options(env)
     if getattr(args, "no_python", False):
         raise UserError("--autoplan runs the script in Python ranks; drop --no_python")
-    out = os.path.abspath(out or o["out"])
-    os.makedirs(out, exist_ok=True)
+    from ..outputs import check_folder, resolve_folder
+    out = out if out is not None else o["out"]
+    check_folder(out, OUT_FILES)         # refused before planning; created when written
+    out = resolve_folder(out, create=False)[0]
     opts = {"cluster": cluster or o["cluster"], "global_batch": global_batch or o["global_batch"],
             "pp": pp or o["pp"], "schedules": schedules or o["schedules"], "out": out,
             "module": bool(args.module)}
@@ -95,8 +101,10 @@ def _own_parser():
                    help="default: the script's DeepSpeed config (train_batch_size)")
     p.add_argument("--pp", type=int, default=None, help="restrict the search to this pipeline degree")
     p.add_argument("--schedules", default=None, help="comma-separated candidate schedules")
-    p.add_argument("--out", default=None, help="directory for plan.json, ds_config.json (default "
-                                                "ds_autoplan_out)")
+    p.add_argument("--out", default=None,
+                   help=f"folder for plan.json, {MERGED_CONFIG} (the script's config merged with "
+                        "the plan) and profile.json (default ds_autoplan_out); nothing else in it "
+                        "is touched")
     return p
 
 

@@ -7,6 +7,15 @@ launch's resources are known, a call to :func:`ds_autoplan.cli.launch_cmd.apply_
 builds and merges the plan into the script's DeepSpeed config).  Every
 inserted line ends with a marker, so applying is idempotent and ``--revert`` restores the
 original file byte for byte.  Only DeepSpeed versions whose launcher was checked are patched.
+
+``ds-autoplan launch`` does the same with no edit of site-packages (it calls DeepSpeed's own
+``runner.main``) and is the route to prefer; DeepSpeed's launcher has no plugin hook, so
+``deepspeed --autoplan`` needs this edit.  The edit is crash-safe: the original is kept beside
+it (``runner.py.ds-autoplan-orig``) and each file is replaced atomically (temporary file, fsync,
+``os.replace``), so an interrupted write leaves the old launcher whole, and ``--revert``
+restores the backup if runner.py was damaged anyway.  A reinstall of DeepSpeed leaves the
+backup but not the edit: ``--check`` reports the patch as lost and says to patch again
+(DeepSpeed's own parser rejects ``--autoplan`` before any code of ours runs).
 """
 from __future__ import annotations
 
@@ -68,6 +77,108 @@ def diff(text: str) -> str:
                                         "a/deepspeed/launcher/runner.py", "b/deepspeed/launcher/runner.py"))
 
 
+BACKUP_SUFFIX = ".ds-autoplan-orig"
+
+
+def backup_file(path: str) -> str:
+    """The original ``runner.py`` kept beside it while patched (not in DeepSpeed's install
+    record, so a reinstall leaves it: its presence with an unpatched runner.py means the patch
+    was lost)."""
+    return path + BACKUP_SUFFIX
+
+
+def _atomic_write(path: str, data: str) -> None:
+    """``data`` into ``path`` via a temporary file in the same folder, fsync, ``os.replace``
+    (an interrupted write leaves the old file whole); keeps ``path``'s mode."""
+    from ..outputs import text, write_file
+    mode = os.stat(path).st_mode & 0o7777 if os.path.exists(path) else None
+    write_file(path, text(data), what="the deepspeed launcher")
+    if mode is not None:
+        os.chmod(path, mode)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _plausible(text: str | None) -> bool:
+    """A whole launcher: it compiles and both anchors of the edit are there."""
+    if not text:
+        return False
+    try:
+        compile(text, "runner.py", "exec")
+    except (SyntaxError, ValueError):
+        return False
+    return all(unpatched(text).count(anchor) == 1 for anchor, _, _ in _EDITS)
+
+
+def state(path: str) -> str:
+    """``applied``, ``not applied``, ``lost`` (a backup of an earlier patch but an unpatched
+    launcher: DeepSpeed was reinstalled) or ``damaged`` (runner.py is not a whole launcher)."""
+    text, has_backup = _read(path), os.path.exists(backup_file(path))
+    if text is not None and MARK in text and _plausible(text):
+        return "applied"
+    if not _plausible(text):
+        return "damaged"
+    return "lost" if has_backup else "not applied"
+
+
+LOST_HINT = ("the --autoplan patch was lost (DeepSpeed reinstalled or upgraded?); run "
+             "`ds-autoplan patch deepspeed` again, or use `ds-autoplan launch`, which needs no patch")
+
+
+def apply(path: str, version: str) -> str:
+    """Patch ``path`` (kept as the backup first); returns the message."""
+    st = state(path)
+    if st == "applied":
+        return f"{path}: already patched"
+    if st == "damaged":
+        raise UserError(f"{path} is not a whole deepspeed launcher (an interrupted write?); "
+                        "run `ds-autoplan patch deepspeed --revert` to restore the backup, or "
+                        "reinstall deepspeed")
+    if version not in SUPPORTED:
+        raise UserError(f"deepspeed {version} is not supported by this patch (checked: "
+                        f"{', '.join(SUPPORTED)}); use `ds-autoplan launch` instead")
+    text = _read(path)
+    new = patched(text)
+    compile(new, path, "exec")
+    if not os.access(path, os.W_OK) or not os.access(os.path.dirname(path), os.W_OK):
+        raise UserError(f"cannot write {path}; run with permission to edit the DeepSpeed install, "
+                        "or use `ds-autoplan launch`, which needs no patch")
+    _atomic_write(backup_file(path), text)        # the original first, then the edit
+    try:
+        _atomic_write(path, new)
+    except BaseException:
+        os.unlink(backup_file(path))              # runner.py is still the original
+        raise
+    return f"{path}: patched: deepspeed --autoplan is available"
+
+
+def revert(path: str) -> str:
+    """Undo the patch (or an interrupted write of it); returns the message."""
+    st, backup = state(path), backup_file(path)
+    original = _read(backup) if os.path.exists(backup) else None
+    if st == "applied":
+        new = unpatched(_read(path))
+        _atomic_write(path, new)
+    elif st == "damaged":
+        if not _plausible(original):
+            raise UserError(f"{path} is not a whole deepspeed launcher and no backup is kept "
+                            f"({backup}); reinstall deepspeed")
+        _atomic_write(path, original)
+    elif st == "not applied":
+        return f"{path}: not patched; nothing to do"
+    if os.path.exists(backup):
+        os.unlink(backup)
+    if st == "lost":
+        return f"{path}: not patched (DeepSpeed was reinstalled since the patch); removed the old backup"
+    return f"{path}: {'restored from the backup' if st == 'damaged' else 'reverted'}"
+
+
 def add_parser(subparsers):
     p = subparsers.add_parser("patch", help="add/remove `deepspeed --autoplan` in the installed launcher",
                               description=__doc__.splitlines()[0])
@@ -81,32 +192,17 @@ def add_parser(subparsers):
 
 def run(args) -> int:
     path, version = runner_file()
-    with open(path) as fh:
-        text = fh.read()
-    applied = MARK in text
     if args.check:
-        print(f"{path}: --autoplan {'applied' if applied else 'not applied'} (deepspeed {version})")
+        st = state(path)
+        print(f"{path}: --autoplan {st} (deepspeed {version})"
+              + (f"; {LOST_HINT}" if st == "lost" else "")
+              + ("; run `ds-autoplan patch deepspeed --revert`" if st == "damaged" else ""))
         return 0
     if args.diff:
+        text = _read(path)
+        if not _plausible(text):
+            raise UserError(f"{path} is not a whole deepspeed launcher; run --revert first")
         print(diff(unpatched(text)), end="")
         return 0
-    if args.revert:
-        if not applied:
-            print(f"{path}: not patched; nothing to do")
-            return 0
-        new = unpatched(text)
-    else:
-        if version not in SUPPORTED:
-            raise UserError(f"deepspeed {version} is not supported by this patch (checked: "
-                            f"{', '.join(SUPPORTED)}); use `ds-autoplan launch` instead")
-        if applied:
-            print(f"{path}: already patched")
-            return 0
-        new = patched(text)
-        compile(new, path, "exec")
-    if not os.access(path, os.W_OK):
-        raise UserError(f"cannot write {path}; run with permission to edit the DeepSpeed install")
-    with open(path, "w") as fh:
-        fh.write(new)
-    print(f"{path}: {'reverted' if args.revert else 'patched: deepspeed --autoplan is available'}")
+    print(revert(path) if args.revert else apply(path, version))
     return 0

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import shutil
 import sys
-import tempfile
 
 
 def add_parser(sub) -> None:
@@ -15,7 +12,7 @@ def add_parser(sub) -> None:
                        description="Search the parallel plan for MODEL on CLUSTER and emit "
                                    "DeepSpeed and Megatron configuration.")
     add_problem_args(p)
-    p.add_argument("--out", default=None, help="output directory (written atomically)")
+    p.add_argument("--out", default=None, help="output folder (created if missing); each file is replaced atomically and nothing else in the folder is touched (see docs/reliability.md)")
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     p.add_argument("--emit", choices=["megatron-args", "ds-config"], default=None,
                    help="print only Megatron-LM's pretrain_gpt.py flags (one line, to append to "
@@ -97,49 +94,36 @@ def seq_line(plan, model, seq_arg) -> str:
     return model.config.get("seq_note") or f"sequence length {plan.seq_len} (the model's; --seq to change)"
 
 
+# what every plan writes under --out (checked before the search; gantt.png and memory.png,
+# written when the plan has a pipeline, are checked when written, still before any file is)
+OUT_FILES = ("plan.json", "ds_config.json", "megatron.json", "megatron_args.txt", "report.md",
+             "memory_per_stage.png")
+
+
 def write_outputs(res, out: str) -> list[str]:
-    """Everything into a temporary sibling directory, then renamed into place: a failure
-    never leaves a partial output directory."""
+    """The plan's files into the folder ``out`` (ds_autoplan.outputs.write_folder: each file
+    replaced atomically, nothing there that ds-autoplan did not write is touched, the last
+    run's files no longer produced are removed)."""
     from ..emit.deepspeed import ds_config
     from ..emit.megatron import megatron_args, megatron_config
-    from ..report import write_report
-    from . import UserError
-    out = os.path.abspath(out)
-    if os.path.isfile(out):
-        raise UserError(f"--out {out} is a file")
-    if os.path.isdir(out) and os.listdir(out) and not os.path.exists(os.path.join(out, "plan.json")):
-        raise UserError(f"--out {out} exists and is not a ds-autoplan output directory; "
-                        f"refusing to overwrite")
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".ds-autoplan-", dir=parent)
-    try:
-        plan = res.plan
-        plan.save(os.path.join(tmp, "plan.json"))
-        with open(os.path.join(tmp, "ds_config.json"), "w") as f:
-            json.dump(ds_config(plan), f, indent=2)
-        with open(os.path.join(tmp, "megatron.json"), "w") as f:
-            json.dump(megatron_config(plan, res.model), f, indent=2)
-        with open(os.path.join(tmp, "megatron_args.txt"), "w") as f:   # $(cat megatron_args.txt)
-            f.write("\n".join(megatron_args(plan, res.model)) + "\n")
-        files = ["plan.json", "ds_config.json", "megatron.json", "megatron_args.txt"]
-        files += write_report(res, tmp)
-        old = None
-        if os.path.exists(out):
-            old = out + ".old-" + os.path.basename(tmp)
-            os.rename(out, old)
-        os.rename(tmp, out)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
-        return files
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    from ..outputs import json_text, text, write_folder
+    from ..report import report_files
+    plan = res.plan
+    files = {"plan.json": text(plan.to_json() + "\n"),
+             "ds_config.json": json_text(ds_config(plan)),
+             "megatron.json": json_text(megatron_config(plan, res.model)),
+             # $(cat megatron_args.txt)
+             "megatron_args.txt": text("\n".join(megatron_args(plan, res.model)) + "\n"),
+             **report_files(res)}
+    return write_folder(out, files, complete=True)
 
 
 def run(args) -> int:
     from ..search import search
     from . import UserError
+    if args.out is not None:           # a wrong target is refused before the search
+        from ..outputs import check_folder
+        check_folder(args.out, OUT_FILES)
     if args.global_batch <= 0:
         raise UserError(f"--global-batch must be positive, got {args.global_batch}")
     scheds = [s.strip() for s in args.schedules.split(",") if s.strip()] if args.schedules else None
@@ -151,7 +135,7 @@ def run(args) -> int:
     res = search(args.model, args.cluster, args.global_batch, args.seq, precision=args.precision,
                  budget_gb=args.memory_budget_gb, partitioner=args.partitioner, schedules=scheds,
                  wide=not args.no_wide, progress=not args.quiet and sys.stderr.isatty(),
-                 world_size=args.world_size, profile=args.profile, keep_sim=bool(args.out),
+                 world_size=args.world_size, profile=args.profile, keep_sim=args.out is not None,
                  pp=args.pp, tp=args.tp, sequence_parallel=args.sequence_parallel, fix=args.fix,
                  runtime=args.runtime, headroom_gb=args.headroom_gb, execution=execution_of(args))
     # the search's memoised schedules and tables (~10^6 objects) stay alive: out of the
@@ -166,7 +150,7 @@ def run(args) -> int:
 
 def _report(res, args) -> int:
     """Outputs under --out and the printed plan (or --emit / --json)."""
-    files = write_outputs(res, args.out) if args.out else []
+    files = write_outputs(res, args.out) if args.out is not None else []
     plan = res.plan
     if args.emit == "megatron-args":   # unquoted on purpose: pretrain_gpt.py $(ds-autoplan plan ...)
         from ..emit.megatron import megatron_args

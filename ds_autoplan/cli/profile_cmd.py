@@ -56,7 +56,8 @@ def add_parser(sub) -> None:
     g.add_argument("--swap-GBps", type=float, default=12.0,
                    help="host link bandwidth for swapping; 0 disables swapping")
     g.add_argument("--policy-out", default=None,
-                   help="partition report JSON (default: <out>.policy.json)")
+                   help="also write the partition report (JSON) to this file (default: printed "
+                        "only; `profile` writes no file it was not given)")
     p.set_defaults(func=run)
 
 
@@ -85,7 +86,6 @@ def _print_profile(prof) -> None:
 
 
 def _partition(prof, args) -> None:
-    import json
     from ..search.dawnpiper import partition_report
     from ..schedule import ScheduleError
     if args.stages > prof.num_units or (args.mem_cap or 1) <= 0 or args.swap_GBps < 0:
@@ -99,10 +99,11 @@ def _partition(prof, args) -> None:
                                prefix_only=True)   # what recompute_per_stage executes
     except (KeyError, ScheduleError, ValueError) as e:
         raise UserError(f"cannot partition: {e}") from None
-    path = args.policy_out or os.path.splitext(args.out)[0] + ".policy.json"
-    with open(path, "w") as f:
-        json.dump(rep, f, indent=1)
-    print(f"wrote {path}: units per stage {rep['units_per_stage']}, recompute "
+    from ..outputs import json_text, write_file
+    path = args.policy_out
+    if path is not None:
+        write_file(path, json_text(rep, indent=1), what="--policy-out")
+    print(f"{'wrote ' + path if path else 'partition'}: units per stage {rep['units_per_stage']}, recompute "
           f"{[round(x, 2) for x in rep['recompute_per_stage']]}, swap bytes "
           f"{rep['swap_bytes_per_stage']}" + ("" if rep["feasible"] else " (cap NOT met)"))
 
@@ -119,6 +120,11 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device here")
+    from ..outputs import resolve_file
+    for opt, path in (("--out", args.out if args.model else None), ("--policy-out", args.policy_out),
+                      ("--hardware", args.hardware)):
+        if path is not None:            # a wrong target is refused before anything is measured
+            resolve_file(path, opt, create_parent=False)
     if args.model:
         existed = os.path.exists(args.out) and not args.force
         prof = profile_model(resolve_model(args.model), batch_size=args.batch_size, leaf_classes=args.leaf,
@@ -140,9 +146,8 @@ def run(args) -> int:
     if args.hardware:
         import yaml
         spec = hardware_cluster_spec(world=args.world, device=args.device, quick=args.quick)
-        os.makedirs(os.path.dirname(os.path.abspath(args.hardware)), exist_ok=True)
-        with open(args.hardware, "w") as f:
-            yaml.safe_dump(spec, f, sort_keys=False)
+        from ..outputs import text, write_file
+        write_file(args.hardware, text(yaml.safe_dump(spec, sort_keys=False)), what="--hardware")
         c = spec["cluster"]
         print(f"wrote {args.hardware}: matmul {c['peak_tflops'] * 1e3:.1f} GFLOP/s, all-reduce "
               f"{c['intra_node_GBps']:.2f} GB/s, p2p {c['p2p_GBps']:.2f} GB/s "

@@ -29,7 +29,11 @@ def add_parser(sub) -> None:
     p.add_argument("--option", "-o", action="append", metavar="KEY=VALUE",
                    help="builder option (JSON value), e.g. -o recompute='[1,1,0]' for merak-scp")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--plot", help="write a Gantt chart (PNG/SVG); memory plot goes next to it")
+    p.add_argument("--plot", metavar="FILE",
+                   help="write the Gantt chart to FILE (PNG/SVG, by its extension); with --compare "
+                        "one chart per schedule, FILE's name with -SCHEDULE before the extension")
+    p.add_argument("--memory-plot", metavar="FILE",
+                   help="write the activation-memory plot to FILE (named like --plot's with --compare)")
     p.add_argument("--save", help="write the (lowered) schedule to this file (.json or .txt)")
     p.set_defaults(func=run)
 
@@ -72,12 +76,35 @@ def _options(name: str, args) -> dict:
     return opts
 
 
+def _fmt(target: str) -> str:
+    """The image format of ``target`` (its extension; PNG without one)."""
+    return os.path.splitext(target)[1].lstrip(".").lower() or "png"
+
+
 def simulate_one(sched: Schedule, f: float, b: float, w: float, p2p: float = 0.0):
     costs = Costs.uniform(sched, f, b, w, p2p=p2p)
     return simulate(sched, costs), costs
 
 
+def _targets(args, names: list[str]) -> dict:
+    """(option, schedule index) -> the file it writes, each checked before anything is
+    simulated or written (ds_autoplan.outputs.resolve_file)."""
+    from ..outputs import resolve_file
+    out = {}
+    for opt, path in (("--plot", args.plot), ("--memory-plot", args.memory_plot)):
+        if path is None:
+            continue
+        root, ext = os.path.splitext(path)
+        for i, name in enumerate(names):
+            p = path if len(names) == 1 else f"{root}-{name}{ext}"
+            out[opt, i] = resolve_file(p, opt, create_parent=False)
+    if args.save is not None:
+        out["--save", 0] = resolve_file(args.save, "--save", create_parent=False)
+    return out
+
+
 def run(args) -> int:
+    from ..outputs import write_file
     f, b, w = _times(args.times)
     if args.file:
         scheds = [Schedule.load(args.file)]
@@ -88,6 +115,7 @@ def run(args) -> int:
             if s not in known:
                 raise ScheduleError(f"unknown schedule {s!r}; choose from {', '.join(known)}")
         scheds = [build(s, args.stages, args.microbatches, **_options(s, args)) for s in sel]
+    targets = _targets(args, [s.name for s in scheds])
     rows = []
     for sched in scheds:
         res, costs = simulate_one(sched, f, b, w, args.p2p)
@@ -102,16 +130,17 @@ def run(args) -> int:
                     "peak_ratio": max(res.peak_units) / max(base.peak_units)
                     if max(base.peak_units) else 1.0,
                     **({} if len(rows) > 1 else {"schedule_lists": sched.to_dict()["ranks"]})})
-    if args.save:
+    if ("--save", 0) in targets:
         sched, _, costs = rows[0]
-        lower(sched, costs).save(args.save)
-    if args.plot:
+        low = lower(sched, costs)
+        write_file(targets["--save", 0], low.save, what="--save")
+    if targets.keys() - {("--save", 0)}:
         from ..schedule.plots import plot_gantt, plot_memory
-        root, ext = os.path.splitext(args.plot)
         for i, (sched, res, _) in enumerate(rows):
-            suffix = "" if len(rows) == 1 else f"-{sched.name}"
-            plot_gantt(sched, res, f"{root}{suffix}{ext or '.png'}")
-            plot_memory(sched, res, f"{root}{suffix}-memory{ext or '.png'}")
+            for opt, draw in (("--plot", plot_gantt), ("--memory-plot", plot_memory)):
+                if (opt, i) in targets:
+                    path = targets[opt, i]
+                    write_file(path, lambda p: draw(sched, res, p, fmt=_fmt(path)), what=opt)
     if args.json:
         if len(out) == 1:
             o = dict(out[0])

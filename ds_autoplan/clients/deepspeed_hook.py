@@ -19,7 +19,6 @@ example input to profile, no batch size, a plan for another layer count.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 
@@ -151,7 +150,9 @@ def plan_pipeline_module(model, user: dict, training_data, collate_fn, world: in
     name = f"{os.path.basename(sys.argv[0]) or 'script'}:PipelineModule"
     prof = profile_layer_list(model._layer_specs, inputs, labels, model.loss_fn, name=name)
     if options.get("out"):
-        prof.save(os.path.join(options["out"], "profile.json"))
+        from ..outputs import json_text, write_folder
+        write_folder(options["out"], {"profile.json": json_text(prof.to_dict(), indent=1)},
+                     complete=False)
     try:
         cluster = load_cluster(options.get("cluster") or _default_cluster(world))
         res = search(to_model_spec(prof, flops_ref=cluster.flops), cluster, B,
@@ -204,19 +205,19 @@ def _shared_plan(model, user, training_data, collate_fn):
 
 
 def _report(plan, cfg: dict, changes: list, model) -> None:
-    """Rank 0: one summary, the config changes, plan.json and ds_config.json under ``out``."""
+    """Rank 0: one summary, the config changes, plan.json and the merged config under ``out``."""
     import torch.distributed as dist
     if dist.is_initialized() and dist.get_rank() != 0:
         return
+    from ..emit.deepspeed import MERGED_CONFIG
+    from ..outputs import json_text, text, write_folder
     out = _STATE["options"].get("out") or "ds_autoplan_out"
-    os.makedirs(out, exist_ok=True)
-    plan.save(os.path.join(out, "plan.json"))
-    with open(os.path.join(out, "ds_config.json"), "w") as fh:
-        json.dump(cfg, fh, indent=2)
+    write_folder(out, {"plan.json": text(plan.to_json() + "\n"), MERGED_CONFIG: json_text(cfg)},
+                 complete=False)
     print(f"ds-autoplan: {plan.model} on {plan.cluster}: pp={plan.pp} dp={plan.dp} "
           f"ZeRO-{plan.zero_stage} schedule={plan.schedule} micro-batch "
           f"{plan.micro_batch_size} x {plan.num_microbatches}, layers per stage "
-          f"{plan.layers_per_stage} -> {os.path.abspath(out)}/plan.json, ds_config.json", flush=True)
+          f"{plan.layers_per_stage} -> {os.path.abspath(out)}/plan.json, {MERGED_CONFIG}", flush=True)
     if model.num_stages != plan.pp:
         print(f"ds-autoplan: the script asked for {model.num_stages} pipeline stages; the plan uses "
               f"pp={plan.pp}", flush=True)

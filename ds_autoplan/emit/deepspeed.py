@@ -45,6 +45,10 @@ def ds_config(plan: Plan) -> dict:
 
 
 # what a plan decides in a DeepSpeed config: parallelism, batch, schedule (dotted paths)
+# the file name of the config a launch merges from the script's own config and the plan (under
+# `ds-autoplan launch --out` / `deepspeed --autoplan`): never the script's ds_config.json
+MERGED_CONFIG = "ds_config.autoplan.json"
+
 PLAN_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
              "zero_optimization.stage", "pipeline.activation_checkpoint_interval", "pipeline.stages",
              "pipeline.partition", "pipeline.autoplan")

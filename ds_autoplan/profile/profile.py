@@ -184,9 +184,9 @@ class Profile:
         return p
 
     def save(self, path: str) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
+        """Write the profile atomically (ds_autoplan.outputs.write_file)."""
+        from ..outputs import json_text, write_file
+        write_file(path, json_text(self.to_dict(), indent=1), what="profile")
 
     @classmethod
     def load(cls, path: str) -> "Profile":

@@ -1,4 +1,4 @@
 """report.md and PNG plots for a search result."""
-from .writer import write_report
+from .writer import report_files
 
-__all__ = ["write_report"]
+__all__ = ["report_files"]

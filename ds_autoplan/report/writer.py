@@ -3,7 +3,6 @@ per-stage memory, baselines, wide-mode gain, alternatives and partitioners, plot
 from __future__ import annotations
 
 import itertools
-import os
 
 GB = 1024 ** 3
 
@@ -43,25 +42,24 @@ def plot_stage_memory(peaks_gb: list[float], budget_gb: float, path: str, title:
     return path
 
 
-def write_report(res, out_dir: str) -> list[str]:
-    """Write report.md (+ gantt.png, memory.png, memory_per_stage.png); returns file names."""
+def report_files(res) -> dict:
+    """report.md (+ gantt.png, memory.png, memory_per_stage.png): file name -> a function
+    writing it at the path it is given (``ds_autoplan.outputs.write_folder`` puts them in
+    place)."""
+    from ..outputs import text
     plan, best, pred = res.plan, res.best, res.plan.predicted
-    files = []
+    fills = {}
     budget = pred["memory_budget_gb"]
     if best.sim is not None:
         sched, costs, sim = best.sim
-        try:
-            from ..schedule.plots import plot_gantt, plot_memory
-            plot_gantt(sched, sim, os.path.join(out_dir, "gantt.png"),
-                       title=f"{plan.schedule}: pp={plan.pp}, shown with {sched.num_microbatches} "
-                             f"of {plan.num_microbatches} micro-batches (seconds)")
-            plot_memory(sched, sim, os.path.join(out_dir, "memory.png"))
-            files += ["gantt.png", "memory.png"]
-        except ImportError:   # pragma: no cover - plots module absent
-            pass
-    plot_stage_memory(pred["peak_memory_gb_per_stage"], budget, os.path.join(out_dir, "memory_per_stage.png"),
-                      f"{plan.model}: peak memory per pipeline rank")
-    files.append("memory_per_stage.png")
+        from ..schedule.plots import plot_gantt, plot_memory
+        fills["gantt.png"] = lambda p: plot_gantt(
+            sched, sim, p, title=f"{plan.schedule}: pp={plan.pp}, shown with "
+                                 f"{sched.num_microbatches} of {plan.num_microbatches} micro-batches (seconds)")
+        fills["memory.png"] = lambda p: plot_memory(sched, sim, p)
+    fills["memory_per_stage.png"] = lambda p: plot_stage_memory(
+        pred["peak_memory_gb_per_stage"], budget, p, f"{plan.model}: peak memory per pipeline rank")
+    files = list(fills)
     L = []
     w = L.append
     w(f"# ds-autoplan plan: {plan.model} on {plan.cluster}\n")
@@ -152,6 +150,4 @@ def write_report(res, out_dir: str) -> list[str]:
     w("\n## Plots\n")
     for f in files:
         w(f"![{f}]({f})")
-    with open(os.path.join(out_dir, "report.md"), "w") as fh:
-        fh.write("\n".join(L) + "\n")
-    return ["report.md"] + files
+    return {"report.md": text("\n".join(L) + "\n"), **fills}

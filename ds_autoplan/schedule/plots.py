@@ -15,7 +15,8 @@ def _pyplot():
     return plt
 
 
-def plot_gantt(sched: Schedule, res: SimResult, path: str, title: str | None = None) -> str:
+def plot_gantt(sched: Schedule, res: SimResult, path: str, title: str | None = None,
+               fmt: str | None = None) -> str:
     """One row per rank; colour = F/B/W/BW/R, label = micro-batch id (chunk shown by shade)."""
     plt = _pyplot()
     d = sched.num_ranks
@@ -40,12 +41,13 @@ def plot_gantt(sched: Schedule, res: SimResult, path: str, title: str | None = N
     ax.set_title(title or f"{sched.name}: d={d}, n={sched.num_microbatches}, "
                  f"makespan {res.makespan:g}, bubble {res.bubble_ratio:.1%}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format=fmt)
     plt.close(fig)
     return path
 
 
-def plot_memory(sched: Schedule, res: SimResult, path: str, title: str | None = None) -> str:
+def plot_memory(sched: Schedule, res: SimResult, path: str, title: str | None = None,
+                fmt: str | None = None) -> str:
     """Activation memory (units of one micro-batch over 1/d of the model) per rank over time."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.5))
@@ -58,6 +60,6 @@ def plot_memory(sched: Schedule, res: SimResult, path: str, title: str | None = 
     ax.legend(fontsize=7)
     ax.set_title(title or f"{sched.name}: activation memory per rank")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format=fmt)
     plt.close(fig)
     return path

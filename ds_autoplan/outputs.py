@@ -1,0 +1,366 @@
+"""Output files: a command owns only what it writes (issue 17, docs/reliability.md "Output
+files").
+
+Every output file is written to a temporary file in its own folder (``.NAME.PID-XXXX.
+ds-autoplan-tmp.EXT``: hidden, named after the file and the writing process), flushed and moved
+into place with ``os.replace``; a reader sees the old file or the new one, never a part.  A
+target of the wrong kind (a folder where a file is asked, a device node, FIFO or socket, a
+dangling symlink, a parent that is a file) is refused before anything is written; a symlink
+is written through (the link stays a link); a missing parent folder is created.  Modes follow
+the umask.
+
+An output *folder* (``plan --out``, ``launch --out``) keeps a manifest of what ds-autoplan
+wrote there (``.ds-autoplan-manifest.json``: name -> sha256).  A file in the folder is only
+replaced when the manifest says ds-autoplan wrote it and it is unchanged since; anything else
+there (the user's ``train.py``, ``data/``, a hand-edited ``ds_config.json``) is never touched,
+and a name clash with it is refused before anything is written.  A run that writes the whole
+set (``complete=True``) removes the files of the last run it no longer produces (a plot) and
+nothing else.  Writers of one folder take turns (``flock`` on the folder); temporary files of
+a killed writer are removed by the next run.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import secrets
+import stat
+from typing import Callable
+
+from .errors import UserError
+
+MANIFEST = ".ds-autoplan-manifest.json"
+MANIFEST_FORMAT = "ds-autoplan-outputs/1"
+TMP_TAG = ".ds-autoplan-tmp"
+_TMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)-[0-9a-f]+" + re.escape(TMP_TAG) + r"(\.[^.]*)?$")
+
+Fill = Callable[[str], object]   # writes one file at the path it is given
+
+
+class OutputError(UserError):
+    """An output target that cannot or must not be written (one line)."""
+
+
+def text(content: str) -> Fill:
+    """A fill that writes ``content`` (UTF-8)."""
+    def fill(path: str) -> None:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(content)
+    return fill
+
+
+def json_text(obj, indent: int = 2) -> Fill:
+    return text(json.dumps(obj, indent=indent) + "\n")
+
+
+# hook for the fault-injection tests: called between writing a temporary file and moving it
+# into place (tests slow it down to SIGKILL a writer in that window)
+_before_replace: Callable[[str], None] | None = None
+
+
+def _os_error(what: str, path: str, e: OSError) -> OutputError:
+    return OutputError(f"cannot write {what} {path}: {e.strerror or e}")
+
+
+def _kind(mode: int) -> str:
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "a device node"
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+
+
+def _check_name(path, what: str) -> str:
+    if path is None or not str(path).strip():
+        raise OutputError(f"{what} needs a path (got an empty one)")
+    return os.path.abspath(os.fspath(path))
+
+
+def _parent(path: str, what: str, create: bool = True) -> str:
+    """The existing (or created) folder holding ``path``."""
+    parent = os.path.dirname(path)
+    probe = parent
+    while not os.path.lexists(probe):               # the nearest existing ancestor
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise OutputError(f"cannot write {what} {path}: {probe} is not a folder")
+    if not os.path.isdir(parent) and create:
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            raise _os_error(what, path, e) from None
+    return parent
+
+
+def resolve_file(path, what: str = "output", create_parent: bool = True) -> str:
+    """The real path an output file is written to, after refusing a target of the wrong
+    kind; creates missing parent folders (``create_parent``).  A symlink is followed (written
+    through)."""
+    path = _check_name(path, what)
+    if os.path.islink(path):
+        real = os.path.realpath(path)
+        if not os.path.exists(real):
+            raise OutputError(f"{what} {path} is a dangling symlink (to {os.readlink(path)})")
+        path = real
+    if os.path.exists(path):
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise OutputError(f"{what} {path} is {_kind(mode)}; give a file path")
+    _parent(path, what, create_parent)
+    return path
+
+
+def resolve_folder(path, what: str = "--out", create: bool = True) -> tuple[str, bool]:
+    """(the real folder, whether it was created now) after refusing a target that is not a
+    folder; a symlink to a folder is followed."""
+    path = _check_name(path, what)
+    if os.path.islink(path):
+        real = os.path.realpath(path)
+        if not os.path.exists(real):
+            raise OutputError(f"{what} {path} is a dangling symlink (to {os.readlink(path)})")
+        path = real
+    if os.path.exists(path):
+        mode = os.stat(path).st_mode
+        if not stat.S_ISDIR(mode):
+            raise OutputError(f"{what} {path} is {'a file' if stat.S_ISREG(mode) else _kind(mode)}; "
+                              "give a folder")
+        return path, False
+    _parent(path, what)
+    if not create:
+        return path, False
+    try:
+        os.mkdir(path)
+    except FileExistsError:                          # made by a concurrent writer
+        return resolve_folder(path, what, create)
+    except OSError as e:
+        raise _os_error(what, path, e) from None
+    return path, True
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(folder: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_temps(folder: str, names=None) -> list[str]:
+    """Remove the temporary files of dead ds-autoplan writers in ``folder`` (only those for
+    ``names`` when given); returns what was removed."""
+    gone = []
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return gone
+    for entry in entries:
+        m = _TMP_RE.match(entry)
+        if not m or (names is not None and m["name"] not in names) or _alive(int(m["pid"])):
+            continue
+        p = os.path.join(folder, entry)
+        if os.path.islink(p) or not os.path.isfile(p):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+            gone.append(entry)
+    return gone
+
+
+def _new_temp(folder: str, name: str) -> str:
+    """A fresh temporary file for ``name`` in ``folder``, created with the umask's mode."""
+    ext = os.path.splitext(name)[1]
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}-{secrets.token_hex(4)}{TMP_TAG}{ext}")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    return tmp
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _render(folder: str, name: str, fill: Fill) -> str:
+    """``fill`` into a temporary file beside ``name``; returns the temporary path."""
+    tmp = _new_temp(folder, name)
+    try:
+        fill(tmp)
+        _fsync(tmp)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _replace(tmp: str, path: str) -> None:
+    if _before_replace is not None:
+        _before_replace(path)
+    os.replace(tmp, path)
+
+
+def write_file(path, fill: Fill, what: str = "output") -> str:
+    """Write one output file atomically (see the module doc); returns the path written."""
+    real = resolve_file(path, what)
+    folder, name = os.path.split(real)
+    clean_temps(folder, {name})
+    try:
+        tmp = _render(folder, name, fill)
+        try:
+            _replace(tmp, real)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as e:
+        raise _os_error(what, os.fspath(path), e) from None
+    _fsync_dir(folder)
+    return real
+
+
+# ----------------------------------------------------------------------------- folders
+def read_manifest(folder: str) -> dict[str, list[str]]:
+    """name -> accepted sha256 digests of what ds-autoplan wrote in ``folder`` ({} if none
+    or unreadable: then nothing there counts as ds-autoplan's)."""
+    p = os.path.join(folder, MANIFEST)
+    if os.path.islink(p) or not os.path.isfile(p):
+        return {}
+    try:
+        with open(p, encoding="utf-8") as fh:
+            d = json.load(fh)
+        files = d["files"] if d.get("format") == MANIFEST_FORMAT else {}
+        return {str(k): [str(h) for h in (v if isinstance(v, list) else [v])]
+                for k, v in files.items() if os.sep not in str(k) and str(k) not in (".", "..")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def _write_manifest(folder: str, files: dict[str, list[str]]) -> None:
+    blob = {"format": MANIFEST_FORMAT,
+            "note": "files ds-autoplan wrote in this folder (name -> sha256); the next run "
+                    "replaces or removes only these, and only while unchanged",
+            "files": {k: v for k, v in sorted(files.items())}}
+    tmp = _render(folder, MANIFEST, json_text(blob, indent=1))
+    os.replace(tmp, os.path.join(folder, MANIFEST))
+
+
+@contextlib.contextmanager
+def _locked(folder: str):
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)                                 # releases the lock
+
+
+def _conflicts(folder: str, names, owned: dict[str, list[str]]) -> list[str]:
+    out = []
+    for name in names:
+        p = os.path.join(folder, name)
+        if not os.path.lexists(p):
+            continue
+        st = os.lstat(p)
+        if stat.S_ISLNK(st.st_mode):
+            out.append(f"{name} is a symlink")
+        elif not stat.S_ISREG(st.st_mode):
+            out.append(f"{name} is {_kind(st.st_mode)}")
+        elif name not in owned:
+            out.append(f"{name} was not written by ds-autoplan")
+        elif sha256(p) not in owned[name]:
+            out.append(f"{name} was changed since ds-autoplan wrote it")
+    return out
+
+
+def check_folder(path, names, what: str = "--out") -> None:
+    """Refuse now (before any work) what :func:`write_folder` would refuse: a target that is
+    not a folder, or a name in it that is not ds-autoplan's unchanged file."""
+    folder, _ = resolve_folder(path, what, create=False)
+    if os.path.isdir(folder):
+        bad = _conflicts(folder, names, read_manifest(folder))
+        if bad:
+            raise OutputError(_clash(what, folder, bad))
+
+
+def _clash(what: str, folder: str, bad: list[str]) -> str:
+    return (f"{what} {folder}: {'; '.join(bad)}; refusing to replace it (move it away or "
+            "choose another folder)")
+
+
+def write_folder(path, files: dict[str, Fill], complete: bool = True,
+                 what: str = "--out") -> list[str]:
+    """Write ``files`` (name -> fill) into the folder ``path`` (see the module doc); with
+    ``complete`` the set is the whole output of the command and the last run's files it no
+    longer produces are removed (while unchanged).  Returns the names written."""
+    for name in files:
+        if not name or os.sep in name or name.startswith(".") or name == MANIFEST:
+            raise ValueError(f"not an output file name: {name!r}")
+    folder, created = resolve_folder(path, what)
+    temps: dict[str, str] = {}
+    done = False
+    try:
+        with _locked(folder):
+            old = read_manifest(folder)
+            clean_temps(folder, set(files) | set(old) | {MANIFEST})
+            bad = _conflicts(folder, files, old)
+            if bad:
+                raise OutputError(_clash(what, folder, bad))
+            for name, fill in files.items():
+                temps[name] = _render(folder, name, fill)
+            new = {name: sha256(tmp) for name, tmp in temps.items()}
+            # while files move into place, both versions count as ours (a kill in between
+            # leaves a folder the next run still owns)
+            _write_manifest(folder, {**old, **{n: old.get(n, []) + [h] for n, h in new.items()}})
+            for name in files:
+                _replace(temps.pop(name), os.path.join(folder, name))
+            final = {n: [h] for n, h in new.items()}
+            for name, digests in old.items():       # the last run's files not written now
+                if name in final:
+                    continue
+                p = os.path.join(folder, name)
+                if not complete:
+                    if os.path.lexists(p):
+                        final[name] = digests        # still ours while unchanged
+                elif os.path.isfile(p) and not os.path.islink(p) and sha256(p) in digests:
+                    os.unlink(p)                     # ours, unchanged, no longer produced
+            _write_manifest(folder, final)
+            _fsync_dir(folder)
+            done = True
+    except OSError as e:
+        raise _os_error(what, folder, e) from None
+    finally:
+        for tmp in temps.values():
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if created and not done:                     # no empty folder left behind
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+    return list(files)
+
+
+__all__ = ["MANIFEST", "OutputError", "check_folder", "clean_temps", "json_text", "read_manifest",
+           "resolve_file", "resolve_folder", "sha256", "text", "write_file", "write_folder"]
