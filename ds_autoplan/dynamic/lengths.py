@@ -104,14 +104,12 @@ def generate(out_path: str = DATA_FILE) -> dict:
     rows += [("doc", p, r) for p, r in _docstrings()]
     rows = [x for x in rows if x[2] > 0]
     counts = {s: sum(1 for x in rows if x[0] == s) for s in ("deb", "topic", "doc")}
-    with open(out_path, "w") as fh:
-        fh.write("# token lengths of real offline text; regenerate: python -m "
-                 "ds_autoplan.dynamic.lengths\n")
-        fh.write(f"# python {sys.version.split()[0]}; tokeniser \\w{{1,6}}|[^\\w\\s]; sources "
-                 + ", ".join(f"{k}={v}" for k, v in counts.items()) + "\n")
-        fh.write("source\tprompt\tresponse\n")
-        for s, p, r in rows:
-            fh.write(f"{s}\t{p}\t{r}\n")
+    from ..outputs import text, write_file
+    lines = ["# token lengths of real offline text; regenerate: python -m ds_autoplan.dynamic.lengths",
+             f"# python {sys.version.split()[0]}; tokeniser \\w{{1,6}}|[^\\w\\s]; sources "
+             + ", ".join(f"{k}={v}" for k, v in counts.items()),
+             "source\tprompt\tresponse", *(f"{s}\t{p}\t{r}" for s, p, r in rows)]
+    write_file(out_path, text("\n".join(lines) + "\n"), what="--out")
     return counts
 
 
