@@ -93,20 +93,24 @@ def _parent(path: str, what: str, create: bool = True) -> str:
     return parent
 
 
-def resolve_file(path, what: str = "output", create_parent: bool = True) -> str:
-    """The real path an output file is written to, after refusing a target of the wrong
-    kind; creates missing parent folders (``create_parent``).  A symlink is followed (written
-    through)."""
+def _follow(path, what: str) -> tuple[str, int | None]:
+    """(the checked absolute path, symlinks followed; its mode, None when it does not exist)."""
     path = _check_name(path, what)
     if os.path.islink(path):
         real = os.path.realpath(path)
         if not os.path.exists(real):
             raise OutputError(f"{what} {path} is a dangling symlink (to {os.readlink(path)})")
         path = real
-    if os.path.exists(path):
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):
-            raise OutputError(f"{what} {path} is {_kind(mode)}; give a file path")
+    return path, (os.stat(path).st_mode if os.path.exists(path) else None)
+
+
+def resolve_file(path, what: str = "output", create_parent: bool = True) -> str:
+    """The real path an output file is written to, after refusing a target of the wrong
+    kind; creates missing parent folders (``create_parent``).  A symlink is followed (written
+    through)."""
+    path, mode = _follow(path, what)
+    if mode is not None and not stat.S_ISREG(mode):
+        raise OutputError(f"{what} {path} is {_kind(mode)}; give a file path")
     _parent(path, what, create_parent)
     return path
 
@@ -114,14 +118,8 @@ def resolve_file(path, what: str = "output", create_parent: bool = True) -> str:
 def resolve_folder(path, what: str = "--out", create: bool = True) -> tuple[str, bool]:
     """(the real folder, whether it was created now) after refusing a target that is not a
     folder; a symlink to a folder is followed."""
-    path = _check_name(path, what)
-    if os.path.islink(path):
-        real = os.path.realpath(path)
-        if not os.path.exists(real):
-            raise OutputError(f"{what} {path} is a dangling symlink (to {os.readlink(path)})")
-        path = real
-    if os.path.exists(path):
-        mode = os.stat(path).st_mode
+    path, mode = _follow(path, what)
+    if mode is not None:
         if not stat.S_ISDIR(mode):
             raise OutputError(f"{what} {path} is {'a file' if stat.S_ISREG(mode) else _kind(mode)}; "
                               "give a folder")
