@@ -509,3 +509,19 @@ def test_a_reinstalled_deepspeed_is_detected(runner_copy, capsys):
     assert "--autoplan lost" in out and "run `ds-autoplan patch deepspeed` again" in out
     assert main(["patch", "deepspeed"]) == 0 and "patched" in capsys.readouterr().out
     assert main(["patch", "deepspeed", "--revert"]) == 0 and runner_copy.read_bytes() == orig
+
+
+@pytest.mark.parametrize("kind", ["fifo", "file", "empty"])
+def test_deepspeed_autoplan_bad_out_is_one_line(tmp_path, kind, capsys):
+    """What the patched launcher calls (`deepspeed --autoplan` with DS_AUTOPLAN_OUT): a bad
+    target is one `ds-autoplan: error:` line and exit 2, before anything is written."""
+    from ds_autoplan.cli import launch_cmd, patch_cmd
+    assert "launch_cmd import autoplan_in_runner" in "".join(
+        line for _, lines, _ in patch_cmd._EDITS for line in lines)
+    target = "" if kind == "empty" else str(WRONG_FOLDER[kind](tmp_path))
+    before = _snapshot(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        launch_cmd.autoplan_in_runner(_launch_args(tmp_path), 2, {"DS_AUTOPLAN_OUT": target})
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("ds-autoplan: error:") and err.count("\n") == 1
+    assert _snapshot(tmp_path) == before

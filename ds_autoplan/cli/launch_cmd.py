@@ -80,6 +80,17 @@ def apply_autoplan(args, world: int, env, model=None, cluster=None, global_batch
     return opts
 
 
+def autoplan_in_runner(args, world: int, env) -> dict:
+    """:func:`apply_autoplan` for ``deepspeed --autoplan`` (called by the patched DeepSpeed
+    launcher): a refusal is one ``ds-autoplan: error:`` line and exit 2, not a traceback."""
+    import sys
+    try:
+        return apply_autoplan(args, world, env)
+    except UserError as e:
+        print(f"ds-autoplan: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def launch_world(a) -> int:
     """The number of ranks DeepSpeed's launcher will start for parsed launcher args ``a``
     (its own resource functions: hostfile, include/exclude, num_nodes/num_gpus)."""

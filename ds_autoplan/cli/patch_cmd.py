@@ -36,8 +36,8 @@ _EDITS = [
      "before"),
     ("    active_resources = apply_num_nodes_and_gpus(active_resources, args.num_nodes, args.num_gpus)\n",
      ["    if args.autoplan:",
-      "        from ds_autoplan.cli.launch_cmd import apply_autoplan",
-      "        apply_autoplan(args, sum(len(slots) for slots in active_resources.values()), env)"],
+      "        from ds_autoplan.cli.launch_cmd import autoplan_in_runner",
+      "        autoplan_in_runner(args, sum(len(slots) for slots in active_resources.values()), env)"],
      "after"),
 ]
 
