@@ -212,8 +212,11 @@ def _report(plan, cfg: dict, changes: list, model) -> None:
     from ..emit.deepspeed import MERGED_CONFIG
     from ..outputs import json_text, text, write_folder
     out = _STATE["options"].get("out") or "ds_autoplan_out"
-    write_folder(out, {"plan.json": text(plan.to_json() + "\n"), MERGED_CONFIG: json_text(cfg)},
-                 complete=False)
+    try:        # the ranks train from memory: a target changed since the launcher checked it
+        write_folder(out, {"plan.json": text(plan.to_json() + "\n"), MERGED_CONFIG: json_text(cfg)},
+                     complete=False)                 # is a warning, not a crash of rank 0 alone
+    except UserError as e:
+        print(f"ds-autoplan: warning: {e}; training goes on without writing them", flush=True)
     print(f"ds-autoplan: {plan.model} on {plan.cluster}: pp={plan.pp} dp={plan.dp} "
           f"ZeRO-{plan.zero_stage} schedule={plan.schedule} micro-batch "
           f"{plan.micro_batch_size} x {plan.num_microbatches}, layers per stage "
