@@ -217,6 +217,22 @@ def _plan(schedule, layers, **kw):
                 recompute_per_stage=[0.0] * len(layers), num_layers=sum(layers), **kw)
 
 
+def test_context_parallel_plan_refused_without_gpu(capsys):
+    """A plan with context parallelism stops the patched script at once, with one line, where
+    there is no CUDA GPU / Transformer Engine (Megatron's CP attention is TE's)."""
+    import torch
+    from ds_autoplan.clients.megatron_lm import install_megatron_lm
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine may run context parallelism")
+    plan = _plan("1f1b", [4, 4], cp=2)
+    with pytest.raises(SystemExit) as e:
+        install_megatron_lm(plan)
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ds_autoplan: context parallelism (cp=2)")
+    assert "CUDA" in lines[0] and "docs/megatron.md" in lines[0]
+
+
 def test_recompute_flags_must_be_the_plans():
     from ds_autoplan.clients.megatron_lm import check_args
     plan = _plan("1f1b", [4, 4])
@@ -248,6 +264,9 @@ def test_recompute_flags_must_be_the_plans():
                                 data_parallel_size=1), "tensor parallelism"),
     ("v-min", [2, 2, 2, 2], dict(virtual_pipeline_model_parallel_size=2,
                                  pipeline_model_parallel_layout="Ett|tt|tt|ttL"), "drop --pipeline"),
+    ("1f1b", [4, 4], dict(expert_model_parallel_size=2, data_parallel_size=2, global_batch_size=16),
+     "--expert-model-parallel-size is 2, the plan has 1"),
+    ("1f1b", [4, 4], dict(context_parallel_size=2), "--context-parallel-size is 2, the plan has 1"),
 ])
 def test_check_args(schedule, layers, args, expect):
     from ds_autoplan.clients.megatron_lm import check_args

@@ -261,3 +261,52 @@ def test_chunk_without_decoder_has_no_layers_to_recompute():
     assert stage_recompute(sched, 0, 0) == 0
     with pytest.raises(ScheduleError):
         stage_recompute(add_recompute(sched, [1, 1]), 0, 0)
+
+
+# ------------------------------------------------------------------ expert parallelism (MoE)
+@pytest.mark.timeout(300)
+def test_expert_parallel_moe_pp2_ep2_1f1b_and_v_half():
+    """Megatron's MoE layer (top-2 of 4 experts, alltoall dispatcher, per-expert MLPs) with
+    expert parallelism 2 inside our 1F1B and V-Half on 4 ranks (pp 2 x ep 2): after Megatron's
+    gradient reduction (dense over dp, experts over expert-dp) every rank's gradients,
+    each local expert against the single-process model's expert of the same global index,
+    equal the unpipelined single-process model fed all ranks' micro-batches (2 steps), and
+    V-Half's W actions run the experts' deferred weight GEMMs."""
+    from harness.megatron_cases import launch
+    cases = [dict(fn="moe_case", pp=2, ep=2, n=4, schedule="1f1b", layers=[1, 1]),
+             dict(fn="moe_case", pp=2, ep=2, n=4, schedule="v-half", layers=[1, 1, 1, 1])]
+    out = launch(4, cases, timeout=260)
+    for i, case in enumerate(cases):
+        rows = [o[i] for o in out]
+        assert sorted((r["pp_rank"], r["ep_rank"]) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        for r in rows:
+            assert r["dp"] == 2 and r["local_experts"] == 2
+            # each rank holds 2 of the 4 experts of each of its layers
+            assert r["experts_compared"] == 2 * sum(case["layers"]) // 2, r
+            assert r["max_grad_err"] <= 1e-6, (case["schedule"], r["rank"], r["max_grad_err"])
+            assert r["max_grad"] > 1e-3
+            assert (r["expert_w_items"] > 0) == r["has_w"] == (case["schedule"] == "v-half"), r
+            if r["losses"][0]:     # the rank that holds the loss stage
+                for got, ref in zip(r["losses"], r["ref_losses"]):
+                    assert got == pytest.approx(ref, abs=1e-5)
+        assert sum(bool(r["losses"][0]) for r in rows) == 2   # one loss rank per ep/dp rank
+
+
+def test_context_parallel_plan_refused_on_cpu():
+    """Megatron's context parallelism needs Transformer Engine's attention on a CUDA GPU:
+    without one, initialize(plan) refuses a cp > 1 plan with one line naming the docs, before
+    any process group is touched; the degrees reach Megatron's config otherwise."""
+    from ds_autoplan.plan import Plan
+    from ds_autoplan.runtime.megatron import initialize, plan_overrides
+    from ds_autoplan.runtime.megatron.setup import context_parallel_problem
+    from ds_autoplan.schedule import ScheduleError
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine may run context parallelism")
+    plan = Plan(pp=2, num_microbatches=4, schedule="1f1b", layers_per_stage=[1, 1],
+                recompute_per_stage=[0.0, 0.0], cp=2)
+    assert context_parallel_problem(1) is None
+    with pytest.raises(ScheduleError, match=r"context parallelism \(cp=2\) needs Transformer "
+                                            r"Engine's attention on a CUDA GPU.*docs/megatron.md"):
+        initialize(plan)
+    over, _, _ = plan_overrides(plan)
+    assert over["context_parallel_size"] == 2 and over["expert_model_parallel_size"] == 1

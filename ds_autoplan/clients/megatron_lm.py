@@ -22,7 +22,11 @@ four points, all reached through Megatron's own code path (``pretrain`` -> ``val
   the emitted flags carry for Megatron's own schedules) turned off -- nothing is recomputed
   twice; selective recompute (``--recompute-granularity selective``) has no R and stays
   Megatron's own; ``--recompute-*`` flags other than the plan's are refused;
-* schedules with W actions: ``gpt_builders``' local layer spec gets split-aware linear layers.
+* schedules with W actions: ``gpt_builders``' local layer spec gets split-aware linear layers;
+* MoE: the expert and context parallel sizes are checked against the plan; a plan with
+  context parallelism (cp > 1) is refused at start-up where it cannot run (no CUDA GPU or no
+  Transformer Engine: Megatron's CP attention is TE's); megatron-core's MoE router is made
+  to run without Transformer Engine (:func:`~ds_autoplan.runtime.megatron.shim.moe_without_te`).
 """
 from __future__ import annotations
 
@@ -56,11 +60,18 @@ def install_from_env() -> None:
 def install_megatron_lm(plan) -> Schedule | None:
     """Hook Megatron-LM's training loop (see the module docstring); returns the schedule
     (None for a plan without pipeline parallelism, which needs no hook)."""
+    from ..runtime.megatron.setup import context_parallel_problem
+    problem = context_parallel_problem(plan.cp)
+    if problem:
+        _refuse(problem)
+
     import megatron.training.initialize as mi
     import megatron.training.training as mt
 
     from ..runtime.megatron import install
+    from ..runtime.megatron.shim import moe_without_te
 
+    moe_without_te()
     if plan.pp < 2:
         return None     # no pipeline: Megatron's own no-pipelining function (and flags) run it
     sched = plan_schedule(plan)
@@ -105,6 +116,10 @@ def check_args(args, plan, sched: Schedule) -> list[str]:
     v = sched.chunks_per_rank
     got = {"--pipeline-model-parallel-size": (args.pipeline_model_parallel_size, d),
            "--tensor-model-parallel-size": (args.tensor_model_parallel_size, plan.tp),
+           "--expert-model-parallel-size": (getattr(args, "expert_model_parallel_size", 1), plan.ep),
+           "--expert-tensor-parallel-size": (getattr(args, "expert_tensor_parallel_size", None)
+                                             or args.tensor_model_parallel_size, plan.etp),
+           "--context-parallel-size": (getattr(args, "context_parallel_size", 1), plan.cp),
            "--micro-batch-size": (args.micro_batch_size, plan.micro_batch_size),
            "--num-layers": (args.num_layers, sum(plan.layers_per_stage)),
            "virtual stages per pipeline rank": (args.virtual_pipeline_model_parallel_size or 1, v)}

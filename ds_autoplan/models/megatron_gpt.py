@@ -4,6 +4,9 @@
 ``gpt(config, ...)`` builds one pipeline chunk (``pre_process`` / ``post_process`` /
 ``vp_stage`` as Megatron's ``GPTModel``); with ``split=True`` the linear layers defer their
 weight gradients to W actions (:func:`ds_autoplan.runtime.megatron.split_backward_spec`).
+A config with ``num_moe_experts`` (:func:`moe_config`) gets Megatron's MoE layer in every
+layer: top-k router, alltoall token dispatcher, per-expert MLPs (``SequentialMLP``: grouped
+GEMM needs Transformer Engine / CUDA); its expert linear layers are split like the others.
 """
 from __future__ import annotations
 
@@ -37,30 +40,50 @@ class SPTorchNorm:
         return norm
 
 
-def layer_spec(split: bool = True, sp: bool = False):
+EXPERTS, TOPK = 4, 2
+
+
+def moe_config(num_experts: int = EXPERTS, topk: int = TOPK) -> dict:
+    """TransformerConfig keywords of the tiny MoE model: ``num_experts`` experts of FFN size
+    2·hidden, top-``topk`` routing, Megatron's alltoall dispatcher (over the plan's ``ep``
+    ranks: ``expert_model_parallel_size`` comes with ``setup.config_overrides``), dropless
+    (no capacity factor) and no auxiliary load-balancing loss, so every token's output depends
+    on its own routing only and a pipelined/expert-parallel run equals one process.  No linear
+    biases (as Mixtral/Qwen-MoE): megatron-core 0.16.1's expert MLP adds its fc2 bias in place
+    on the tp-reduce output, which autograd refuses for Megatron's local linear layers."""
+    return dict(add_bias_linear=False, num_moe_experts=num_experts, moe_router_topk=topk, moe_ffn_hidden_size=2 * HIDDEN,
+                moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+
+
+def layer_spec(split: bool = True, sp: bool = False, num_experts: int | None = None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from ..runtime.megatron.splitgrad import split_backward_spec
-    spec = get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     if sp:
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SPTorchNorm
     return split_backward_spec(spec) if split else spec
 
 
 def gpt(config, pre_process=True, post_process=True, vp_stage=None, split=True, seed=1234,
-        max_seq=SEQ):
+        max_seq=SEQ, pg_collection=None):
     import torch
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
+
+    from ..runtime.megatron.shim import cpu_shim
     torch.manual_seed(seed)
-    spec = layer_spec(split, config.sequence_parallel)
+    spec = layer_spec(split, config.sequence_parallel, config.num_moe_experts)
     if config.sequence_parallel:     # the block's final norm, too
         spec = TransformerBlockSubmodules([spec] * get_num_layers_to_build(config, vp_stage),
                                           layer_norm=SPTorchNorm)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
-                    max_sequence_length=max_seq, pre_process=pre_process, post_process=post_process,
-                    share_embeddings_and_output_weights=False, vp_stage=vp_stage)
+    with cpu_shim():    # the MoE dispatcher asks for a CUDA stream at construction
+        return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                        max_sequence_length=max_seq, pre_process=pre_process,
+                        post_process=post_process, share_embeddings_and_output_weights=False,
+                        vp_stage=vp_stage, pg_collection=pg_collection)
 
 
 def build_reference(num_layers: int, split=True, max_seq=SEQ, tp=1, sp=False):

@@ -26,16 +26,31 @@ class GPTConfig:
 
 
 class Embedding(nn.Module):
-    """Token + learned position embedding."""
+    """Token + learned position embedding.  ``seq_shard`` (index of this rank's piece of the
+    sequence, set by sequence parallelism) offsets the positions: shard r of length t holds
+    positions r·t ... r·t + t - 1."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
+        self.seq_shard = 0
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.size(1), device=idx.device)
+        t = idx.size(1)
+        pos = torch.arange(self.seq_shard * t, (self.seq_shard + 1) * t, device=idx.device)
         return self.tok(idx) + self.pos(pos)
+
+
+class CausalCore(nn.Module):
+    """The attention core on [batch, seq, heads, head_dim] q, k, v (SDPA, causal): the part
+    DeepSpeed-Ulysses wraps (``deepspeed.sequence.layer.DistributedAttention`` calls it with
+    the whole sequence and a slice of the heads)."""
+
+    def forward(self, q, k, v, batch_dim_idx: int = 0):
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True)
+        return y.transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -47,12 +62,13 @@ class Attention(nn.Module):
         self.h, self.nh = cfg.hidden, cfg.num_heads
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.core = CausalCore()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t = x.size(0), x.size(1)
-        qkv = self.qkv(x).view(b, t, 3, self.nh, self.h // self.nh).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, self.h))
+        qkv = self.qkv(x).view(b, t, 3, self.nh, self.h // self.nh)
+        y = self.core(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], 0)   # batch dim 0
+        return self.proj(y.reshape(b, t, self.h))
 
 
 class MLP(nn.Module):
@@ -126,6 +142,13 @@ def example_batch(cfg: GPTConfig, batch_size: int, seed: int = 0):
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def ulysses_layers(layers, group) -> list:
+    """The pipeline layers with DeepSpeed-Ulysses attention over ``group`` (each rank holds
+    1/sp of every sequence; see ``ds_autoplan.runtime.deepspeed.ulysses``)."""
+    from ..runtime.deepspeed.ulysses import ulysses
+    return ulysses(layers, group, (CausalCore,))
 
 
 def gpt_tiny(**overrides) -> TinyGPT:

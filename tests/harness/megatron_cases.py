@@ -34,7 +34,7 @@ def sgd(params, lr=0.05):
 def _plan(case):
     from ds_autoplan.plan import Plan
     d, n, name = case["pp"], case["n"], case.get("schedule", "custom")
-    return Plan(pp=d, tp=case.get("tp", 1), sequence_parallel=case.get("sp", False), dp=1,
+    return Plan(ep=case.get("ep", 1), pp=d, tp=case.get("tp", 1), sequence_parallel=case.get("sp", False), dp=case.get("dp", 1),
                 num_microbatches=n, micro_batch_size=MBS, schedule=name,
                 schedule_options=case.get("options", {}), layers_per_stage=case["layers"],
                 recompute_per_stage=case.get("recompute", [0.0] * len(case["layers"])),
@@ -228,3 +228,154 @@ def fail_case(case) -> dict:
         forward_step_func=bad_step, data_iterator=its if len(chunks) > 1 else its[0],
         model=chunks, num_microbatches=plan.num_microbatches, seq_length=SEQ, micro_batch_size=MBS)
     return {}
+
+
+# ------------------------------------------------------------------ expert parallelism (MoE)
+_SOLO_FIELDS = ("tp", "pp", "mp", "embd", "pos_embd", "cp", "tp_cp", "ep", "expt_tp", "tp_ep",
+                "tp_ep_pp", "dp", "dp_cp", "tp_dp_cp", "expt_dp", "intra_dp_cp", "intra_expt_dp")
+
+
+def solo_groups():
+    """A ``ProcessGroupCollection`` whose every group is this rank alone: a model built with
+    it is the whole single-process model (all experts, no pipeline) inside a multi-rank job."""
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    mine = [g for r in range(dist.get_world_size()) for g in [dist.new_group([r])]
+            if r == dist.get_rank()][0]
+    pgc = ProcessGroupCollection()
+    for f in _SOLO_FIELDS:
+        setattr(pgc, f, mine)
+    return pgc
+
+
+def expert_name(name: str, ep_rank: int, local_experts: int) -> str:
+    """A local expert's parameter name in the whole model (local expert j of ep rank e is
+    global expert e·local_experts + j, Megatron's MoELayer.local_expert_indices)."""
+    key = ".local_experts."
+    if key not in name:
+        return name
+    head, rest = name.split(key, 1)
+    j, tail = rest.split(".", 1)
+    return f"{head}{key}{ep_rank * local_experts + int(j)}.{tail}"
+
+
+def _dp_data(step: int, dp_rank: int, n: int):
+    """dp rank k's n micro-batches of a step (different data on every dp / ep rank)."""
+    import itertools
+    return itertools.islice(data_iter(1000 * step + dp_rank), n)
+
+
+def reduce_moe_grads(models, dp: int):
+    """What Megatron DDP does with the gradients of a MoE model (distributed_data_parallel.py,
+    average_in_collective off): dense parameters are summed over the data-parallel group,
+    expert parameters (``allreduce`` False) over the expert-data-parallel group, both scaled
+    by 1/dp (the dense dp size, ``expert_gradient_scaling_factor``)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    for m in models:
+        for p in m.parameters():
+            if p.grad is None:
+                continue
+            dense = getattr(p, "allreduce", True)
+            grp = ps.get_data_parallel_group() if dense else ps.get_expert_data_parallel_group()
+            dist.all_reduce(p.grad, group=grp)
+            p.grad.div_(dp)
+
+
+def moe_case(case) -> dict:
+    """MoE (alltoall dispatcher, per-expert MLPs, EP = ``case['ep']``) in our schedule on
+    pp × ep ranks: every dp/ep rank gets its own data; after Megatron's gradient reduction
+    (dense over dp, experts over expert-dp) every local parameter's gradient equals that of
+    the single-process model run on all ranks' micro-batches, each expert compared with the
+    reference's expert of the same global index.  2 steps (SGD in between)."""
+    import itertools
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules as ms
+
+    from ds_autoplan.models.megatron_gpt import base_config, gpt, moe_config
+    from ds_autoplan.runtime.megatron import cpu_shim, get_forward_backward_func, initialize
+    from ds_autoplan.schedule import Kind
+
+    ps.destroy_model_parallel()
+    ep = case["ep"]
+    plan = _plan(dict(case, dp=ep))
+    moe = moe_config()
+    L = sum(plan.layers_per_stage)
+    ref = gpt(base_config(num_layers=L, **moe), pg_collection=solo_groups())
+    setup = initialize(plan)             # expert_model_parallel_size = plan.ep
+    fb = get_forward_backward_func(plan)
+    chunks = build_chunks(setup, **moe)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    ep_rank, nloc = ps.get_expert_model_parallel_rank(), moe["num_moe_experts"] // ep
+    rp = dict(ref.named_parameters())
+
+    def ref_name(c, nme):
+        return expert_name(global_name(nme, stage_offset(plan.layers_per_stage, setup.stages[c])),
+                           ep_rank, nloc)
+    with torch.no_grad():
+        for c, m in enumerate(chunks):
+            for nme, p in m.named_parameters():
+                p.copy_(rp[ref_name(c, nme)])
+    n = plan.num_microbatches
+    res = {"rank": dist.get_rank(), "pp_rank": setup.pp_rank, "ep_rank": ep_rank, "dp": dp,
+           "local_experts": nloc, "max_grad_err": 0.0, "max_grad": 0.0, "losses": [],
+           "ref_losses": [], "experts_compared": 0,
+           "has_w": any(a.kind == Kind.W for a in fb.schedule.ranks[setup.pp_rank])}
+    params = [p for m in chunks for p in m.parameters()]
+    undo = _count_expert_w_items(res)
+    for step in range(case.get("steps", 2)):
+        with cpu_shim(remap_cuda_factories=True):
+            ref_l = ms.forward_backward_no_pipelining(
+                forward_step_func=forward_step, model=[ref], num_microbatches=dp * n,
+                data_iterator=itertools.chain(*(_dp_data(step, k, n) for k in range(dp))),
+                seq_length=SEQ, micro_batch_size=MBS)
+        its = [_dp_data(step, dp_rank, n) for _ in chunks]
+        losses = fb(forward_step_func=forward_step, data_iterator=its if len(chunks) > 1 else its[0],
+                    model=chunks, num_microbatches=n, seq_length=SEQ, micro_batch_size=MBS)
+        reduce_moe_grads(chunks, dp)
+        experts = set()
+        for c, m in enumerate(chunks):
+            for nme, p in m.named_parameters():
+                g_ref = rp[ref_name(c, nme)].grad
+                assert p.grad is not None, f"no gradient for {nme}"
+                res["max_grad_err"] = max(res["max_grad_err"], float((p.grad - g_ref).abs().max()))
+                res["max_grad"] = max(res["max_grad"], float(g_ref.abs().max()))
+                if ".local_experts." in nme:     # one entry per (layer, global expert)
+                    experts.add(ref_name(c, nme).rsplit(".", 2)[0])
+        res["experts_compared"] = len(experts)
+        res["losses"].append([float(x["loss"]) for x in losses])
+        res["ref_losses"].append([float(x["loss"]) for x in ref_l][dp_rank * n:(dp_rank + 1) * n])
+        sgd(params)
+        sgd(ref.parameters())
+    undo()
+    dist.barrier()
+    return res
+
+
+def _count_expert_w_items(res):
+    """Count, into ``res["expert_w_items"]``, the deferred weight GEMMs that W actions run
+    for expert-parallel linear layers (their weight has Megatron's ``allreduce`` False)."""
+    from ds_autoplan.runtime.splitgrad import WeightGradStore
+    run_all = WeightGradStore.run_all
+    res["expert_w_items"] = 0
+
+    def expert(fn):
+        cells = [c.cell_contents for c in (fn.__closure__ or ())]
+        return any(getattr(c, "allreduce", True) is False for c in cells if torch_param(c))
+
+    def counting(store):
+        res["expert_w_items"] += sum(expert(fn) for fn, _, _ in store._items)
+        return run_all(store)
+    WeightGradStore.run_all = counting
+
+    def undo():
+        WeightGradStore.run_all = run_all
+    return undo
+
+
+def torch_param(x) -> bool:
+    import torch
+    return isinstance(x, torch.nn.Parameter)

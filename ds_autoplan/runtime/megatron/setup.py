@@ -17,6 +17,12 @@
   (:meth:`MegatronSetup.chunk_config`): nothing is recomputed twice.  Selective recompute
   (``plan.selective_recompute``: the attention core of every layer, Korthikanti et al. 2022
   §5) has no R: it stays Megatron's ``recompute_granularity='selective'``.
+* Expert parallelism: the plan's ``ep`` / ``etp`` go to ``initialize_model_parallel``
+  (``expert_model_parallel_size``, ``expert_tensor_parallel_size``) and to every chunk's
+  config; Megatron regroups each stage's tp·cp·dp ranks as etp·ep·expert-dp, so the MoE
+  layers' all-to-all runs among ranks that execute the same action list.  Context
+  parallelism (``cp`` > 1) needs Transformer Engine's attention on a CUDA GPU:
+  :func:`initialize` refuses it elsewhere with one line (docs/megatron.md).
 """
 from __future__ import annotations
 
@@ -113,6 +119,24 @@ class MegatronSetup:
         return cfg
 
 
+def context_parallel_problem(cp: int) -> str | None:
+    """Why Megatron context parallelism of degree ``cp`` cannot run in this process (None:
+    it can): it needs Transformer Engine's attention, which needs a CUDA GPU."""
+    if cp <= 1:
+        return None
+    import importlib.util
+
+    import torch
+    if not torch.cuda.is_available():
+        return (f"context parallelism (cp={cp}) needs Transformer Engine's attention on a CUDA "
+                f"GPU and this machine has none; run it where GPUs are (docs/megatron.md, "
+                f"'Expert, context and Ulysses parallelism')")
+    if importlib.util.find_spec("transformer_engine") is None:
+        return (f"context parallelism (cp={cp}) needs Transformer Engine (pip install "
+                f"transformer_engine[pytorch]); see docs/megatron.md")
+    return None
+
+
 def layout_for(schedule: Schedule, layers_per_stage):
     if schedule.round_robin:
         return layout_string(layers_per_stage)   # Megatron's own layout; stage order == vpp-major
@@ -134,6 +158,8 @@ def plan_overrides(plan, schedule: Schedule | None = None) -> tuple[dict, list, 
     layout = layout_for(sched, lps)
     vpp = sched.chunks_per_rank if S > d else None
     over = dict(num_layers=sum(lps), tensor_model_parallel_size=plan.tp,
+                expert_model_parallel_size=plan.ep, expert_tensor_parallel_size=plan.etp,
+                context_parallel_size=plan.cp,
                 sequence_parallel=bool(plan.sequence_parallel and plan.tp > 1),   # needs tp > 1
                 pipeline_model_parallel_size=d, virtual_pipeline_model_parallel_size=vpp,
                 pipeline_model_parallel_layout=layout,
@@ -146,7 +172,9 @@ def plan_overrides(plan, schedule: Schedule | None = None) -> tuple[dict, list, 
 
 def initialize(plan, schedule: Schedule | None = None, **model_parallel_kwargs) -> MegatronSetup:
     """``parallel_state.initialize_model_parallel`` with the plan's sizes (torch.distributed
-    must be initialised; world = tp·pp·dp), and the TransformerConfig overrides for this rank.
+    must be initialised; world = tp·cp·pp·dp, ep·etp dividing tp·cp·dp), and the
+    TransformerConfig overrides for this rank.  ``cp`` > 1 is refused without CUDA and
+    Transformer Engine (:func:`context_parallel_problem`).
 
     Build each local chunk ``c`` as ``GPTModel(config=setup.chunk_config(cfg, c),
     pre_process=setup.pre_process(c), post_process=setup.post_process(c),
@@ -159,10 +187,13 @@ def initialize(plan, schedule: Schedule | None = None, **model_parallel_kwargs) 
 
     sched = plan_schedule(plan, schedule)
     over, rec_layers, layout = plan_overrides(plan, sched)
-    world = dist.get_world_size()
-    if world != plan.tp * sched.num_ranks * plan.dp:
-        raise ScheduleError(f"plan needs tp*pp*dp = {plan.tp}*{sched.num_ranks}*{plan.dp} = "
-                            f"{plan.tp * sched.num_ranks * plan.dp} processes, world size is {world}")
+    problem = context_parallel_problem(plan.cp)
+    if problem:
+        raise ScheduleError(problem)
+    world, need = dist.get_world_size(), plan.tp * plan.cp * sched.num_ranks * plan.dp
+    if world != need:
+        raise ScheduleError(f"plan needs tp*cp*pp*dp = {plan.tp}*{plan.cp}*{sched.num_ranks}*"
+                            f"{plan.dp} = {need} processes, world size is {world}")
     if not sched.round_robin:
         # the embedding (first stage) and the output layer (last stage) live where the
         # placement puts them (a V: both on pp rank 0), not on Megatron's first and last rank
@@ -170,10 +201,11 @@ def initialize(plan, schedule: Schedule | None = None, **model_parallel_kwargs) 
         model_parallel_kwargs.setdefault("get_embedding_ranks",
                                          lambda pp_ranks, *a: [pp_ranks[r] for r in ends])
     with startup_watchdog("Megatron model-parallel initialisation"):
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=sched.num_ranks,
-            virtual_pipeline_model_parallel_size=over["virtual_pipeline_model_parallel_size"],
-            **model_parallel_kwargs)
+        parallel_state.initialize_model_parallel(**{
+            "tensor_model_parallel_size": plan.tp, "pipeline_model_parallel_size": sched.num_ranks,
+            "virtual_pipeline_model_parallel_size": over["virtual_pipeline_model_parallel_size"],
+            "context_parallel_size": plan.cp, "expert_model_parallel_size": plan.ep,
+            "expert_tensor_parallel_size": plan.etp, **model_parallel_kwargs})
     rank = parallel_state.get_pipeline_model_parallel_rank()
     return MegatronSetup(sched, rank, over, sched.stages_of(rank), rec_layers, layout,
                          bool(plan.selective_recompute))
