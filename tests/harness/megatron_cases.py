@@ -34,7 +34,8 @@ def sgd(params, lr=0.05):
 def _plan(case):
     from ds_autoplan.plan import Plan
     d, n, name = case["pp"], case["n"], case.get("schedule", "custom")
-    return Plan(ep=case.get("ep", 1), pp=d, tp=case.get("tp", 1), sequence_parallel=case.get("sp", False), dp=case.get("dp", 1),
+    return Plan(pp=d, tp=case.get("tp", 1), ep=case.get("ep", 1), dp=case.get("dp", 1),
+                sequence_parallel=case.get("sp", False),
                 num_microbatches=n, micro_batch_size=MBS, schedule=name,
                 schedule_options=case.get("options", {}), layers_per_stage=case["layers"],
                 recompute_per_stage=case.get("recompute", [0.0] * len(case["layers"])),
