@@ -66,3 +66,32 @@ def test_search_and_dynamic_planner_ask_the_registry():
     for sched in ("dynapipe", "1f1b"):     # a cost-aware builder gets the split's costs
         plan = IterationPlanner(cost, 2, schedule=sched)([64, 128, 96, 32, 256, 64])
         assert plan.schedule.num_stages == 2
+
+
+def test_a_new_builder_names_its_schedule_once():
+    """The package docstring's worked example: the name is written in ``register`` only; the
+    registered function checks d / n, names the drafted schedule and prefixes refusals."""
+    from ds_autoplan.schedule.builders import registry
+    from ds_autoplan.schedule.ir import Kind
+    from ds_autoplan.schedule import simulate, Costs
+
+    @registry.register("example-f-then-bw", min_n=lambda d: 2)
+    def example(d, n, bad=False):
+        if bad:
+            raise ScheduleError("asked to fail")
+        lists = [[(Kind.F, r, m) for m in range(n)] + [(Kind.BW, r, m) for m in range(n)]
+                 for r in range(d)]
+        return registry.draft(n, sequential_placement(d), lists)
+    try:
+        assert "example-f-then-bw" in names()
+        s = build("example-f-then-bw", 3, 4)
+        assert s.name == example(3, 4).name == "example-f-then-bw"
+        assert simulate(s, Costs.uniform(s)).makespan > 0
+        assert builder_info("example-f-then-bw").options == {"bad": False}
+        with pytest.raises(ScheduleError, match="^example-f-then-bw: needs at least 2 micro"):
+            example(3, 1)
+        with pytest.raises(ScheduleError, match="^example-f-then-bw: asked to fail$"):
+            build("example-f-then-bw", 2, 2, bad=True)
+    finally:
+        registry.REGISTRY.pop("example-f-then-bw", None)
+        registry.BUILDERS.pop("example-f-then-bw", None)

@@ -11,6 +11,8 @@ pytest.importorskip("megatron.core")
 torch = pytest.importorskip("torch")
 
 from ds_autoplan.schedule import Schedule, names, simulate, Costs, build, v_placement  # noqa: E402
+from ds_autoplan.schedule.builders import builder_info  # noqa: E402
+from harness import registered  # noqa: E402
 
 TOL = 1e-5
 
@@ -40,9 +42,8 @@ def _cases(d: int, n: int):
              # so its own interleaved reference runs with batch_p2p_comm off there
              dict(pp=d, n=n, schedule="interleaved", layers=v, runner="megatron",
                   config={"batch_p2p_comm": d != 2})]
-    for name in ("v-half", "v-min", "v-zb", "zb-h1"):
-        if name in names():
-            cases.append(dict(pp=d, n=n, schedule=name, layers=seq if name == "zb-h1" else v))
+    for name in registered(exclude=("1f1b", "interleaved")):   # both covered above, twice
+        cases.append(dict(pp=d, n=n, schedule=name, layers=[1] * builder_info(name).num_stages(d)))
     cases.append(dict(pp=d, n=n, layers=v, sched=hand_v(d, n).to_dict(), schedule="hand-v"))
     if d == 2 and "v-zb" in names():  # per-stage Megatron block recompute on V chunks + B/W split
         cases.append(dict(pp=d, n=n, schedule="v-zb", layers=[2, 2, 2, 2],

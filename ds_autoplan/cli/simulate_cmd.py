@@ -34,6 +34,9 @@ def add_parser(sub) -> None:
                         "one chart per schedule, FILE's name with -SCHEDULE before the extension")
     p.add_argument("--memory-plot", metavar="FILE",
                    help="write the activation-memory plot to FILE (named like --plot's with --compare)")
+    p.add_argument("--trace", metavar="FILE.json",
+                   help="write the simulated timeline as a Chrome/Perfetto trace (one track per "
+                        "rank; one process per schedule with --compare; 1 time unit = 1 ms)")
     p.add_argument("--save", help="write the (lowered) schedule to this file (.json or .txt)")
     p.set_defaults(func=run)
 
@@ -98,8 +101,9 @@ def _targets(args, names: list[str]) -> dict:
         for i, name in enumerate(names):
             p = path if len(names) == 1 else f"{root}-{name}{ext}"
             out[opt, i] = resolve_file(p, opt, create_parent=False)
-    if args.save is not None:
-        out["--save", 0] = resolve_file(args.save, "--save", create_parent=False)
+    for opt, path in (("--save", args.save), ("--trace", args.trace)):
+        if path is not None:
+            out[opt, 0] = resolve_file(path, opt, create_parent=False)
     return out
 
 
@@ -134,7 +138,13 @@ def run(args) -> int:
         sched, _, costs = rows[0]
         low = lower(sched, costs)
         write_file(targets["--save", 0], low.save, what="--save")
-    if targets.keys() - {("--save", 0)}:
+    if ("--trace", 0) in targets:
+        from ..outputs import json_text
+        from ..schedule.trace import trace_events
+        groups = [(s.name, res.timeline()) for s, res, _ in rows]
+        write_file(targets["--trace", 0], json_text(trace_events(groups, scale=1e3), indent=None),
+                   what="--trace")
+    if targets.keys() - {("--save", 0), ("--trace", 0)}:
         from ..schedule.plots import plot_gantt, plot_memory
         for i, (sched, res, _) in enumerate(rows):
             for opt, draw in (("--plot", plot_gantt), ("--memory-plot", plot_memory)):

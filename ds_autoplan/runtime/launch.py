@@ -178,6 +178,8 @@ def _exit(code: int) -> None:
     import multiprocessing
     for child in multiprocessing.active_children():
         child.terminate()
+    from .common import trace
+    trace.flush()
     sys.stdout.flush()
     os._exit(code)
 

@@ -16,28 +16,42 @@ import contextlib
 import numpy as np
 
 from ...schedule import Costs, Kind, Schedule, ScheduleError
+from . import trace
 
 
 class ActionMemory:
-    """(delta, rise) of tracked bytes per (kind, stage, mb) of the last step."""
+    """(delta, rise) of tracked bytes per (kind, stage, mb) of the last step; with
+    ``DS_AUTOPLAN_TRACE`` set, also each action's start and end (:mod:`.trace`)."""
 
     def __init__(self, tracker=None):
         self.tracker = tracker
         self.by_action: dict = {}
+        self.timeline = trace.from_env()
 
     @contextlib.contextmanager
     def measure(self, kind: Kind, stage: int, mb: int):
-        tr = self.tracker
-        if tr is None:
+        tr, tl = self.tracker, self.timeline
+        if tr is None and tl is None:
             yield
             return
-        m0, peak0 = tr.current, tr.peak
-        tr.peak = m0
+        t0 = trace.clock()
+        if tr is not None:
+            m0, peak0 = tr.current, tr.peak
+            tr.peak = m0
         try:
             yield
         finally:
-            self.by_action[(Kind(kind), stage, mb)] = (tr.current - m0, tr.peak - m0)
-            tr.peak = max(peak0, tr.peak)
+            if tr is not None:
+                self.by_action[(Kind(kind), stage, mb)] = (tr.current - m0, tr.peak - m0)
+                tr.peak = max(peak0, tr.peak)
+            if tl is not None:
+                tl.record(kind, stage, mb, t0, trace.clock())
+
+    def new_step(self) -> None:
+        """Forget the last step's measurements (a new step begins)."""
+        self.by_action = {}
+        if self.timeline is not None:
+            self.timeline.next_step()
 
 
 def stage_costs(sched: Schedule, by_action: dict, rank: int, mb: int = 0) -> Costs:

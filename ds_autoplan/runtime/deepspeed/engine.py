@@ -284,7 +284,7 @@ class AutoplanEngine(PipelineEngine):
         self._batch_used = {}
         self._next_mb = 0
         self.ap_mem_trace = []
-        self.ap_memory.by_action = {}
+        self.ap_memory.new_step()
         tr = self.memtracker
         if tr is not None:
             tr.reset_peak()

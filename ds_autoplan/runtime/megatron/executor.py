@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import time
 
 import torch
 
@@ -166,9 +165,7 @@ class ScheduleRunner:
             schedule = plan_schedule(plan, schedule)
         self.schedule = None if schedule is None else lower(schedule, costs)
         self.tracker = tracker          # optional runtime.memtrack.MemTracker
-        self.timeline: list = []        # (kind, stage, mb, t0, t1) of the last call, this rank
-        self.record_timeline = False
-        self.memory = ActionMemory(tracker)   # (delta, rise) per compute action (with tracker)
+        self.memory = ActionMemory(tracker)   # bytes per compute action; DS_AUTOPLAN_TRACE times
         self.peak_bytes = 0             # peak tracked saved-activation bytes of the last call
         self._next: StepState | None = None
         self.__signature__ = SIGNATURE
@@ -318,7 +315,7 @@ class _Step:
     # -- the step ------------------------------------------------------------------------
     def run(self):
         r, tracker = self.runner, self.runner.tracker
-        r.timeline, r.memory.by_action = [], {}
+        r.memory.new_step()
         base = tracker.current if tracker is not None else 0
         if tracker is not None:
             tracker.reset_peak()
@@ -357,11 +354,8 @@ class _Step:
         r = self.runner
         if act.kind.is_comm:
             return self.table[act.kind](act)
-        t0 = time.perf_counter() if r.record_timeline else 0.0
         with r.memory.measure(act.kind, act.stage, act.mb):
             self.table[act.kind](act)
-        if r.record_timeline:
-            r.timeline.append((act.kind.value, act.stage, act.mb, t0, time.perf_counter()))
 
     def _check_done(self):
         left = self.recvd or self.stores or self.hleaf or \

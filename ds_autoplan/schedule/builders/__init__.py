@@ -4,6 +4,25 @@ Every builder registers itself under its CLI name with :func:`register`, togethe
 callers need to know about it (:class:`BuilderInfo`: placement, stages per rank, options,
 fewest ranks and micro-batches); callers use :func:`build` and :func:`builder_info`.
 Runtimes never look at the name: it is for humans and reports only.
+
+Adding a schedule -- the name is written once, in ``register``::
+
+    from ..ir import Kind, sequential_placement
+    from .registry import draft, register
+
+    @register("all-f-then-bw", min_n=lambda d: 1)
+    def all_f_then_bw(d: int, n: int) -> Schedule:
+        \"\"\"GPipe without the reversed backward order (an example).\"\"\"
+        lists = [[(Kind.F, r, m) for m in range(n)] + [(Kind.BW, r, m) for m in range(n)]
+                 for r in range(d)]
+        return draft(n, sequential_placement(d), lists)
+
+The registered function checks ``d`` and ``n`` against ``min_d`` / ``min_n`` before the body
+runs, prefixes the builder's :class:`ScheduleError` messages with its name and names the
+schedule that :func:`draft` left unnamed.  Import the module below so that it registers; the
+registry-driven tests (``tests/test_builder_registry.py``, the runtime tests) then cover it
+unless they list it, with a reason, among their exclusions.  ``docs/schedules.md`` explains
+the IR, the simulator and each family of schedules.
 """
 from __future__ import annotations
 

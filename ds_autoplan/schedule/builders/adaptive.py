@@ -30,7 +30,7 @@ import itertools
 from functools import lru_cache
 
 from ..ir import Schedule, ScheduleError
-from .registry import check_args, register
+from .registry import register
 from .vshape import (B0, B1, F0, F1, T, W, W0, build_slots, put_w, slots_to_schedule,
                      squeeze_unit, vhalf_block, vmin_block, vzb_block, _occupancy, _peak)
 
@@ -452,7 +452,7 @@ def _real_makespan(blk, n: int, cap_m: int, method: str, fbw: tuple) -> float:
     """Makespan of the laid-out block with per-V-stage costs (f, b, w), comm 0."""
     from ..costs import Costs
     from ..simulator import simulate
-    s = slots_to_schedule("adaptive", _layout(blk, n, cap_m, method))
+    s = slots_to_schedule(_layout(blk, n, cap_m, method))
     costs = Costs.per_stage(s.num_stages, n, *fbw, num_ranks=len(blk))
     return simulate(s, costs, check=False).makespan
 
@@ -503,7 +503,6 @@ def adaptive(d: int, n: int, mem_cap: float | None = None, f: float = 1.0, b: fl
     (per rank, units of one micro-batch's activation for 1/d of the model, as
     ``SimResult.peak_units``; default d = 1F1B's first rank).  ``f, b, w``: relative
     per-stage pass times used to pick among the shortlisted blocks (default equal)."""
-    check_args("adaptive", d, n)
     try:
         cap = float(d if mem_cap is None else mem_cap)
         fbw = (float(f), float(b), float(w))
@@ -519,9 +518,9 @@ def adaptive(d: int, n: int, mem_cap: float | None = None, f: float = 1.0, b: fl
         from dataclasses import replace
         from .vshape import v_zb
         s = v_zb(d, n)
-        return replace(s, name="adaptive", meta={**s.meta, "layout": "v-zb block", "mem_cap": cap})
+        return replace(s, meta={**s.meta, "layout": "v-zb block", "mem_cap": cap})
     blk, method = search(d, n, cap_m, fbw)
     mk, pk = evaluate(blk, n, cap_m, method)
-    return slots_to_schedule("adaptive", _layout(blk, n, cap_m, method),
+    return slots_to_schedule(_layout(blk, n, cap_m, method),
                              block=[list(r) for r in blk], layout=method, mem_cap=cap,
                              expected_unit_makespan=mk, expected_peak_units=pk / 2)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..ir import Kind, Schedule, ScheduleError, interleaved_placement, sequential_placement
-from .registry import check_args, register
+from .registry import draft, register
 
 F, BW = Kind.F, Kind.BW
 
@@ -10,10 +10,9 @@ F, BW = Kind.F, Kind.BW
 @register("gpipe")
 def gpipe(d: int, n: int) -> Schedule:
     """All forwards, then all backwards in reverse micro-batch order (GPipe)."""
-    check_args("gpipe", d, n)
     lists = [[(F, r, m) for m in range(n)] + [(BW, r, m) for m in reversed(range(n))]
              for r in range(d)]
-    return Schedule.from_keys("gpipe", n, sequential_placement(d), lists)
+    return draft(n, sequential_placement(d), lists)
 
 
 def one_f_one_b_order(d: int, n: int, rank: int) -> list[tuple]:
@@ -31,9 +30,7 @@ def one_f_one_b_order(d: int, n: int, rank: int) -> list[tuple]:
 
 @register("1f1b")
 def one_f_one_b(d: int, n: int) -> Schedule:
-    check_args("1f1b", d, n)
-    return Schedule.from_keys("1f1b", n, sequential_placement(d),
-                              [one_f_one_b_order(d, n, r) for r in range(d)])
+    return draft(n, sequential_placement(d), [one_f_one_b_order(d, n, r) for r in range(d)])
 
 
 def interleaved_table(n: int, v: int, group: int) -> list[tuple[int, int]]:
@@ -50,7 +47,6 @@ def interleaved_table(n: int, v: int, group: int) -> list[tuple[int, int]]:
 @register("interleaved", placement="interleaved", chunks_option="v", min_n=lambda d: d)
 def interleaved(d: int, n: int, v: int = 2, group: int | None = None) -> Schedule:
     """Interleaved 1F1B with ``v`` model chunks per rank (stage = chunk·d + rank)."""
-    check_args("interleaved", d, n)
     if not isinstance(v, int) or v < 1:
         raise ScheduleError(f"interleaved: chunks v must be >= 1, got {v}")
     if group is None:
@@ -74,5 +70,5 @@ def interleaved(d: int, n: int, v: int = 2, group: int | None = None) -> Schedul
                 keys.append(fwd[warm + i])
             keys.append(bk)
         lists.append(keys)
-    return Schedule.from_keys("interleaved", n, interleaved_placement(d, v), lists, chunks=v,
-                              microbatch_group_size_per_vp_stage=group)
+    return draft(n, interleaved_placement(d, v), lists, chunks=v,
+                 microbatch_group_size_per_vp_stage=group)

@@ -31,7 +31,7 @@ import numpy as np
 from ..costs import Costs
 from ..ir import Kind, Schedule, ScheduleError, sequential_placement, v_placement
 from ..simulator import SimResult, simulate
-from .registry import check_args, register
+from .registry import draft, register
 
 F, BW = Kind.F, Kind.BW
 
@@ -166,7 +166,6 @@ def dynapipe(d: int, n: int, *, costs: Costs | None = None, mb_f=None, mb_b=None
     ``meta`` gets the per-rank ``safety_stock``, ``peak_memory`` and the ``makespan`` of the
     wait-free replay (one simulation; planners that simulate anyway pass ``report=False``).
     """
-    check_args("dynapipe", d, n)
     pl = _placement(placement, d)
     S = len(pl)
     if costs is None:
@@ -179,8 +178,7 @@ def dynapipe(d: int, n: int, *, costs: Costs | None = None, mb_f=None, mb_b=None
     if max_inflight is not None and (not isinstance(max_inflight, int) or max_inflight < 1):
         raise ScheduleError(f"dynapipe: max_inflight must be a positive integer, got {max_inflight!r}")
     order = cyclic_order(pl, n, costs.mem_f, mem_limit, max_inflight)
-    sched = Schedule.from_keys("dynapipe", n, pl, order, mem_limit=mem_limit,
-                               max_inflight=max_inflight)
+    sched = draft(n, pl, order, mem_limit=mem_limit, max_inflight=max_inflight)
     if not report:
         return sched
     res = simulate(sched, costs)

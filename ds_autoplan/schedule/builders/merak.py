@@ -11,7 +11,7 @@ Unit costs F = R = 1, BW = 2: makespan 4m + 3(s-2) instead of 4m + 3(s-1).
 from __future__ import annotations
 
 from ..ir import Kind, Schedule, ScheduleError, sequential_placement
-from .registry import check_args, register
+from .registry import draft, register
 
 F, R, BW = Kind.F, Kind.R, Kind.BW
 
@@ -33,7 +33,6 @@ def merak_scp(d: int, n: int, recompute=None, shifted: bool = True) -> Schedule:
     """SCP order (partition-merak.md §5.3).  ``recompute``: per stage, a bool or the
     fraction of its layers recomputed (> 0 → the stage gets R actions; R's duration comes
     from the costs).  ``shifted=False``: plain 1F1B with each R just before its BW."""
-    check_args("merak-scp", d, n)
     rec = _recompute_flags(d, recompute)
     scp = bool(shifted) and n >= 3
 
@@ -55,5 +54,4 @@ def merak_scp(d: int, n: int, recompute=None, shifted: bool = True) -> Schedule:
         lists.append(keys)
     note = {} if scp or not shifted else \
         {"warning": "merak-scp: n < 3, fell back to 1F1B + early recompute"}
-    return Schedule.from_keys("merak-scp", n, sequential_placement(d), lists,
-                              recompute=rec, shifted=scp, **note)
+    return draft(n, sequential_placement(d), lists, recompute=rec, shifted=scp, **note)

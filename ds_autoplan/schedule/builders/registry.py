@@ -3,9 +3,10 @@
 switches on a schedule's name."""
 from __future__ import annotations
 
+import functools
 import inspect
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
 
 from ..ir import Schedule, ScheduleError
 
@@ -59,14 +60,38 @@ BUILDERS: dict[str, Callable[..., Schedule]] = {}
 def register(name: str, **info):
     """Register the decorated builder under its CLI name with its :class:`BuilderInfo`
     fields (``placement``, ``stages_per_rank``, ``chunks_option``, ``stages_of``, ``min_d``,
-    ``min_n``)."""
+    ``min_n``).
+
+    The name is written here only: the registered function (also when called directly)
+    checks ``d`` and ``n`` with :meth:`BuilderInfo.check` before the builder runs, and names
+    the schedule the builder returns (builders make it with :func:`draft`)."""
     def deco(fn):
-        REGISTRY[name] = BuilderInfo(name, fn, **info)
-        BUILDERS[name] = fn
-        return fn
+        @functools.wraps(fn)
+        def builder(d: int, n: int, *args, **options) -> Schedule:
+            entry.check(d, n)
+            try:
+                sched = fn(d, n, *args, **options)
+            except ScheduleError as e:       # every builder's refusal starts with its name
+                if str(e).startswith(f"{name}:"):
+                    raise
+                raise ScheduleError(f"{name}: {e}") from e
+            return sched if sched.name == name else replace(sched, name=name)
+
+        entry = BuilderInfo(name, builder, **info)
+        REGISTRY[name] = entry
+        BUILDERS[name] = builder
+        return builder
     return deco
 
 
+def draft(n: int, placement: Sequence[int], per_rank: Sequence[Sequence[tuple]],
+          **meta) -> Schedule:
+    """A builder's result before :func:`register` names it: per-rank ``(kind, stage, mb)``
+    lists over ``placement`` (:meth:`Schedule.from_keys` without the name)."""
+    return Schedule.from_keys("", n, placement, per_rank, **meta)
+
+
 def check_args(name: str, d: int, n: int) -> None:
-    """The registered builder's argument checks (builders call it, so do direct calls)."""
+    """The registered builder ``name``'s argument checks, for callers that validate before
+    building."""
     REGISTRY[name].check(d, n)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ..ir import Kind, Schedule, ScheduleError, v_placement
-from .registry import check_args, register
+from .registry import draft, register
 
 T = 6                              # repeating interval: F0 F1 B1 B0 W1 W0 (§1.2)
 F0, F1, B1, B0, W, W0 = range(6)   # W is W1 once W is split per chunk
@@ -308,7 +308,7 @@ def build_slots(blk: list[list[int]], n: int, cap: int | None = None) -> list[li
     return [put_w(r, split=True) for r in rows]
 
 
-def slots_to_schedule(name: str, rows, **meta) -> Schedule:
+def slots_to_schedule(rows, **meta) -> Schedule:
     d = len(rows)
     n = len(rows[0][F0])
     kinds = (Kind.F, Kind.F, Kind.B, Kind.B, Kind.W, Kind.W)
@@ -317,41 +317,40 @@ def slots_to_schedule(name: str, rows, **meta) -> Schedule:
         stage = (i, 2 * d - 1 - i, 2 * d - 1 - i, i, 2 * d - 1 - i, i)
         passes = sorted((s, t, mb) for t, lst in enumerate(row) for mb, s in enumerate(lst))
         lists.append([(kinds[t], stage[t], mb) for _, t, mb in passes])
-    return Schedule.from_keys(name, n, v_placement(d), lists, **meta)
+    return draft(n, v_placement(d), lists, **meta)
 
 
 @lru_cache(maxsize=256)
-def _cached(kind: str, d: int, n: int) -> tuple:
-    blk = {"v-min": vmin_block, "v-half": vhalf_block, "v-zb": vzb_block}[kind](d)
-    rows = build_slots(blk, n)
+def _cached(block_of, d: int, n: int) -> tuple:
+    rows = build_slots(block_of(d), n)
     return tuple(tuple(tuple(x) for x in r) for r in rows)
 
 
-def _build(name: str, d: int, n: int) -> Schedule:
-    check_args(name, d, n)
-    meta = {"block": {"v-min": vmin_block, "v-half": vhalf_block, "v-zb": vzb_block}[name](d)}
+def _build(block_of, d: int, n: int) -> Schedule:
+    """The V schedule of building block ``block_of(d)`` for ``n`` micro-batches."""
+    meta = {"block": block_of(d)}
     if n < 2 * d:
-        meta["warning"] = (f"{name}: n={n} < 2d={2 * d}; bubbles and the stated peak memory "
+        meta["warning"] = (f"n={n} < 2d={2 * d}; bubbles and the stated peak memory "
                            f"are only guaranteed for n >= 2d (schedules.md §8.5)")
-    return slots_to_schedule(name, _cached(name, d, n), **meta)
+    return slots_to_schedule(_cached(block_of, d, n), **meta)
 
 
 @register("v-min", placement="v", stages_per_rank=2, min_n=lambda d: d)
 def v_min(d: int, n: int) -> Schedule:
     """V-Min: δ0 = δ1 = 1, peak (d+4)//3 units (≈ 1/3 of 1F1B), bubble ≈ 2/3 of 1F1B's."""
-    return _build("v-min", d, n)
+    return _build(vmin_block, d, n)
 
 
 @register("v-half", placement="v", stages_per_rank=2, min_n=lambda d: d)
 def v_half(d: int, n: int) -> Schedule:
     """V-Half: (δ0, δ1) = (2, 1), peak (d+2)//2 units (≈ 1/2 of 1F1B), bubble ≈ 1/2 of 1F1B's."""
-    return _build("v-half", d, n)
+    return _build(vhalf_block, d, n)
 
 
 @register("v-zb", placement="v", stages_per_rank=2, min_n=lambda d: d)
 def v_zb(d: int, n: int) -> Schedule:
     """V-ZB: (δ0, δ1) = (4, 2), peak d units (= 1F1B), bubble d-1 unit slots."""
-    return _build("v-zb", d, n)
+    return _build(vzb_block, d, n)
 
 
 # ----------------------------------------------------------------------------- V-ZB greedy (§4.3)
@@ -501,7 +500,6 @@ def v_zb_greedy(d: int, n: int, f: float = 1.0, b: float = 1.0, w: float = 1.0, 
     """V-ZB built greedily with per-V-stage costs ``f, b, w``, comm ``c`` and an activation
     cap (units of M/d as ``SimResult.peak_units``; default d = 1F1B's), schedules.md §4.3
     (reference zbv.py, restated).  Better than the block at n < 2d and for uneven costs."""
-    check_args("v-zb-greedy", d, n)
     cap = float(d if mem_cap is None else mem_cap)
     if min(f, b, w) <= 0 or c < 0 or cap <= 0:
         raise ScheduleError("v-zb-greedy: f, b, w and mem_cap must be > 0 and c >= 0")
@@ -526,5 +524,5 @@ def v_zb_greedy(d: int, n: int, f: float = 1.0, b: float = 1.0, w: float = 1.0, 
     for i, seq in enumerate(best.order):
         stage = (i, 2 * d - 1 - i, 2 * d - 1 - i, i, 2 * d - 1 - i, i)
         lists.append([(kinds[t], stage[t], mb) for t, mb in seq])
-    return Schedule.from_keys("v-zb-greedy", n, v_placement(d), lists, mem_cap=cap,
-                              costs={"f": f, "b": b, "w": w, "c": c})
+    return draft(n, v_placement(d), lists, mem_cap=cap,
+                 costs={"f": f, "b": b, "w": w, "c": c})

@@ -10,7 +10,7 @@ F = B = W the bubble is (d-1)(F+B-W), one third of 1F1B's (d-1)(F+B+W).
 from __future__ import annotations
 
 from ..ir import Kind, Schedule, sequential_placement
-from .registry import check_args, register
+from .registry import draft, register
 
 F, B, W = Kind.F, Kind.B, Kind.W
 
@@ -32,6 +32,4 @@ def zb_h1_order(d: int, n: int, rank: int) -> list[tuple]:
 @register("zb-h1")
 def zb_h1(d: int, n: int) -> Schedule:
     """ZB-H1 (one stage per rank, B/W split, peak activation memory of 1F1B)."""
-    check_args("zb-h1", d, n)
-    return Schedule.from_keys("zb-h1", n, sequential_placement(d),
-                              [zb_h1_order(d, n, r) for r in range(d)])
+    return draft(n, sequential_placement(d), [zb_h1_order(d, n, r) for r in range(d)])
