@@ -5,7 +5,7 @@ DAG: an action starts when its rank is free and its predecessors have ended, plu
 latency on a cross-rank stage edge (``schedule.simulator.simulate``'s rules).  Start times
 are then a longest path, computed once per (schedule, costs) in a topological order that
 is compiled once per schedule shape.  The planner costs hundreds of (schedule, partition,
-recompute) variants on the same few shapes; ``tests/test_planner.py`` checks this against
+recompute) variants on the same few shapes; ``tests/test_planner_space.py`` checks this against
 the simulator on every registered schedule."""
 from __future__ import annotations
 
