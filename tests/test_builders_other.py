@@ -182,12 +182,11 @@ def test_adaptive_with_real_costs_never_worse():
 
 
 def test_adaptive_default_cap_minimum_and_speed():
-    import time
     adaptive_mod.search.cache_clear()
     adaptive_mod.evaluate.cache_clear()
-    t = time.perf_counter()
     s = build("adaptive", 8, 16)
-    assert time.perf_counter() - t < 3.0          # < 1 s on an idle core; slack for CI load
+    # the default cap (d units = 2d m) is the V-ZB block's: taken directly, no block search
+    assert adaptive_mod.search.cache_info().misses == 0 and s.meta["layout"] == "v-zb block"
     assert s.meta["mem_cap"] == 8
     assert max(simulate(s, _costs(s)).peak_units) <= 8
     for d in (4, 8, 11):

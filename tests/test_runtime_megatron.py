@@ -198,8 +198,6 @@ def test_split_spec_and_shim_restore():
 
 def test_memory_ratio_of_v_schedules_in_simulator():
     """The bench's memory goals hold in the simulator for uniform costs (sanity)."""
-    if not {"v-half", "v-min"} <= set(names()):
-        pytest.skip("V builders not registered")
     d, n = 4, 8
     peak = {nm: max(simulate(s, Costs.uniform(s)).peak_memory)
             for nm in ("1f1b", "v-half", "v-min") for s in [build(nm, d, n)]}

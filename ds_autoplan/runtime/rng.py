@@ -21,7 +21,7 @@ import torch
 def _tracker():
     try:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-    except Exception:       # megatron-core is optional for the DeepSpeed runtime
+    except ImportError:     # megatron-core is optional for the DeepSpeed runtime
         return None
     t = get_cuda_rng_tracker()
     return t if hasattr(t, "get_states") and hasattr(t, "set_states") else None
