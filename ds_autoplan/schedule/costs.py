@@ -102,9 +102,12 @@ class Costs:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """``(stages, micro-batches)`` the costs are for."""
         return self.f.shape
 
     def check(self, sched: Schedule) -> None:
+        """Raise :class:`ScheduleError` unless these costs are for ``sched``'s stages and
+        micro-batches."""
         if self.shape != (sched.num_stages, sched.num_microbatches):
             raise ScheduleError(f"costs are for {self.shape[0]} stages x {self.shape[1]} "
                                 f"micro-batches; schedule has {sched.num_stages} x "
@@ -134,6 +137,8 @@ class Costs:
         return replace(self, p2p=ov.p2p, send=ov.send, dispatch=ov.dispatch, step=ov.step)
 
     def duration(self, kind: Kind, s: int, m: int) -> float:
+        """Time of action ``kind`` on stage ``s`` for micro-batch ``m`` (a BW lasts B + W; a SEND
+        its send time; a RECV 0), plus the runtime's dispatch time for compute."""
         if kind == Kind.F:
             return self.f[s, m] + self.dispatch
         if kind == Kind.B:
@@ -149,6 +154,8 @@ class Costs:
         return 0.0
 
     def mem_delta(self, kind: Kind, s: int, m: int, recomputed: bool) -> float:
+        """Change of the rank's activation memory when ``kind`` of (``s``, ``m``) ends; a
+        recomputed stage's F keeps only ``keep_ckpt`` and its R allocates the rest."""
         if kind == Kind.F:
             return self.keep_ckpt[s, m] if recomputed else self.mem_f[s, m]
         if kind == Kind.R:
@@ -184,4 +191,5 @@ class Overheads:
                 raise ScheduleError(f"overhead {k} must be finite and non-negative, got {v}")
 
     def to_dict(self) -> dict:
+        """The overheads as a JSON-able dict (bench outputs, plan reports)."""
         return {"dispatch": self.dispatch, "p2p": self.p2p, "send": self.send, "step": self.step}

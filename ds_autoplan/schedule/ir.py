@@ -28,6 +28,8 @@ class ScheduleError(ValueError):
 
 
 class Kind(str, enum.Enum):
+    """The action vocabulary (docs/schedules.md §0): compute F, B, W, BW, R and the communication
+    SEND_F, RECV_F, SEND_B, RECV_B that lowering adds."""
     F = "F"
     B = "B"
     W = "W"
@@ -40,10 +42,12 @@ class Kind(str, enum.Enum):
 
     @property
     def is_comm(self) -> bool:
+        """True for SEND_*/RECV_* (added by lowering; no compute)."""
         return self in COMM_KINDS
 
     @property
     def is_compute(self) -> bool:
+        """True for F, B, W, BW and R."""
         return not self.is_comm
 
     def __str__(self) -> str:  # pragma: no cover - cosmetic
@@ -70,9 +74,11 @@ class Action:
 
     @property
     def key(self) -> tuple[Kind, int, int]:
+        """``(kind, stage, mb)``: the action without its rank and peer."""
         return (self.kind, self.stage, self.mb)
 
     def short(self) -> str:
+        """Text form ``F3.0`` (``SEND_F3.0@1`` with a peer), the inverse of :meth:`parse`."""
         s = f"{self.kind.value}{self.stage}.{self.mb}"
         return s if self.peer is None else f"{s}@{self.peer}"
 
@@ -124,13 +130,16 @@ class Schedule:
     # -- shape -----------------------------------------------------------------------
     @property
     def num_ranks(self) -> int:
+        """Pipeline ranks (one action list each)."""
         return len(self.ranks)
 
     @property
     def num_stages(self) -> int:
+        """Pipeline stages (entries of the placement)."""
         return len(self.placement)
 
     def stages_of(self, rank: int) -> list[int]:
+        """The stages ``rank`` holds, in layer order."""
         return [s for s, r in enumerate(self.placement) if r == rank]
 
     def chunk_of(self, stage: int) -> int:
@@ -152,6 +161,8 @@ class Schedule:
 
     @property
     def placement_kind(self) -> str:
+        """``sequential``, ``interleaved``, ``v`` or ``custom``: a label for reports; code asks
+        :attr:`chunks_per_rank` and the placement itself."""
         d, S = self.num_ranks, self.num_stages
         if self.placement == sequential_placement(d):
             return "sequential"
@@ -162,10 +173,12 @@ class Schedule:
         return "custom"
 
     def actions(self) -> Iterable[Action]:
+        """Every action of every rank, rank by rank in list order."""
         for lst in self.ranks:
             yield from lst
 
     def has_comm(self) -> bool:
+        """True when the lists are lowered (contain SEND/RECV)."""
         return any(a.kind.is_comm for a in self.actions())
 
     def compute_only(self) -> "Schedule":
@@ -173,6 +186,8 @@ class Schedule:
         return self.replace_lists([[a for a in lst if a.kind.is_compute] for lst in self.ranks])
 
     def replace_lists(self, lists: Sequence[Sequence[Action]], **meta) -> "Schedule":
+        """The same schedule (name, micro-batches, placement) with other per-rank lists and
+        ``meta`` updated by ``meta``."""
         return Schedule(self.name, self.num_microbatches, self.placement,
                         tuple(tuple(x) for x in lists), {**self.meta, **meta})
 
@@ -188,6 +203,7 @@ class Schedule:
 
     # -- serialisation -----------------------------------------------------------------
     def to_dict(self) -> dict:
+        """The JSON form (``format: ds_autoplan.schedule/1``; actions in their short text form)."""
         return {
             "format": "ds_autoplan.schedule/1",
             "name": self.name,
@@ -198,10 +214,12 @@ class Schedule:
         }
 
     def to_json(self, **kw) -> str:
+        """``to_dict`` as a JSON string (keywords go to :func:`json.dumps`)."""
         return json.dumps(self.to_dict(), **kw)
 
     @classmethod
     def from_dict(cls, obj: dict) -> "Schedule":
+        """Inverse of :meth:`to_dict`; a malformed object raises :class:`ScheduleError`."""
         try:
             ranks = obj["ranks"]
             sched = cls(str(obj.get("name", "custom")), int(obj["num_microbatches"]),
@@ -214,6 +232,7 @@ class Schedule:
 
     @classmethod
     def from_json(cls, text: str) -> "Schedule":
+        """Inverse of :meth:`to_json`."""
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
@@ -231,6 +250,8 @@ class Schedule:
 
     @classmethod
     def from_text(cls, text: str) -> "Schedule":
+        """Parse the text form (a ``# ds_autoplan schedule`` header with micro-batches and
+        placement, then one line of short actions per rank) that :meth:`save` writes."""
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
         if not lines or not lines[0].startswith("# ds_autoplan schedule"):
             raise ScheduleError("text schedule must start with '# ds_autoplan schedule ...'")
@@ -263,11 +284,14 @@ class Schedule:
 
     @classmethod
     def load(cls, path: str) -> "Schedule":
+        """Read a schedule file: JSON when it starts with ``{``, else the text form."""
         with open(path) as fh:
             text = fh.read()
         return cls.from_json(text) if text.lstrip().startswith("{") else cls.from_text(text)
 
     def save(self, path: str) -> None:
+        """Write the schedule to ``path``: JSON for a ``.json`` name, else the text form
+        (:meth:`from_text`)."""
         with open(path, "w") as fh:
             fh.write(self.to_json(indent=1) if path.endswith(".json") else self.to_text())
 
@@ -287,9 +311,11 @@ class DependencyIndex:
                 self.rec.add((a.stage, a.mb))
 
     def backward_kind(self, stage: int, mb: int) -> Kind:
+        """The backward kind (B or BW) the schedule uses for (``stage``, ``mb``)."""
         return self.bwd.get((stage, mb), Kind.BW)
 
     def preds(self, a: Action) -> list[tuple[Kind, int, int]]:
+        """The ``(kind, stage, mb)`` actions ``a`` must wait for (docs/schedules.md §0)."""
         k, s, m = a.kind, a.stage, a.mb
         if k == Kind.F:
             return [(Kind.F, s - 1, m)] if s > 0 else []

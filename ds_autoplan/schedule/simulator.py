@@ -31,6 +31,8 @@ class DeadlockError(ScheduleError):
 
 @dataclass
 class SimResult:
+    """What :func:`simulate` returns: makespan, start and end of every action, busy time, peak
+    memory (bytes and units of one 1F1B stage's micro-batch) and memory curves per rank."""
     makespan: float
     start: dict = field(repr=False)
     end: dict = field(repr=False)
@@ -42,6 +44,7 @@ class SimResult:
 
     @property
     def num_ranks(self) -> int:
+        """Pipeline ranks simulated."""
         return len(self.busy)
 
     @property
@@ -53,10 +56,12 @@ class SimResult:
 
     @property
     def rank_bubble(self) -> list[float]:
+        """Per rank, the idle share of the makespan."""
         return [1.0 - b / self.makespan if self.makespan > 0 else 0.0 for b in self.busy]
 
     @property
     def peak_activation(self) -> float:
+        """The largest per-rank peak of activation memory."""
         return max(self.peak_memory)
 
     def timeline(self) -> list[dict]:
@@ -67,6 +72,7 @@ class SimResult:
         return rows
 
     def summary(self) -> dict:
+        """Makespan, bubble ratio, peaks and busy times as a JSON-able dict."""
         return {"makespan": self.makespan, "bubble_ratio": self.bubble_ratio,
                 "peak_activation": list(self.peak_units), "peak_memory": list(self.peak_memory),
                 "busy": list(self.busy)}

@@ -55,12 +55,15 @@ class StepState:
     loss_weights: Sequence[float] | None = None
 
     def check(self, num_microbatches: int) -> None:
+        """Raise :class:`ScheduleError` unless shapes and loss weights have one entry per
+        micro-batch."""
         for name, xs in (("shapes", self.shapes), ("loss_weights", self.loss_weights)):
             if xs is not None and len(xs) != num_microbatches:
                 raise ScheduleError(f"step state: {len(xs)} {name} for {num_microbatches} "
                                     f"micro-batches")
 
     def loss_factor(self, mb: int, num_microbatches: int) -> float | None:
+        """Factor for micro-batch ``mb``'s loss (``n * w_mb``), or None without loss weights."""
         if self.loss_weights is None:
             return None
         return num_microbatches * float(self.loss_weights[mb])

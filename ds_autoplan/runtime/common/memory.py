@@ -30,6 +30,8 @@ class ActionMemory:
 
     @contextlib.contextmanager
     def measure(self, kind: Kind, stage: int, mb: int):
+        """Context around one compute action: records its (delta, rise) of tracked bytes and, when
+        tracing, its start and end."""
         tr, tl = self.tracker, self.timeline
         if tr is None and tl is None:
             yield

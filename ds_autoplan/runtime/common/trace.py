@@ -33,6 +33,7 @@ class Timeline:
         self.written = 0               # records in the file already
 
     def record(self, kind, stage: int, mb: int, start: float, end: float) -> None:
+        """One compute action's start and end (``clock()`` values) in the current step."""
         if self.step >= self.max_steps:
             return
         if self.t0 is None:
@@ -48,6 +49,7 @@ class Timeline:
             self.write()
 
     def path(self) -> str:
+        """The file this rank's timeline goes to: ``<folder>/trace-rank<r>.json``."""
         return os.path.join(self.folder, f"trace-rank{self.rank if self.rank is not None else 0}.json")
 
     def write(self) -> str | None:

@@ -50,4 +50,5 @@ def build(name: str, d: int, n: int, **options) -> Schedule:
 
 
 def names() -> list[str]:
+    """The registered builders' names, in registration order."""
     return list(REGISTRY)

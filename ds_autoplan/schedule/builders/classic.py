@@ -30,6 +30,7 @@ def one_f_one_b_order(d: int, n: int, rank: int) -> list[tuple]:
 
 @register("1f1b")
 def one_f_one_b(d: int, n: int) -> Schedule:
+    """1F1B (PipeDream-flush, Megatron's non-interleaved schedule), fused backward BW."""
     return draft(n, sequential_placement(d), [one_f_one_b_order(d, n, r) for r in range(d)])
 
 

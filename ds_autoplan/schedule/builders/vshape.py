@@ -309,6 +309,8 @@ def build_slots(blk: list[list[int]], n: int, cap: int | None = None) -> list[li
 
 
 def slots_to_schedule(rows, **meta) -> Schedule:
+    """The per-rank lists of slot rows ``[F0, F1, B1, B0, W1, W0]`` (V placement), each rank's
+    passes ordered by slot; ``meta`` goes to the schedule."""
     d = len(rows)
     n = len(rows[0][F0])
     kinds = (Kind.F, Kind.F, Kind.B, Kind.B, Kind.W, Kind.W)

@@ -16,6 +16,8 @@ F, B, W = Kind.F, Kind.B, Kind.W
 
 
 def zb_h1_order(d: int, n: int, rank: int) -> list[tuple]:
+    """ZB-H1 order of ``rank``: 1F1B's warm-up and F/B alternation with the rank's W passes delayed
+    by ``rank`` micro-batches."""
     warm = min(d - rank - 1, n)
     keys = [(F, rank, m) for m in range(warm)]
     nf, nw = warm, 0
