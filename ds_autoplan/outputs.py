@@ -16,7 +16,8 @@ there (the user's ``train.py``, ``data/``, a hand-edited ``ds_config.json``) is 
 and a name clash with it is refused before anything is written.  A run that writes the whole
 set (``complete=True``) removes the files of the last run it no longer produces (a plot) and
 nothing else.  Writers of one folder take turns (``flock`` on the folder); temporary files of
-a killed writer are removed by the next run.
+a killed writer (no longer holding the ``flock`` a writer keeps on its temporary file) are
+removed by the next run.
 """
 from __future__ import annotations
 
@@ -153,21 +154,27 @@ def _fsync_dir(folder: str) -> None:
             os.close(fd)
 
 
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
+_held: dict[str, int] = {}    # temporary path -> its open, flock-ed descriptor (while written)
+
+
+def _unheld(path: str) -> int | None:
+    """An exclusive lock on ``path`` when no live writer holds it (its writer was killed),
+    else None."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def clean_temps(folder: str, names=None) -> list[str]:
-    """Remove the temporary files of dead ds-autoplan writers in ``folder`` (only those for
-    ``names`` when given); returns what was removed."""
+    """Remove the temporary files that no live ds-autoplan writer holds in ``folder`` (a
+    killed writer's; only those for ``names`` when given); returns what was removed."""
     gone = []
     try:
         entries = os.listdir(folder)
@@ -175,23 +182,42 @@ def clean_temps(folder: str, names=None) -> list[str]:
         return gone
     for entry in entries:
         m = _TMP_RE.match(entry)
-        if not m or (names is not None and m["name"] not in names) or _alive(int(m["pid"])):
-            continue
         p = os.path.join(folder, entry)
-        if os.path.islink(p) or not os.path.isfile(p):
+        if not m or (names is not None and m["name"] not in names) or not os.path.isfile(p) \
+                or os.path.islink(p):
             continue
-        with contextlib.suppress(FileNotFoundError):
+        fd = _unheld(p)
+        if fd is None:
+            continue
+        try:
             os.unlink(p)
             gone.append(entry)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(fd)
     return gone
 
 
 def _new_temp(folder: str, name: str) -> str:
-    """A fresh temporary file for ``name`` in ``folder``, created with the umask's mode."""
+    """A fresh temporary file for ``name`` in ``folder``, created with the umask's mode and
+    locked (``flock``) until it is moved into place or removed: the lock tells the next run
+    whether its writer is still alive."""
     ext = os.path.splitext(name)[1]
     tmp = os.path.join(folder, f".{name}.{os.getpid()}-{secrets.token_hex(4)}{TMP_TAG}{ext}")
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _held[tmp] = fd
     return tmp
+
+
+def _release(tmp: str, remove: bool = False) -> None:
+    if remove:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    fd = _held.pop(tmp, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def _fsync(path: str) -> None:
@@ -209,8 +235,7 @@ def _render(folder: str, name: str, fill: Fill) -> str:
         fill(tmp)
         _fsync(tmp)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        _release(tmp, remove=True)
         raise
     return tmp
 
@@ -219,6 +244,7 @@ def _replace(tmp: str, path: str) -> None:
     if _before_replace is not None:
         _before_replace(path)
     os.replace(tmp, path)
+    _release(tmp)
 
 
 def write_file(path, fill: Fill, what: str = "output") -> str:
@@ -231,8 +257,7 @@ def write_file(path, fill: Fill, what: str = "output") -> str:
         try:
             _replace(tmp, real)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            _release(tmp, remove=True)
             raise
     except OSError as e:
         raise _os_error(what, os.fspath(path), e) from None
@@ -264,6 +289,7 @@ def _write_manifest(folder: str, files: dict[str, list[str]]) -> None:
             "files": {k: v for k, v in sorted(files.items())}}
     tmp = _render(folder, MANIFEST, json_text(blob, indent=1))
     os.replace(tmp, os.path.join(folder, MANIFEST))
+    _release(tmp)
 
 
 @contextlib.contextmanager
@@ -352,8 +378,7 @@ def write_folder(path, files: dict[str, Fill], complete: bool = True,
         raise _os_error(what, folder, e) from None
     finally:
         for tmp in temps.values():
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            _release(tmp, remove=True)
         if created and not done:                     # no empty folder left behind
             with contextlib.suppress(OSError):
                 os.rmdir(folder)

@@ -353,7 +353,7 @@ def test_profile_out_of_the_wrong_kind_is_refused_before_measuring(tmp_path, kin
         assert _snapshot(tmp_path) == before
 
 
-def test_profile_writes_only_its_out(tmp_path, capsys):
+def test_profile_writes_only_its_out(tmp_path, capsys, monkeypatch):
     _user_files(tmp_path)
     before = _snapshot(tmp_path)
     args = ["profile", "gpt-tiny-4", "--repeats", "1", "--warmup", "0", "--stages", "2",
@@ -363,6 +363,16 @@ def test_profile_writes_only_its_out(tmp_path, capsys):
     assert main(args + ["--policy-out", str(tmp_path / "pol.json")]) == 0
     assert set(_snapshot(tmp_path)) - set(before) == {"p.json", "pol.json"}
     assert json.loads((tmp_path / "pol.json").read_text())["units_per_stage"]
+    capsys.readouterr()
+
+    def erofs(*a, **k):                      # a read-only file system (see above)
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(outputs, "_new_temp", erofs)
+    snap = _snapshot(tmp_path)
+    assert main(args + ["--policy-out", str(tmp_path / "pol.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ds-autoplan profile: error:") and "Read-only file system" in err
+    assert err.count("\n") == 1 and _snapshot(tmp_path) == snap
 
 
 # ----------------------------------------------------------------------------- launch --out
@@ -414,6 +424,19 @@ def test_write_folder_partial_sets_keep_the_other_files(tmp_path):
     assert set(json.loads((tmp_path / MANIFEST).read_text())["files"]) == {"a.json", "b.json"}
     outputs.write_folder(tmp_path, {"b.json": outputs.text("3")}, complete=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == [MANIFEST, "b.json"]
+
+
+def test_only_a_killed_writers_temporary_files_are_removed(tmp_path):
+    """A temporary file a live writer holds (flock) stays; one nobody holds (its writer was
+    killed) goes; other hidden files stay."""
+    live = outputs._new_temp(str(tmp_path), "plan.json")
+    dead = tmp_path / f".plan.json.999999-0badc0de{outputs.TMP_TAG}.json"
+    dead.write_text("{")
+    (tmp_path / ".plan.json.mine").write_text("x")
+    assert outputs.clean_temps(str(tmp_path)) == [dead.name]
+    assert os.path.exists(live) and (tmp_path / ".plan.json.mine").exists()
+    outputs._release(live, remove=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".plan.json.mine"]
 
 
 def test_a_failing_writer_changes_nothing(tmp_path):
