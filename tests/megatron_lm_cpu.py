@@ -70,7 +70,8 @@ def _stub_cuda() -> None:
 
 def _global_name(chunk, name: str) -> str:
     """``decoder.layers.<local i>.x`` -> ``decoder.layers.<global i>.x`` (Megatron's
-    ``layer_number`` is global and 1-based)."""
+    ``layer_number`` is global and 1-based); MoE: ``local_experts.<j>`` -> the global expert
+    index (ep rank · local experts + j, as Megatron's ``local_expert_indices``)."""
     parts = name.split(".")
     if "layers" in parts:
         i = parts.index("layers")
@@ -78,6 +79,11 @@ def _global_name(chunk, name: str) -> str:
         for p in parts[:i + 1]:
             layers = getattr(layers, p)
         parts[i + 1] = str(layers[int(parts[i + 1])].layer_number - 1)
+    if "local_experts" in parts:
+        from megatron.core import parallel_state as ps
+        i = parts.index("local_experts")
+        experts = chunk.get_submodule(".".join(name.split(".")[:i + 1]))
+        parts[i + 1] = str(ps.get_expert_model_parallel_rank() * len(experts) + int(parts[i + 1]))
     return ".".join(parts)
 
 

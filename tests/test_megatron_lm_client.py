@@ -197,6 +197,79 @@ def test_v_plan_with_tied_embeddings_is_refused_at_start(client):
     assert run.losses == [] and run.report == []
 
 
+# -- expert parallelism (MoE) ----------------------------------------------------------------
+MOE_MODEL = """name: moe-tiny
+arch: gpt
+num_layers: 8
+hidden: 64
+heads: 4
+vocab: 512
+seq_len: 64
+num_experts: 4
+moe_topk: 2
+linear_bias: false
+"""
+# dropless alltoall routing without the auxiliary loss: a token's loss depends on its own
+# routing only, so the V placement and Megatron's 1F1B compute the same thing
+MOE_RUN_FLAGS = ("--moe-token-dispatcher-type alltoall --moe-router-load-balancing-type none "
+                 "--moe-aux-loss-coeff 0")
+
+
+def _moe_plan(tmp: pathlib.Path, schedule: str, ep: int) -> pathlib.Path:
+    """``ds-autoplan plan`` of the tiny MoE model on 4 CPU ranks (pp 2, dp 2), with the plan's
+    expert parallelism set to ``ep`` and ``--expert-model-parallel-size`` added to its
+    argument file when the emitter does not write it yet (the planner does not search ep)."""
+    from ds_autoplan.plan import Plan
+    out = tmp / f"moe-{schedule}"
+    (tmp / "moe-tiny.yaml").write_text(MOE_MODEL)
+    r = subprocess.run([sys.executable, "-m", "ds_autoplan", "plan", "--model", str(tmp / "moe-tiny.yaml"),
+                        "--cluster", "cpu-4", "--global-batch", "8", "--pp", "2", "--schedules", schedule,
+                        "--precision", "fp32", "--out", str(out)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = Plan.load(out / "plan.json").to_dict()
+    d["ep"] = ep
+    plan = Plan.from_dict(d)
+    plan.save(out / "plan.json")
+    args = (out / "megatron_args.txt").read_text().split("\n")
+    if not any(a.startswith("--expert-model-parallel-size") for a in args):
+        args.insert(0, f"--expert-model-parallel-size {plan.ep}")
+    (out / "megatron_args.txt").write_text("\n".join(args))
+    return out
+
+
+def _moe_command(out: pathlib.Path, ours: bool) -> str:
+    plan = f"DS_AUTOPLAN_PLAN={out}/plan.json " if ours else ""
+    return (f"{plan}{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 4 {SHIM} "
+            f"pretrain_gpt.py $(cat {out}/megatron_args.txt) {MOE_RUN_FLAGS} --mock-data "
+            f"--tokenizer-type NullTokenizer --vocab-size 512 --untie-embeddings-and-output-weights "
+            f"--train-iters 3 --lr 1e-3 --min-lr 1e-3 --lr-decay-style constant {CPU_FLAGS}")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(1200)
+def test_pretrain_gpt_moe_expert_parallel_v_half(client):
+    """A 4-expert top-2 MoE GPT (--num-experts / --moe-router-topk / --disable-bias-linear as
+    the plan emits them) with expert parallelism 2 on 4 CPU ranks (pp 2 x ep 2): V-Half
+    through the patch (expert linear layers split for W) trains with the losses of Megatron's
+    own 1F1B on the same flags."""
+    tmp = client.parent
+    ours_dir, theirs_dir = _moe_plan(tmp, "v-half", 2), _moe_plan(tmp, "1f1b", 2)
+    flags = (ours_dir / "megatron_args.txt").read_text()
+    for f in ("--num-experts 4", "--moe-router-topk 2", "--disable-bias-linear",
+              "--expert-model-parallel-size 2"):
+        assert f in flags, flags
+    ours = _run(_moe_command(ours_dir, True), client, "moe-v-half", tmp)
+    theirs = _run(_moe_command(theirs_dir, False), client, "moe-megatron-1f1b", tmp)
+    print(json.dumps({"moe_losses": {"v-half": ours.losses, "megatron-1f1b": theirs.losses}}))
+    _ok(ours)
+    _ok(theirs)
+    assert max(abs(a - b) for a, b in zip(ours.losses, theirs.losses)) <= 1e-5, (ours.losses, theirs.losses)
+    assert {r["forward_backward_func"] for r in ours.report} == {"_LossesToLastRank"}
+    # per rank 4 layers: qkv, proj and fc1, fc2 of each of its 2 local experts
+    assert [r["split_linears"] for r in ours.report] == [24] * 4, ours.report
+
+
 # -- argument checks, in-process ---------------------------------------------------------
 def _args(**kw):
     a = dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, micro_batch_size=1,

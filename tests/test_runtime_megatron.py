@@ -309,3 +309,21 @@ def test_context_parallel_plan_refused_on_cpu():
         initialize(plan)
     over, _, _ = plan_overrides(plan)
     assert over["context_parallel_size"] == 2 and over["expert_model_parallel_size"] == 1
+
+
+def test_split_spec_reaches_expert_linears_in_block_specs():
+    """split_backward_spec swaps the experts' linear layers of a MoE layer spec, also inside a
+    block spec's layer list (what Megatron-LM builds MoE models from)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from ds_autoplan.runtime.megatron import (SplitColumnParallelLinear, SplitRowParallelLinear,
+                                              split_backward_spec)
+    moe = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+    block = split_backward_spec(TransformerBlockSubmodules([moe, moe]))
+    for layer in block.layer_specs:
+        experts = layer.submodules.mlp.submodules.experts.submodules
+        assert experts.linear_fc1 is SplitColumnParallelLinear
+        assert experts.linear_fc2 is SplitRowParallelLinear
+    orig = moe.submodules.mlp.submodules.experts.submodules      # the input is left as it was
+    assert (orig.linear_fc1, orig.linear_fc2) == (ColumnParallelLinear, RowParallelLinear)

@@ -99,8 +99,9 @@ def install_megatron_lm(plan) -> Schedule | None:
 
 def _split_local_spec() -> None:
     """A schedule with W actions (ZB-H1, V-ZB, ...) gets a real B/W split with
-    ``--transformer-impl local``: the local layer spec ``gpt_builders`` asks for gets
-    split-aware linear layers (:func:`split_backward_spec`).  Transformer-Engine specs are left
+    ``--transformer-impl local``: the local layer spec ``gpt_builders`` asks for (and, for MoE
+    models, its local decoder block spec, experts included) gets split-aware linear layers
+    (:func:`split_backward_spec`).  Transformer-Engine specs are left
     as they are (B then does the whole backward and W has nothing to do: exact, no overlap)."""
     from ..runtime.megatron import split_backward_spec
     builders = sys.modules.get("gpt_builders")
@@ -108,6 +109,12 @@ def _split_local_spec() -> None:
     if local is None:
         return
     builders.get_gpt_layer_local_spec = lambda *a, **k: split_backward_spec(local(*a, **k))
+    block = getattr(builders, "get_gpt_decoder_block_spec", None)   # MoE models (--num-experts)
+    if block is not None:
+        def split_block(config, use_transformer_engine, *a, **k):
+            spec = block(config, use_transformer_engine, *a, **k)
+            return spec if use_transformer_engine else split_backward_spec(spec)
+        builders.get_gpt_decoder_block_spec = split_block
 
 
 def check_args(args, plan, sched: Schedule) -> list[str]:

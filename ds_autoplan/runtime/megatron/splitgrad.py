@@ -120,7 +120,8 @@ _SWAP = {ColumnParallelLinear: SplitColumnParallelLinear, RowParallelLinear: Spl
 
 
 def split_backward_spec(spec):
-    """A deep copy of a layer ``ModuleSpec`` with Megatron's linear layers replaced by the
+    """A deep copy of a layer ``ModuleSpec`` (or a block spec with ``layer_specs``, e.g. the MoE
+    one of ``get_gpt_decoder_block_spec``) with Megatron's linear layers replaced by the
     split-aware ones (e.g. ``split_backward_spec(get_gpt_layer_local_spec())``)."""
     spec = copy.deepcopy(spec)
 
@@ -128,15 +129,15 @@ def split_backward_spec(spec):
         if id(obj) in seen:
             return
         seen.add(id(obj))
-        if isinstance(obj, dict):
-            items = list(obj.items())
+        if isinstance(obj, (dict, list)):    # a block spec's layer_specs is a list
+            items = list(obj.items()) if isinstance(obj, dict) else list(enumerate(obj))
         elif hasattr(obj, "__dict__"):
             items = list(vars(obj).items())
         else:
             return
         for k, v in items:
             if isinstance(v, type) and v in _SWAP:
-                if isinstance(obj, dict):
+                if isinstance(obj, (dict, list)):
                     obj[k] = _SWAP[v]
                 else:
                     setattr(obj, k, _SWAP[v])
