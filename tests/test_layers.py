@@ -16,6 +16,7 @@ ROOT = pathlib.Path(ds_autoplan.__file__).resolve().parent
 # Plan, the search's product, under the search.  Packages in one layer are independent.
 LAYERS = [
     {"errors"},                          # user-facing error types
+    {"env"},                             # DS_AUTOPLAN_* variables, parsed and named
     {"spec", "schedule", "outputs"},     # what is trained on what; the schedule vocabulary;
                                          # atomic output files (every writing command)
     {"cost", "plan", "profile"},         # cost model; the Plan contract; measured profiles

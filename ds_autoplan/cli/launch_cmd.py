@@ -24,13 +24,26 @@ OUT_FILES = ("plan.json", MERGED_CONFIG, "profile.json")
 
 
 def _planner_options(env) -> dict:
-    """Planner options from the environment (``deepspeed --autoplan`` has no flags of ours)."""
-    scheds = env.get("DS_AUTOPLAN_SCHEDULES")
-    return {"model": env.get("DS_AUTOPLAN_MODEL"), "cluster": env.get("DS_AUTOPLAN_CLUSTER"),
-            "global_batch": int(env["DS_AUTOPLAN_GLOBAL_BATCH"]) if env.get("DS_AUTOPLAN_GLOBAL_BATCH") else None,
-            "out": env.get("DS_AUTOPLAN_OUT", "ds_autoplan_out"),
-            "pp": int(env["DS_AUTOPLAN_PP"]) if env.get("DS_AUTOPLAN_PP") else None,
-            "schedules": scheds.split(",") if scheds else None}
+    """Planner options from the environment (``deepspeed --autoplan`` has no flags of ours),
+    each variable checked by :mod:`ds_autoplan.env` (a bad value is named in one line)."""
+    from ..env import env_int, env_list, env_str
+    return {"model": env_str("DS_AUTOPLAN_MODEL", env=env),
+            "cluster": env_str("DS_AUTOPLAN_CLUSTER", env=env),
+            "global_batch": env_int("DS_AUTOPLAN_GLOBAL_BATCH", env=env),
+            "out": env_str("DS_AUTOPLAN_OUT", "ds_autoplan_out", env=env),
+            "pp": env_int("DS_AUTOPLAN_PP", env=env),
+            "schedules": _known_schedules(env_list("DS_AUTOPLAN_SCHEDULES", env=env),
+                                          "DS_AUTOPLAN_SCHEDULES")}
+
+
+def _known_schedules(scheds, where: str):
+    """``scheds`` (None: the planner's default), refused in one line naming the registered
+    builders when one is unknown (the builder registry answers)."""
+    from ..schedule.builders import check_names
+    try:
+        return check_names(scheds)
+    except ValueError as e:
+        raise UserError(f"{where}: {e}") from None
 
 
 def _plan_model_now(model, cluster, global_batch, pp, schedules, world, out) -> str:
@@ -135,6 +148,7 @@ def add_parser(subparsers):
 def run(args) -> int:
     from deepspeed.launcher import runner
     argv = list(args.argv)
+    _planner_options(os.environ)          # a bad DS_AUTOPLAN_* value: refused before anything runs
     if not argv:
         raise UserError("give the training script, e.g. ds-autoplan launch --num_gpus 2 train.py")
     # the script is the first token runner.parse_args leaves as user_script; split there
@@ -147,7 +161,8 @@ def run(args) -> int:
     if not a.module and not os.path.exists(a.user_script):
         raise UserError(f"training script not found: {a.user_script}")
     cut = len(argv) - len(a.user_args) - 1
-    scheds = own.schedules.split(",") if own.schedules else None
+    scheds = _known_schedules([x.strip() for x in own.schedules.split(",") if x.strip()]
+                              if own.schedules else None, "--schedules")
     apply_autoplan(a, launch_world(a), os.environ, own.model, own.cluster, own.global_batch,
                    own.out, own.pp, scheds)
     runner.main(argv[:cut] + ["--module", a.user_script] + a.user_args)

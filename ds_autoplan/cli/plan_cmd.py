@@ -127,11 +127,6 @@ def run(args) -> int:
     if args.global_batch <= 0:
         raise UserError(f"--global-batch must be positive, got {args.global_batch}")
     scheds = [s.strip() for s in args.schedules.split(",") if s.strip()] if args.schedules else None
-    if scheds:
-        from ..schedule import names
-        bad = [s for s in scheds if s not in names()]
-        if bad:
-            raise UserError(f"unknown schedule(s) {', '.join(bad)}; choose from {', '.join(names())}")
     res = search(args.model, args.cluster, args.global_batch, args.seq, precision=args.precision,
                  budget_gb=args.memory_budget_gb, partitioner=args.partitioner, schedules=scheds,
                  wide=not args.no_wide, progress=not args.quiet and sys.stderr.isatty(),

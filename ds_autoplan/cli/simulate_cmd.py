@@ -5,7 +5,8 @@ import inspect
 import json
 import os
 
-from ..schedule import BUILDERS, Costs, Schedule, ScheduleError, build, lower, names, simulate
+from ..schedule import (BUILDERS, Costs, Schedule, ScheduleError, build, lower, names, simulate,
+                        validate)
 
 
 def add_parser(sub) -> None:
@@ -112,6 +113,7 @@ def run(args) -> int:
     f, b, w = _times(args.times)
     if args.file:
         scheds = [Schedule.load(args.file)]
+        validate(scheds[0])        # a complete list before costs are sized by its micro-batches
     else:
         sel = args.compare.split(",") if args.compare else [args.schedule]
         known = names()

@@ -48,8 +48,11 @@ class MegatronLMPlanError(UserError):
 
 def install_from_env() -> None:
     """What the patched ``pretrain_gpt.py`` calls: install the plan named by ``$DS_AUTOPLAN_PLAN``."""
+    from ..env import env_str
     from ..plan import Plan
-    path = os.environ[ENV]
+    path = env_str(ENV)
+    if path is None:
+        return      # no plan named: the script runs as Megatron-LM would
     try:
         plan = Plan.load(path)
     except (OSError, ValueError, KeyError) as e:

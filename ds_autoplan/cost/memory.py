@@ -22,6 +22,8 @@ Bytes per parameter on one rank of a data-parallel group of ``d`` (ZeRO stage ``
 """
 from __future__ import annotations
 
+import math
+
 RUNTIMES = ("any", "megatron", "deepspeed")
 
 # HBM traffic of the optimizer step per locally updated parameter (Megatron's step, the DeepSpeed
@@ -83,10 +85,10 @@ def usable_budget(cluster, budget_gb: float | None = None, headroom_gb: float | 
     accounting)."""
     from ..spec import SpecError
     from ..spec.cluster import GB
-    if budget_gb is not None and budget_gb <= 0:
-        raise SpecError(f"memory budget must be positive, got {budget_gb} GB")
-    if headroom_gb is not None and headroom_gb < 0:
-        raise SpecError(f"memory headroom must be >= 0, got {headroom_gb} GB")
+    if budget_gb is not None and not (math.isfinite(budget_gb) and budget_gb > 0):
+        raise SpecError(f"memory budget must be a positive number of GB, got {budget_gb}")
+    if headroom_gb is not None and not (math.isfinite(headroom_gb) and headroom_gb >= 0):
+        raise SpecError(f"memory headroom must be a number of GB >= 0, got {headroom_gb}")
     base = budget_gb * GB if budget_gb else cluster.budget_bytes
     if headroom_gb is None:
         headroom_gb = 0.0 if budget_gb else HEADROOM_FRACTION * cluster.memory_gb

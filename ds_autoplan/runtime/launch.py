@@ -91,7 +91,8 @@ def prebuild_ops(env, *, adam: bool = False) -> None:
     :mod:`ds_autoplan.runtime.deepspeed.dist`) and, with ``adam``, the ``fused_adam`` op that a
     config's ``"optimizer": {"type": "Adam"}`` loads.  A rank killed mid-build leaves a lock
     every later run hangs on, so builds happen here, outside any kill timeout."""
-    if env.get("DS_AUTOPLAN_SHM") == "1":
+    from ..env import env_flag
+    if env_flag("DS_AUTOPLAN_SHM", env):
         from deepspeed.comm.torch import build_shm_op
         build_shm_op()
     if adam:

@@ -285,8 +285,12 @@ class Schedule:
     @classmethod
     def load(cls, path: str) -> "Schedule":
         """Read a schedule file: JSON when it starts with ``{``, else the text form."""
-        with open(path) as fh:
-            text = fh.read()
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+        except UnicodeDecodeError:
+            raise ScheduleError(f"{path} is not a schedule file (not UTF-8 text: JSON or the "
+                                f"text form)") from None
         return cls.from_json(text) if text.lstrip().startswith("{") else cls.from_text(text)
 
     def save(self, path: str) -> None:
@@ -360,6 +364,10 @@ def validate(sched: Schedule) -> None:
     d, S, n = sched.num_ranks, sched.num_stages, sched.num_microbatches
     if d < 1 or n < 1:
         raise ScheduleError("a schedule needs at least one rank and one micro-batch")
+    forwards = sum(1 for a in sched.actions() if a.kind == Kind.F)
+    if forwards < n * S:       # before anything is sized by n (costs, loops over micro-batches)
+        raise ScheduleError(f"schedule declares {n} micro-batches on {S} stages but lists "
+                            f"{forwards} forward actions (one F per stage and micro-batch)")
     for s, r in enumerate(sched.placement):
         if not 0 <= r < d:
             raise ScheduleError(f"stage {s} placed on rank {r}, but there are {d} ranks")

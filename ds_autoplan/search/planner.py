@@ -141,7 +141,10 @@ class Planner:
         self.E, self.headroom_gb = usable_budget(cluster, budget_gb, headroom_gb)
         self.cm = CostModel(model, cluster, precision, runtime, execution=execution)
         self.precision, self.units = precision, units
-        self.schedules = available(schedules or DEFAULT_SCHEDULES)
+        # the user's names must all exist (one line naming the builders); the default list
+        # keeps the registered ones
+        from ..schedule.builders import check_names
+        self.schedules = check_names(list(schedules)) if schedules else available(DEFAULT_SCHEDULES)
         if partitioner not in part.PARTITIONERS:
             raise SpecError(f"unknown partitioner {partitioner!r}; choose from {', '.join(part.PARTITIONERS)}")
         self.partitioner = partitioner
@@ -173,7 +176,20 @@ class Planner:
                                 f"tp={tp or 1} is the only degree possible here; use 'auto' or 'off'")
         self._ctx: dict = {}
         self._seq = np.concatenate([[0], self.cm.block_types, [1]])
+        self.max_mbs = self.micro_batch_bound()
         self.evaluated = 0
+
+    def micro_batch_bound(self) -> int:
+        """The largest micro-batch per device any plan could hold: even its leanest layout
+        (the widest TP with sequence parallelism, every layer recomputed: a layer keeps only
+        its input) spread over the deepest pipeline keeps ``total / P`` bytes per sample on
+        some device.  Micro-batches are enumerated up to it, so the search's work does not
+        grow with the global batch."""
+        lean = Strategy(max(self.tps), 1, ckpt=True, sp=max(self.tps) > 1)
+        per_sample = float(self.cm.tables([lean], 1).f1[self._seq, 0].sum()) / max(self.pp_degrees())
+        if per_sample <= 0:
+            return self.B
+        return max(1, min(self.B, int(self.E // per_sample)))
 
     def pp_degrees(self) -> list[int]:
         """Pipeline degrees: divisors of the world size, at most one block per stage (uneven
@@ -205,7 +221,7 @@ class Planner:
                         continue
                     if self.B % d or self.fix.get("dp", d) != d:
                         continue
-                    for b in divisors(self.B // d):
+                    for b in divisors(self.B // d, upto=self.max_mbs):
                         if self.fix.get("mbs", b) != b:
                             continue
                         m = self.B // (b * d)
@@ -452,7 +468,8 @@ class Planner:
         cands = []
         for P in pps or self.pp_degrees():
             S = self.wide_strategies(self.N // P)
-            for B_m in divisors(self.B):      # micro-batch of the whole stage group
+            # micro-batch of the whole stage group
+            for B_m in divisors(self.B, upto=self.max_mbs * (self.N // P)):
                 m = self.B // B_m
                 if P > 1 and m < P:
                     continue

@@ -3,16 +3,25 @@ pruning takeaways §1.2)."""
 from __future__ import annotations
 
 import itertools
+import math
 
 from ..cost.model import Strategy
 
 PARADIGMS = ("DP", "SDP", "TP")
 
 
-def divisors(n: int) -> list[int]:
-    """Positive divisors of ``n``, ascending (world sizes, degrees and batches need not be
-    powers of two: BLOOM-176B ran pp=12 on 384 GPUs)."""
-    return [k for k in range(1, n + 1) if n % k == 0]
+def divisors(n: int, upto: int | None = None) -> list[int]:
+    """Positive divisors of ``n`` up to ``upto`` (default all), ascending (world sizes, degrees
+    and batches need not be powers of two: BLOOM-176B ran pp=12 on 384 GPUs).  Trial division
+    up to min(upto, sqrt(n)): the work is bounded by ``upto`` whatever ``n`` is."""
+    hi = n if upto is None else min(n, max(int(upto), 0))
+    small, large = [], []
+    for k in range(1, min(math.isqrt(n), hi) + 1):
+        if n % k == 0:
+            small.append(k)
+            if n // k != k and n // k <= hi:
+                large.append(n // k)
+    return small + large[::-1]
 
 
 def ordered_factorizations(n: int, h: int) -> list[tuple]:

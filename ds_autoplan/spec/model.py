@@ -122,6 +122,18 @@ def tied_embeddings(d: dict) -> bool:
     return bool(d.get("tie_embeddings", str(d.get("arch", "gpt")).lower() != "llama"))
 
 
+# the deepest published transformer has 1000 layers (DeepNet, Wang et al. 2022, §5); a spec
+# beyond this is a typo, refused before the search builds per-layer tables for it
+MAX_LAYERS = 4096
+
+
+def _depth(n: int, key: str, src: str) -> int:
+    if n > MAX_LAYERS:
+        raise SpecError(f"{src}: {key} {n} is more than {MAX_LAYERS} layers; no transformer is "
+                        f"that deep (a typo?)")
+    return n
+
+
 def build_model(d: dict, src: str = "model") -> ModelSpec:
     unknown = set(d) - FIELDS
     if unknown:
@@ -154,9 +166,9 @@ def build_model(d: dict, src: str = "model") -> ModelSpec:
     bias = _bias_params(h, h * kv // heads, f, gated, bool(d.get("linear_bias", False)),
                         bool(d.get("qkv_bias", False)))
     blk = _block("block", s, h, heads, kv, f, gated, flash, dropout, bias=bias, experts=E, topk=k)
-    layers = [blk] * L
+    layers = [blk] * _depth(L, "num_layers", src)
     if arch == "t5":
-        Ld = need(d, "dec_layers", int, src, L)
+        Ld = _depth(need(d, "dec_layers", int, src, L), "dec_layers", src)
         sd = need(d, "dec_seq_len", int, src, s)
         layers = [replace(blk, name="enc_block")] * L + \
                  [_block("dec_block", sd, h, heads, kv, f, gated, flash, dropout, cross_s=s)] * Ld

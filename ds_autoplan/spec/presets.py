@@ -5,6 +5,7 @@ import json
 import os
 from pathlib import Path
 
+from ..env import env_str
 from . import SpecError
 
 CONFIG_DIRS = [Path(__file__).resolve().parents[2] / "configs",
@@ -12,7 +13,7 @@ CONFIG_DIRS = [Path(__file__).resolve().parents[2] / "configs",
 
 
 def _dirs(kind: str) -> list[Path]:
-    extra = os.environ.get("DS_AUTOPLAN_CONFIGS")
+    extra = env_str("DS_AUTOPLAN_CONFIGS")
     roots = ([Path(extra)] if extra else []) + CONFIG_DIRS
     return [r / kind for r in roots if (r / kind).is_dir()]
 

@@ -5,12 +5,18 @@
   work deferred to W), W, BW, R, and SEND_F/RECV_F/SEND_B/RECV_B, where a RECV only posts the
   receive and the consuming compute waits for the data, a SEND is started and completed at
   the end of the step (the simulator's non-blocking model, schedule/simulator.py).
-* :func:`accept`: the same checks of every list an adapter receives, lowered or not.
+* :func:`accept`: the same checks of every list an adapter receives, lowered or not, and
+  the simulator's proof that it finishes (a list that would hang is refused).
+* :func:`check_world`: the plan's tp x pp x dp processes, in both runtimes.
+* :func:`waits_for`: the pipeline rank an action depends on, what each adapter tells its
+  step watchdog (``runtime.watchdog.StepWatchdog``) as it executes the list.
 * :class:`StepState`: the per-step state (schedule, shapes, loss weights) an adapter takes
   with ``set_step`` before the step it applies to.
 * :func:`dispatch_table`: each adapter executes a list through a table kind -> handler that
   must cover every kind.
 """
-from .contract import KINDS, StepState, accept, dispatch_table, recomputed
+from .contract import (KINDS, StepState, accept, check_world, deadlock_free, dispatch_table,
+                       recomputed, waits_for)
 
-__all__ = ["KINDS", "StepState", "accept", "dispatch_table", "recomputed"]
+__all__ = ["KINDS", "StepState", "accept", "check_world", "deadlock_free", "dispatch_table",
+           "recomputed", "waits_for"]

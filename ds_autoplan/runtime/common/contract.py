@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from ...schedule import Costs, Kind, Schedule, ScheduleError, lower, validate
+from ...schedule import (Costs, DeadlockError, Kind, Schedule, ScheduleError, lower, simulate,
+                         validate)
 
 KINDS = tuple(Kind)
 
@@ -27,7 +28,57 @@ def accept(sched: Schedule, *, num_ranks: int, num_microbatches: int | None = No
     if placement is not None and tuple(sched.placement) != tuple(placement):
         raise ScheduleError(f"{who}: schedule placement {tuple(sched.placement)} differs from "
                             f"the model's {tuple(placement)}")
-    return sched if sched.has_comm() else lower(sched, costs)
+    if not sched.has_comm():
+        return lower(sched, costs)      # lowering simulates it (DeadlockError on a cycle)
+    return deadlock_free(sched, who)
+
+
+_PROVEN: dict = {}     # id -> lowered schedule the simulator finished (kept alive: ids stay valid)
+
+
+def deadlock_free(sched: Schedule, who: str = "runtime") -> Schedule:
+    """``sched`` (lowered) once the simulator has run it to the end with the runtimes'
+    non-blocking SEND/RECV model (schedule/simulator.py); a list that would hang is refused
+    with the simulator's message: where each rank stops and the wait cycle.  Whether it
+    finishes depends on the orders only, not on the durations, so unit costs decide it."""
+    if _PROVEN.get(id(sched)) is sched:
+        return sched
+    try:
+        simulate(sched, Costs.uniform(sched), check=False)
+    except DeadlockError as e:
+        raise DeadlockError(f"{who}: refused, this action list would hang: {e}",
+                            e.heads, e.cycle) from None
+    if len(_PROVEN) >= 16:
+        _PROVEN.pop(next(iter(_PROVEN)))
+    _PROVEN[id(sched)] = sched
+    return sched
+
+
+def check_world(plan, world: int, pp: int, who: str = "runtime") -> None:
+    """Both runtimes, before any model is built: the plan was made for ``tp x cp x pp x dp``
+    processes (``pp``: its schedule's pipeline ranks); any other world would run another
+    parallel layout than the one planned (e.g. a tp=2 plan on half its ranks, without TP)."""
+    cp = plan.cp
+    need = plan.tp * cp * pp * plan.dp
+    if world != need:
+        raise ScheduleError(f"{who}: the plan needs tp*cp*pp*dp = {plan.tp}*{cp}*{pp}*{plan.dp} = "
+                            f"{need} processes, the world has {world}; plan for {world} devices "
+                            f"or launch {need} ranks")
+
+
+def waits_for(a, placement: Sequence[int]) -> int | None:
+    """The pipeline rank action ``a`` depends on (what a step watchdog names when the rank
+    is stuck there): a SEND's or RECV's peer; for F the rank of the previous stage, for B/BW
+    that of the next one, whose data the action consumes; None when that stage is local."""
+    if a.kind.is_comm:
+        return a.peer
+    if a.kind == Kind.F and a.stage > 0:
+        r = placement[a.stage - 1]
+    elif a.kind in (Kind.B, Kind.BW) and a.stage + 1 < len(placement):
+        r = placement[a.stage + 1]
+    else:
+        return None
+    return None if r == placement[a.stage] else r
 
 
 def recomputed(actions) -> set:

@@ -9,9 +9,10 @@ import os
 
 import torch
 
-from ...schedule import Schedule, build
+from ...schedule import Schedule, ScheduleError, build
 from ...schedule.passes import plan_schedule
-from ..watchdog import startup_watchdog
+from ..common import check_world
+from ..watchdog import process_group_timeout, startup_watchdog
 
 
 def as_plan(plan):
@@ -19,7 +20,8 @@ def as_plan(plan):
     ``DS_AUTOPLAN_PLAN``, set by ``ds-autoplan launch`` / ``deepspeed --autoplan``)."""
     from ...plan import Plan
     if plan is None:
-        plan = os.environ.get("DS_AUTOPLAN_PLAN")
+        from ...env import env_str
+        plan = env_str("DS_AUTOPLAN_PLAN")
         if plan is None:
             raise ValueError("no plan given (pass plan=... or launch with ds-autoplan / --autoplan)")
     if isinstance(plan, Plan):
@@ -73,12 +75,30 @@ def _engine_installed():
         deepspeed.PipelineEngine = saved
 
 
+def check_layout(plan, world: int, pp: int, topology=None) -> None:
+    """The plan's processes (the contract both runtimes share: ``check_world``) and its TP:
+    DeepSpeed's pipeline grid is pp x dp unless the module's ``topology`` has a model axis,
+    so without one a tp > 1 plan would silently run its TP ranks as data-parallel replicas."""
+    check_world(plan, world, pp, "ds_autoplan.initialize")
+    mp = topology.get_dim("model") if topology is not None and "model" in topology.get_axis_names() \
+        else 1
+    if plan.tp != mp:
+        raise ScheduleError(f"ds_autoplan.initialize: the plan has tp={plan.tp} but the DeepSpeed "
+                            f"pipeline's tensor-parallel (model) axis is {mp}: run a tp > 1 plan "
+                            f"with the Megatron runtime, plan with --tp 1, or pass "
+                            f"module_kwargs={{'topology': PipeModelDataParallelTopology(num_pp="
+                            f"{pp}, num_mp={plan.tp}, num_dp={plan.dp})}} with TP-aware layers")
+
+
 def build_module(model_or_layers, plan, *, schedule: Schedule | None = None, loss_fn=None,
-                 track_memory=False, **module_kwargs):
-    """The :class:`AutoplanPipelineModule` for ``plan`` (must run after init_distributed)."""
+                 track_memory=False, world: int | None = None, **module_kwargs):
+    """The :class:`AutoplanPipelineModule` for ``plan`` (must run after init_distributed);
+    with ``world``, the plan's layout is checked against it first (:func:`check_layout`)."""
     from .module import AutoplanPipelineModule
     layers, lf = _layers_of(model_or_layers)
     sched = plan_schedule(plan, schedule)      # the plan's R: schedule/passes.py, as Megatron's
+    if world is not None:
+        check_layout(plan, world, sched.num_ranks, module_kwargs.get("topology"))
     S = sched.num_stages
     lps = plan.layers_per_stage if len(plan.layers_per_stage) == S else None
     rec = plan.recompute_per_stage if len(plan.recompute_per_stage) == S else None
@@ -121,9 +141,12 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
     cfg = config_from_plan(plan, config, defaults=config_defaults)
     with startup_watchdog("DeepSpeed initialisation"):
         if not torch.distributed.is_initialized():
-            deepspeed.init_distributed(dist_backend=ds_kwargs.pop("dist_backend", None))
+            deepspeed.init_distributed(dist_backend=ds_kwargs.pop("dist_backend", None),
+                                       timeout=process_group_timeout(
+                                           (plan.predicted or {}).get("iteration_time_s")))
         module = build_module(model_or_layers, plan, schedule=schedule, loss_fn=loss_fn,
-                              track_memory=track_memory, **(module_kwargs or {}))
+                              track_memory=track_memory,
+                              world=torch.distributed.get_world_size(), **(module_kwargs or {}))
         ds_kwargs.setdefault("model_parameters", [p for p in module.parameters() if p.requires_grad])
         with _engine_installed():
             out = deepspeed.initialize(model=module, config=cfg, **ds_kwargs)

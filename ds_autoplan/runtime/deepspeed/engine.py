@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 
 import torch
 from deepspeed import comm as dist
@@ -26,12 +25,14 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe import schedule as ds_sched
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from ...env import env_float
 from ...schedule import Kind, Schedule
 from .. import splitgrad
-from ..common import StepState, accept, dispatch_table, recomputed
+from ..common import StepState, accept, dispatch_table, recomputed, waits_for
 from ..common.memory import ActionMemory
 from ..memtrack import MemTracker, hold
 from ..rng import RngState
+from ..watchdog import PG_MARGIN, StepWatchdog, step_timeout
 from .checkpoint import engine_load, engine_save
 from .module import AutoplanPipelineModule
 
@@ -63,9 +64,10 @@ _INSTR = dispatch_table({
 class ActionSchedule(ds_sched.PipeSchedule):
     """A ``PipeSchedule`` that replays one rank's action list, one instruction per step."""
 
-    def __init__(self, actions, micro_batches, stages, stage_id, train=True):
+    def __init__(self, actions, micro_batches, stages, stage_id, train=True, note=None):
         super().__init__(micro_batches, stages, stage_id)
         self.actions, self.train = list(actions), train
+        self.note = note or (lambda what: None)     # tells the step watchdog (engine._note)
 
     def num_pipe_buffers(self):
         return 1
@@ -75,9 +77,12 @@ class ActionSchedule(ds_sched.PipeSchedule):
             kw = {"buffer_id": a.mb, "stage": a.stage}
             if a.peer is not None:
                 kw["peer"] = a.peer
+            self.note(a)
             yield [_INSTR[a.kind](**kw)]
+        self.note("completing the step's sends")
         yield [ds_sched.CommitP2P()]
         if self.train:
+            self.note("the gradient reduction and optimizer step (data-parallel collectives)")
             yield [ds_sched.ReduceTiedGrads(), ds_sched.ReduceGrads(), ds_sched.OptimizerStep()]
 
 
@@ -136,7 +141,13 @@ class AutoplanEngine(PipelineEngine):
             if mod.track_memory else None
         self.ap_mem_trace: list = []      # (action, bytes after it) of the last batch, if tracked
         self.ap_memory = ActionMemory(self.memtracker)   # (delta, rise) per compute action
-        self._p2p_timeout = datetime.timedelta(seconds=float(os.environ.get("DS_AUTOPLAN_P2P_TIMEOUT", 600)))
+        predicted = ((self._config.pipeline or {}).get("autoplan") or {}).get("predicted", {})
+        # the step watchdog (runtime/watchdog.py) bounds a step and names what it waits for;
+        # a p2p wait gives up (PipelineRankError) only after it, unless set shorter
+        self.ap_watchdog = StepWatchdog(step_timeout(predicted.get("iteration_time_s")),
+                                        "DeepSpeed pipeline", global_rank_of=self._peer)
+        self._p2p_timeout = datetime.timedelta(seconds=env_float(
+            "DS_AUTOPLAN_P2P_TIMEOUT", (self.ap_watchdog.timeout or 600.0) + PG_MARGIN))
         self._slots: dict = {}
         self._sends: list = []
         self._meta_sent: set = set()
@@ -189,9 +200,19 @@ class AutoplanEngine(PipelineEngine):
             [state.loss_factor(m, n) for m in range(n)]
         self._step_state = state
 
+    def _note(self, what):
+        """The action (or phase) this rank executes now, for the step watchdog."""
+        peer = waits_for(what, self.placement) if not isinstance(what, str) else None
+        self.ap_watchdog.doing(what, peer)
+
+    def eval_batch(self, *args, **kwargs):
+        with self.ap_watchdog.step():
+            return super().eval_batch(*args, **kwargs)
+
     def train_batch(self, data_iter=None):
         try:
-            return super().train_batch(data_iter)
+            with self.ap_watchdog.step():
+                return super().train_batch(data_iter)
         finally:
             if self._step_state is not None:      # set_step's state lasts one step
                 self._step_state = self.ap_shape_plan = self.ap_loss_factors = None
@@ -261,7 +282,8 @@ class AutoplanEngine(PipelineEngine):
 
     # -- schedules ----------------------------------------------------------------------------
     def _train_schedule(self):
-        return ActionSchedule(self.ap_actions, self.micro_batches, self.num_stages, self.stage_id)
+        return ActionSchedule(self.ap_actions, self.micro_batches, self.num_stages, self.stage_id,
+                              note=self._note)
 
     def _inference_schedule(self, micro_batches):
         # forward only, in (micro-batch, stage) order: a topological order every rank follows
@@ -276,7 +298,8 @@ class AutoplanEngine(PipelineEngine):
                 acts.append(Action(self.stage_id, Kind.F, s, mb))
                 if s + 1 < self.S and self.placement[s + 1] != self.stage_id:
                     acts.append(Action(self.stage_id, Kind.SEND_F, s, mb, self.placement[s + 1]))
-        return ActionSchedule(acts, micro_batches, self.num_stages, self.stage_id, train=False)
+        return ActionSchedule(acts, micro_batches, self.num_stages, self.stage_id, train=False,
+                              note=self._note)
 
     def _exec_schedule(self, pipe_schedule):
         self._slots.clear()

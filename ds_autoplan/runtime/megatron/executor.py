@@ -55,11 +55,12 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_mo
 
 from ...schedule import Costs, Kind, Schedule, ScheduleError, lower
 from ...schedule.passes import plan_schedule, stage_recompute
-from ..common import StepState, accept, dispatch_table, recomputed
+from ..common import StepState, accept, dispatch_table, recomputed, waits_for
 from ..common.memory import ActionMemory
 from ..memtrack import hold
 from ..rng import RngState
 from ..splitgrad import WeightGradStore
+from ..watchdog import StepWatchdog, step_timeout
 from .shim import cpu_shim
 
 SIGNATURE = inspect.signature(_ms.forward_backward_pipelining_without_interleaving)
@@ -169,6 +170,9 @@ class ScheduleRunner:
         self.peak_bytes = 0             # peak tracked saved-activation bytes of the last call
         self._next: StepState | None = None
         self.__signature__ = SIGNATURE
+        # every call is one step under the step watchdog (runtime/watchdog.py)
+        predicted = (plan.predicted or {}).get("iteration_time_s") if plan is not None else None
+        self.watchdog = StepWatchdog(step_timeout(predicted), "Megatron pipeline")
 
     @property
     def mem_deltas(self) -> dict:
@@ -194,7 +198,7 @@ class ScheduleRunner:
                               extra.get("microbatch_weights", state.loss_weights))
         b = SIGNATURE.bind(**kwargs)
         b.apply_defaults()
-        with cpu_shim():
+        with cpu_shim(), self.watchdog.step():
             return _Step(self, state, b.arguments).run()
 
 
@@ -270,6 +274,8 @@ class _Step:
         self.rec_k = {s: stage_recompute(self.sched, s, len(_chunk_layers(self.model[c])))
                       for s, c in self.chunk.items()}
         self.p2p = _P2P(self.pp_group, self.config) if self.pp_group.size() > 1 else None
+        ranks = torch.distributed.get_process_group_ranks(self.pp_group)
+        runner.watchdog.global_rank_of = ranks.__getitem__
         self.table = dispatch_table({
             Kind.F: self.forward, Kind.R: self.recompute, Kind.B: self.backward,
             Kind.BW: self.backward, Kind.W: self.weight, Kind.RECV_F: self.recv,
@@ -321,14 +327,17 @@ class _Step:
             tracker.reset_peak()
         sync = _GradSync(_no_sync_func(self.config))
         final = self._final_backwards()
+        watch = r.watchdog
         for i, act in enumerate(self.mine):
             if self.forward_only and act.kind not in (Kind.F, Kind.SEND_F, Kind.RECV_F):
                 continue
             if i in final:
                 sync.enable()
+            watch.doing(act, waits_for(act, self.sched.placement))
             self._timed(act)
             if i in final:
                 sync.disable()
+        watch.doing("completing the step's sends")
         if self.p2p is not None:
             self.p2p.finish()
         if tracker is not None:
@@ -336,6 +345,7 @@ class _Step:
         self._check_done()
         sync.enable()
         if not self.forward_only:
+            watch.doing("the gradient synchronisation (data-parallel collectives)")
             self._finalize()
         return [self.losses[m] for m in sorted(self.losses)]
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
@@ -36,7 +37,8 @@ from ...emit.megatron import layout_string
 from ...emit.megatron import megatron_args as emit_megatron_args
 from ...schedule import Schedule, ScheduleError
 from ...schedule.passes import plan_schedule, recompute_layers
-from ..watchdog import startup_watchdog
+from ..common import check_world
+from ..watchdog import process_group_timeout, startup_watchdog
 
 
 def stage_layer_lists(layers_per_stage) -> list[list[str]]:
@@ -190,10 +192,11 @@ def initialize(plan, schedule: Schedule | None = None, **model_parallel_kwargs) 
     problem = context_parallel_problem(plan.cp)
     if problem:
         raise ScheduleError(problem)
-    world, need = dist.get_world_size(), plan.tp * plan.cp * sched.num_ranks * plan.dp
-    if world != need:
-        raise ScheduleError(f"plan needs tp*cp*pp*dp = {plan.tp}*{plan.cp}*{sched.num_ranks}*"
-                            f"{plan.dp} = {need} processes, world size is {world}")
+    check_world(plan, dist.get_world_size(), sched.num_ranks, "Megatron runtime")
+    # the model-parallel groups get the timeout of every group ds_autoplan creates
+    pg = process_group_timeout((plan.predicted or {}).get("iteration_time_s"))
+    model_parallel_kwargs.setdefault("distributed_timeout_minutes",
+                                     max(1, math.ceil(pg.total_seconds() / 60)))
     if not sched.round_robin:
         # the embedding (first stage) and the output layer (last stage) live where the
         # placement puts them (a V: both on pp rank 0), not on Megatron's first and last rank

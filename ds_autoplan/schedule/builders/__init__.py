@@ -31,8 +31,8 @@ from ..ir import Schedule, ScheduleError
 from . import classic, vshape, zb, merak, adaptive, dynapipe  # noqa: F401,I001
 from .registry import BUILDERS, REGISTRY, BuilderInfo, check_args, register
 
-__all__ = ["BUILDERS", "BuilderInfo", "REGISTRY", "build", "builder_info", "check_args", "names",
-           "register"]
+__all__ = ["BUILDERS", "BuilderInfo", "REGISTRY", "build", "builder_info", "check_args",
+           "check_names", "names", "register"]
 
 
 def builder_info(name: str) -> BuilderInfo:
@@ -52,3 +52,15 @@ def build(name: str, d: int, n: int, **options) -> Schedule:
 def names() -> list[str]:
     """The registered builders' names, in registration order."""
     return list(REGISTRY)
+
+
+def check_names(wanted):
+    """``wanted`` (schedule names; None passes through) when every name is registered, else
+    a :class:`ScheduleError` naming the unknown ones and the registered builders."""
+    if wanted is None:
+        return None
+    bad = [s for s in wanted if s not in REGISTRY]
+    if bad:
+        raise ScheduleError(f"unknown schedule(s) {', '.join(map(repr, bad))}; choose from "
+                            f"{', '.join(REGISTRY)}")
+    return list(wanted)

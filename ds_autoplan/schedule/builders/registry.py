@@ -51,7 +51,15 @@ class BuilderInfo:
         if not isinstance(n, int) or n < need:
             raise ScheduleError(f"{self.name}: needs at least {need} micro-batches for d={d}, "
                                 f"got n={n}")
+        if d * n > MAX_LISTED:
+            raise ScheduleError(f"{self.name}: d={d} x n={n} micro-batches is more than the "
+                                f"{MAX_LISTED} (stage, micro-batch) pairs a schedule lists action "
+                                f"by action; use fewer micro-batches (a larger micro-batch size)")
 
+
+# a built schedule holds ~3 actions per (stage, micro-batch) (~0.5 KB each): 2^22 pairs is a
+# few GB; a longer list is a typo, refused before it is built
+MAX_LISTED = 1 << 22
 
 REGISTRY: dict[str, BuilderInfo] = {}
 BUILDERS: dict[str, Callable[..., Schedule]] = {}

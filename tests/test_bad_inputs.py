@@ -1,0 +1,162 @@
+"""Bad inputs (issue 17, items 5-6): each is refused with one ``ds-autoplan ...: error:`` line
+and a non-zero exit, never a traceback, a silently ignored value or an unbounded search."""
+from __future__ import annotations
+
+import pytest
+
+from ds_autoplan.cli import main
+from ds_autoplan.env import EnvError, env_float, env_int, env_list
+
+
+def _one_line_error(capsys, argv, *needles):
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"ds-autoplan {argv[0]}: error: ")
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+# -- environment variables -------------------------------------------------------------------
+@pytest.mark.parametrize("value,needle", [("abc", "not a whole number"), ("0", "at least 1"),
+                                          ("2.5", "not a whole number")])
+def test_env_int_names_the_variable(monkeypatch, value, needle):
+    monkeypatch.setenv("DS_AUTOPLAN_PP", value)
+    with pytest.raises(EnvError, match=f"DS_AUTOPLAN_PP={value!r}.*{needle}"):
+        env_int("DS_AUTOPLAN_PP")
+
+
+def test_env_helpers_defaults_and_values(monkeypatch):
+    monkeypatch.delenv("DS_AUTOPLAN_X", raising=False)
+    assert env_int("DS_AUTOPLAN_X", 7) == 7
+    monkeypatch.setenv("DS_AUTOPLAN_X", " ")
+    assert env_float("DS_AUTOPLAN_X", 1.5) == 1.5      # empty = unset
+    monkeypatch.setenv("DS_AUTOPLAN_X", "a, b,,c")
+    assert env_list("DS_AUTOPLAN_X") == ["a", "b", "c"]
+    for bad in ("nan", "inf", "-1"):
+        monkeypatch.setenv("DS_AUTOPLAN_X", bad)
+        with pytest.raises(EnvError, match="DS_AUTOPLAN_X"):
+            env_float("DS_AUTOPLAN_X")
+
+
+@pytest.fixture
+def script(tmp_path):
+    p = tmp_path / "train.py"
+    p.write_text("raise SystemExit('the script must not run')\n")
+    return p
+
+
+@pytest.mark.parametrize("var,value,needle", [
+    ("DS_AUTOPLAN_PP", "abc", "DS_AUTOPLAN_PP='abc' is not a whole number"),
+    ("DS_AUTOPLAN_GLOBAL_BATCH", "abc", "DS_AUTOPLAN_GLOBAL_BATCH='abc' is not a whole number"),
+    ("DS_AUTOPLAN_SCHEDULES", "nope", "unknown schedule(s) 'nope'; choose from gpipe, 1f1b"),
+])
+def test_launch_refuses_a_bad_environment_variable(monkeypatch, capsys, tmp_path, script, var,
+                                                   value, needle):
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv(var, value)
+    monkeypatch.setenv("DS_AUTOPLAN_OUT", str(tmp_path / "out"))
+    _one_line_error(capsys, ["launch", "--num_gpus", "2", str(script)], needle)
+
+
+def test_launch_refuses_an_unknown_schedule_option(monkeypatch, capsys, tmp_path, script):
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("DS_AUTOPLAN_OUT", str(tmp_path / "out"))
+    _one_line_error(capsys, ["launch", "--schedules", "1f1b,nope", "--num_gpus", "2", str(script)],
+                    "--schedules: unknown schedule(s) 'nope'")
+
+
+def test_the_planner_refuses_unknown_schedules_it_is_given():
+    """Any caller of the search (the DeepSpeed hook's planning at deepspeed.initialize too):
+    an unknown name is an error, not silently dropped from the candidates."""
+    from ds_autoplan.schedule import ScheduleError
+    from ds_autoplan.search.planner import Planner
+    from ds_autoplan.spec.cluster import load_cluster
+    from ds_autoplan.spec.model import load_model
+    with pytest.raises(ScheduleError, match="unknown schedule.*'nope'.*choose from"):
+        Planner(load_model("gpt-tiny"), load_cluster("cpu-2"), 8, schedules=["1f1b", "nope"])
+
+
+# -- planner inputs ------------------------------------------------------------------------------
+PLAN = ["plan", "--model", "gpt-tiny", "--cluster", "cpu-2", "--global-batch", "8"]
+
+
+@pytest.mark.parametrize("flag", ["--memory-budget-gb", "--headroom-gb"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_memory_budget_must_be_a_finite_positive_number(capsys, flag, value):
+    _one_line_error(capsys, PLAN + [flag, value], flag.strip("-").split("-")[0])
+
+
+def test_absurd_num_layers_refused_before_any_allocation(capsys, tmp_path):
+    from ds_autoplan.spec.model import MAX_LAYERS
+    y = tmp_path / "deep.yaml"
+    y.write_text("name: deep\narch: gpt\nnum_layers: 1000000000\nhidden: 64\nheads: 4\n"
+                 "vocab: 512\nseq_len: 64\n")
+    _one_line_error(capsys, ["plan", "--model", str(y), "--cluster", "cpu-2", "--global-batch", "8"],
+                    "num_layers 1000000000", str(MAX_LAYERS))
+
+
+def test_micro_batch_enumeration_is_bounded_by_memory_not_by_the_batch(monkeypatch):
+    """The search's work does not grow with the global batch: micro-batch sizes are enumerated
+    only up to what a device could hold (Planner.micro_batch_bound, independent of the batch),
+    and every divisor enumeration of the batch is capped there."""
+    from ds_autoplan.search import planner as planner_mod
+    from ds_autoplan.search.space import divisors
+    from ds_autoplan.spec.cluster import load_cluster
+    from ds_autoplan.spec.model import load_model
+    model, cluster = load_model("gpt3-13b"), load_cluster("2x8xa100-ib200")
+    calls = []
+
+    def counted(n, upto=None):
+        calls.append((n, upto))
+        return divisors(n, upto)
+    monkeypatch.setattr(planner_mod, "divisors", counted)
+    bounds = set()
+    for B in (2 ** 40, 2 ** 50, 99999999999):
+        pl = planner_mod.Planner(model, cluster, B)
+        bounds.add(pl.max_mbs)
+        sizes = {c[5] // c[2] for c in pl.combos()}       # micro-batch per device
+        assert sizes and max(sizes) <= pl.max_mbs
+        pl.search_wide(max_pairs=1)
+    assert len(bounds) == 1 and bounds.pop() < 10 ** 5
+    big = [(n, u) for n, u in calls if n >= 10 ** 9]
+    assert big and all(u is not None and u < 10 ** 6 for n, u in big), big
+
+
+def test_huge_global_batch_plans(capsys):
+    """``--global-batch 99999999999`` (was: still searching after 2 minutes) gives a plan."""
+    from ds_autoplan.search import search
+    res = search("gpt3-13b", "2x8xa100-ib200", 99999999999, wide=False, baselines=False,
+                 keep_sim=False)
+    p = res.plan
+    assert p.micro_batch_size * p.num_microbatches * p.dp == 99999999999
+
+
+def test_divisors_match_the_definition():
+    from ds_autoplan.search.space import divisors
+    for n in list(range(1, 400)) + [2 ** 20, 3 ** 9 * 7, 99991]:
+        full = [k for k in range(1, n + 1) if n % k == 0]
+        assert divisors(n) == full
+        for u in (1, 2, 7, 64, n):
+            assert divisors(n, u) == [k for k in full if k <= u]
+
+
+# -- schedule files ------------------------------------------------------------------------------
+def test_simulate_a_binary_file(capsys, tmp_path):
+    f = tmp_path / "sched.json"
+    f.write_bytes(bytes(range(256)) * 8)
+    _one_line_error(capsys, ["simulate", "--file", str(f)], "not a schedule file")
+
+
+def test_simulate_a_file_declaring_absurd_microbatches(capsys, tmp_path):
+    f = tmp_path / "sched.txt"
+    f.write_text("# ds_autoplan schedule name=x microbatches=99999999999 placement=0,1\n"
+                 "rank0: F0.0 BW0.0\nrank1: F1.0 BW1.0\n")
+    _one_line_error(capsys, ["simulate", "--file", str(f)], "99999999999 micro-batches",
+                    "2 forward actions")
+
+
+def test_simulate_absurd_microbatches_option(capsys):
+    _one_line_error(capsys, ["simulate", "-n", "99999999999"], "n=99999999999")

@@ -1,0 +1,137 @@
+"""No silent hang (issue 17, item 5): both runtimes refuse an action list the simulator proves
+deadlocking (it used to hang), and a rank that stops in the middle of a step (SIGSTOP) makes
+every other rank exit within the step watchdog, naming the action and the peer it waits for.
+Every multi-rank run is bounded by the launcher's kill timeout: a hang fails the test."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from ds_autoplan.runtime import watchdog
+from ds_autoplan.runtime.common import accept, waits_for
+from ds_autoplan.schedule import DeadlockError, build, simulate, Costs
+
+from harness import ENV
+from harness.hang_cases import deadlock_schedule
+
+STEP_TIMEOUT = 10
+
+
+def _run(tmp_path, world, case, env=None, timeout=150, grace=5):
+    from ds_autoplan.runtime.launch import spawn
+    path = tmp_path / "cases.json"
+    path.write_text(json.dumps([case]))
+    return spawn(["-m", "ds_autoplan.runtime.launch", str(path)], world, timeout=timeout,
+                 grace=grace, env={**ENV, **(env or {})})
+
+
+# -- deadlocking lists ---------------------------------------------------------------------------
+def test_the_list_deadlocks_in_the_simulator():
+    s = deadlock_schedule()
+    with pytest.raises(DeadlockError, match="wait cycle: rank 0 -> rank 1 -> rank 0"):
+        simulate(s, Costs.uniform(s))
+
+
+def test_the_contract_refuses_it_with_the_simulators_message():
+    with pytest.raises(DeadlockError, match=r"X: refused, this action list would hang: deadlock "
+                                            r"in schedule 'deadlock': rank 0 at BW0\.0, rank 1 "
+                                            r"at F1\.1; wait cycle"):
+        accept(deadlock_schedule(), num_ranks=2, who="X")
+    good = build("1f1b", 2, 4)
+    lowered = accept(good, num_ranks=2)
+    assert accept(lowered, num_ranks=2) is lowered       # a lowered list that finishes passes
+
+
+@pytest.mark.parametrize("runtime", ["ds", "mg"])
+def test_a_runtime_refuses_a_deadlocking_list_on_every_rank(tmp_path, runtime):
+    if runtime == "mg":
+        pytest.importorskip("megatron.core")
+    outs = _run(tmp_path, 2, {"fn": f"harness.hang_cases:{runtime}_case",
+                              "sched": deadlock_schedule().to_dict()}, timeout=150)
+    for rank, (rc, out) in enumerate(outs):
+        assert rc not in (0, -9), (rank, out[-3000:])         # failed by itself, not killed
+        assert "DeadlockError" in out and "this action list would hang" in out, out[-3000:]
+        assert "wait cycle: rank 0 -> rank 1 -> rank 0" in out, out[-3000:]
+
+
+# -- step watchdog -------------------------------------------------------------------------------
+def test_waits_for_names_the_producing_rank():
+    s = accept(build("1f1b", 2, 2), num_ranks=2)
+    got = {a.short(): waits_for(a, s.placement) for lst in s.ranks for a in lst}
+    assert got["F1.0"] == 0 and got["BW0.0"] == 1 and got["RECV_F1.0@0"] == 0
+    assert got["F0.0"] is None and got["BW1.0"] is None      # first stage input, loss stage
+
+
+def test_step_timeout_default_and_setting(monkeypatch):
+    monkeypatch.delenv(watchdog.STEP_ENV, raising=False)
+    assert watchdog.step_timeout(None) == watchdog.STEP_FLOOR
+    assert watchdog.step_timeout(1.0) == watchdog.STEP_FLOOR           # floor of minutes
+    assert watchdog.step_timeout(100.0) == 100.0 * watchdog.STEP_FACTOR
+    monkeypatch.setenv(watchdog.STEP_ENV, "7")
+    assert watchdog.step_timeout(100.0) == 7.0
+    assert watchdog.process_group_timeout().total_seconds() > max(7.0, watchdog.init_timeout())
+    monkeypatch.setenv(watchdog.STEP_ENV, "soon")
+    with pytest.raises(ValueError, match=watchdog.STEP_ENV):
+        watchdog.step_timeout()
+
+
+def _run_stalled(tmp_path, world, case, stopped, timeout=200):
+    """Start ``world`` ranks; once every rank but ``stopped`` has exited (or at the deadline)
+    kill what is left -- this test's own processes, whatever else runs on the machine -- and
+    return ``[(returncode, output)]``."""
+    import subprocess
+    import sys
+    import time
+
+    from ds_autoplan.runtime.launch import _rank_env, free_port
+    path = tmp_path / "cases.json"
+    path.write_text(json.dumps([case]))
+    env, port, procs = {**ENV, watchdog.STEP_ENV: str(STEP_TIMEOUT)}, free_port(), []
+    for r in range(world):
+        log = open(tmp_path / f"rank{r}.log", "w+")
+        procs.append((subprocess.Popen([sys.executable, "-m", "ds_autoplan.runtime.launch",
+                                        str(path)], env=_rank_env(r, world, port, env),
+                                       stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.time() + timeout
+    while time.time() < deadline and any(p.poll() is None for r, (p, _) in enumerate(procs)
+                                         if r != stopped):
+        time.sleep(0.2)
+    out = []
+    for p, log in procs:
+        if p.poll() is None:
+            p.kill()
+        rc = p.wait()
+        log.seek(0)
+        out.append((rc, log.read()))
+        log.close()
+    return out
+
+
+def _check_stalled(outs, stopped: int):
+    """Every rank but the stopped one exited by its watchdog naming the stopped rank."""
+    assert outs[stopped][0] == -9, outs[stopped][1][-2000:]    # stopped: killed by the test
+    assert "stopping (SIGSTOP)" in outs[stopped][1]
+    for rank, (rc, out) in enumerate(outs):
+        if rank == stopped:
+            continue
+        assert rc == watchdog.EXIT_CODE, (rank, rc, out[-3000:])
+        m = re.search(r"step (\d+) has not finished after (\d+) s \(limit (\d+) s, set by "
+                      r"DS_AUTOPLAN_STEP_TIMEOUT\): stuck at (\S+), waiting for pipeline rank "
+                      rf"{stopped} \(global rank {stopped}\)", out)
+        assert m, (rank, out[-3000:])
+        assert m.group(1) == "2" and int(m.group(3)) == STEP_TIMEOUT
+        assert STEP_TIMEOUT <= int(m.group(2)) <= STEP_TIMEOUT + 5
+
+
+def test_deepspeed_stalled_rank_stops_the_others_within_the_watchdog(tmp_path):
+    """3 pipeline ranks, the middle one stops: both neighbours name it."""
+    _check_stalled(_run_stalled(tmp_path, 3, {"fn": "harness.hang_cases:ds_case",
+                                              "stall_rank": 1}, 1), 1)
+
+
+def test_megatron_stalled_rank_stops_the_others_within_the_watchdog(tmp_path):
+    pytest.importorskip("megatron.core")
+    _check_stalled(_run_stalled(tmp_path, 2, {"fn": "harness.hang_cases:mg_case",
+                                              "stall_rank": 1}, 1), 1)
