@@ -117,7 +117,7 @@ def test_micro_batch_enumeration_is_bounded_by_memory_not_by_the_batch(monkeypat
     for B in (2 ** 40, 2 ** 50, 99999999999):
         pl = planner_mod.Planner(model, cluster, B)
         bounds.add(pl.max_mbs)
-        sizes = {c[5] // c[2] for c in pl.combos()}       # micro-batch per device
+        sizes = {c.micro_batch for c in pl.combos()}       # micro-batch per device
         assert sizes and max(sizes) <= pl.max_mbs
         pl.search_wide(max_pairs=1)
     assert len(bounds) == 1 and bounds.pop() < 10 ** 5
