@@ -323,7 +323,8 @@ def test_checkpoint_info_verifies_the_files(tmp_path, capsys):
     assert f"{ck / 'f3.pt'}: truncated: 10 bytes" in err
 
 
-@pytest.mark.parametrize("content", ["{\"format\": 1, ", "[]", "\x00\x01"])
+@pytest.mark.parametrize("content", ["{\"format\": 1, ", "[]", "\x00\x01", "{\"format\": 1}",
+                                     "{\"format\": 1, \"framework\": \"deepspeed\", \"step\": \"3\"}"])
 def test_checkpoint_info_on_malformed_metadata_is_one_line(tmp_path, capsys, content):
     from ds_autoplan.runtime.checkpoint import META
     ck = _meta_checkpoint(tmp_path)
@@ -500,6 +501,13 @@ def megatron_faults(tmp_path_factory):
     (bad / "evil-metadata" / "manifest.json").unlink()
     cf._seal(str(bad / "evil-metadata"))
     cases.append({"name": "evil-metadata", "dir": str(bad / "evil-metadata")})
+    shutil.copytree(ck, bad / "zarr-backend")             # a backend not read through the guard
+    (bad / "zarr-backend" / "metadata.json").write_text(json.dumps(
+        {"sharded_backend": "zarr", "sharded_backend_version": 1, "common_backend": "torch",
+         "common_backend_version": 1}))
+    (bad / "zarr-backend" / "manifest.json").unlink()
+    cf._seal(str(bad / "zarr-backend"))
+    cases.append({"name": "zarr-backend", "dir": str(bad / "zarr-backend")})
     shutil.copytree(ck, bad / "truncated")
     with open(bad / "truncated" / "__1_0.distcp", "r+b") as f:
         f.truncate(1000)
@@ -538,3 +546,12 @@ def test_megatron_truncated_shard_is_refused_naming_it(megatron_faults):
     rows, _, _, _ = megatron_faults
     for r in range(2):
         assert "__1_0.distcp: truncated: 1000 bytes" in rows[("truncated", r)].get("error", ""), rows
+
+
+@pytest.mark.multiproc
+def test_megatron_backend_other_than_torch_dist_is_refused(megatron_faults):
+    """``metadata.json`` naming another dist_checkpointing backend (whose reader the guard does
+    not cover) is refused before Megatron picks that reader."""
+    rows, _, _, _ = megatron_faults
+    for r in range(2):
+        assert "metadata.json: backends ('zarr', 'torch')" in rows[("zarr-backend", r)].get("error", "")

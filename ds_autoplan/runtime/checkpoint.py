@@ -59,6 +59,10 @@ def write_meta(ckpt_dir, *, framework: str, plan, step: int, num_layers: int, op
     return meta
 
 
+_META_FIELDS = {"framework": str, "step": int, "num_layers": int, "world_size": int,
+                "counters": dict, "optimizer": dict}
+
+
 def read_meta(ckpt_dir, framework: str | None = None, num_layers: int | None = None) -> dict:
     """The checkpoint's metadata; raises :class:`CheckpointError` when the folder is not an
     ds_autoplan checkpoint or was written by another framework or for another layer count."""
@@ -81,6 +85,11 @@ def read_meta(ckpt_dir, framework: str | None = None, num_layers: int | None = N
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: checkpoint format {meta.get('format')!r}, this version "
                               f"reads format {FORMAT}")
+    bad = [k for k, t in _META_FIELDS.items() if not isinstance(meta.get(k), t)
+           or isinstance(meta.get(k), bool)]
+    if bad:
+        raise CheckpointError(f"{path}: missing or invalid {', '.join(bad)} (expected "
+                              + ", ".join(f"{k}: {_META_FIELDS[k].__name__}" for k in bad) + ")")
     if framework is not None and meta["framework"] != framework:
         raise CheckpointError(f"{ckpt_dir} was saved by the {meta['framework']} runtime; it "
                               f"cannot be loaded into {framework}")
@@ -216,7 +225,7 @@ def describe(ckpt_dir) -> str:
     the verification of its files against the manifest."""
     meta = read_meta(ckpt_dir)
     files = check_files(ckpt_dir)
-    p = meta["plan"] or {}
+    p = meta.get("plan") if isinstance(meta.get("plan"), dict) else {}
     opts = p.get("schedule_options") or {}
     counters = "".join(f", {k} {v}" for k, v in (meta.get("counters") or {}).items())
     lines = [f"checkpoint {ckpt_dir}: {meta['framework']}, step {meta['step']}, "
@@ -229,7 +238,7 @@ def describe(ckpt_dir) -> str:
              f"  layers per stage {p.get('layers_per_stage')}, recompute {p.get('recompute_per_stage')}",
              f"  micro-batch {p.get('micro_batch_size')} x {p.get('num_microbatches')} per replica, "
              f"global batch {p.get('global_batch_size')}",
-             f"optimizer {meta['optimizer']['class']} {meta['optimizer']['param_groups']}, "
+             f"optimizer {meta['optimizer'].get('class')} {meta['optimizer'].get('param_groups')}, "
              f"lr scheduler {meta.get('lr_scheduler')}",
              f"files: {files} verified against {MANIFEST} (size and sha256 of each)",
              "loads under any plan for the same model (schedule, partition, pp, dp, ZeRO 0/1)"]

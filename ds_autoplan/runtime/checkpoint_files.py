@@ -448,18 +448,22 @@ def resolve(final) -> str:
     return final
 
 
-def _lock(path) -> int | None:
-    """An exclusive ``flock`` on the folder ``path`` (its fd), None when it is held elsewhere."""
+def _lock(path) -> tuple[int | None, bool]:
+    """``(fd, locked)``: an exclusive ``flock`` on ``path`` taken; ``(None, False)`` when
+    another process holds it (or ``path`` is gone); ``(fd, False)`` where the file system has
+    no ``flock`` (then nothing is ever taken for a killed writer's)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        return None
+        return None, False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fd
-    except OSError:
+        return fd, True
+    except BlockingIOError:
         os.close(fd)
-        return None
+        return None, False
+    except OSError:
+        return fd, False
 
 
 def _remove_stale(parent, name) -> None:
@@ -473,16 +477,25 @@ def _remove_stale(parent, name) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(old, final)
-    prefix = f".{name}{STAGING}"
+    _remove_unheld(parent, f".{name}{STAGING}", os.path.isdir, shutil.rmtree)
+
+
+def _remove_unheld(parent, prefix: str, kind, remove) -> None:
+    """Remove the entries of ``parent`` named ``prefix...`` of ``kind`` (``os.path.isdir`` /
+    ``isfile``; never a symlink) whose ``flock`` no live writer holds: a killed writer's."""
     for entry in os.listdir(parent):
         path = os.path.join(parent, entry)
-        if entry.startswith(prefix) and os.path.isdir(path) and not os.path.islink(path):
-            fd = _lock(path)
-            if fd is not None:
-                try:
-                    shutil.rmtree(path, ignore_errors=True)
-                finally:
-                    os.close(fd)
+        if entry.startswith(prefix) and kind(path) and not os.path.islink(path):
+            fd, locked = _lock(path)
+            if fd is None:
+                continue
+            try:
+                if locked:
+                    remove(path)
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(fd)
 
 
 def _stage(final) -> tuple[str, int]:
@@ -499,10 +512,10 @@ def _stage(final) -> tuple[str, int]:
             os.mkdir(staging)
         except FileExistsError:
             continue
-        fd = _lock(staging)
+        fd, _ = _lock(staging)
         if fd is not None and os.path.isdir(staging):
             return staging, fd
-        if fd is not None:
+        if fd is not None:          # a cleaner removed it before the lock: another name
             os.close(fd)
 
 
@@ -523,7 +536,9 @@ def save_atomically(final, write) -> None:
         fault_point("staged")
         try:
             write(staging)
-        except Exception as e:              # noqa: BLE001
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:          # noqa: BLE001 -- DCP's CheckpointException too
             exc = e
         agree(exc, f"saving {final} failed")
         fault_point("written")
@@ -544,33 +559,18 @@ def save_atomically(final, write) -> None:
             os.close(fd)
 
 
-def _remove_stale_files(parent, name) -> None:
-    """Temporary files of ``name`` that no live writer holds (a killed writer's)."""
-    prefix = f".{name}.autoplan-tmp-"
-    for entry in os.listdir(parent):
-        path = os.path.join(parent, entry)
-        if entry.startswith(prefix) and os.path.isfile(path) and not os.path.islink(path):
-            fd = _lock(path)
-            if fd is not None:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                finally:
-                    os.close(fd)
-
-
 def write_file(path, data: bytes | str) -> None:
     """Replace ``path`` atomically: a temporary file beside it (mode from the umask, locked
     while written), fsync, ``os.replace``, fsync of the folder."""
     path = os.fspath(path)
     parent, name = os.path.split(os.path.abspath(path))
     raw = data.encode() if isinstance(data, str) else data
-    _remove_stale_files(parent, name)
+    _remove_unheld(parent, f".{name}.autoplan-tmp-", os.path.isfile, os.unlink)
     tmp = os.path.join(parent, f".{name}.autoplan-tmp-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):      # a file system without flock: unlocked
+            fcntl.flock(fd, fcntl.LOCK_EX)
         os.write(fd, raw)
         os.fsync(fd)
         fault_point("latest-tmp")

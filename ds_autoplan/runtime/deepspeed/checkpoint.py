@@ -273,9 +273,8 @@ def engine_save(engine, save_dir, tag=None, client_state=None, save_latest=True,
                               "checkpoints; use DeepSpeed's default checkpoint engine")
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     engine._checkpoint_tag_validation(tag)      # DeepSpeed's: the same tag on every rank
-    if not tag or tag in (".", "..") or os.sep in tag or tag.startswith("."):
-        raise CheckpointError(f"checkpoint tag {tag!r}: a tag is one folder name (no "
-                              f"{os.sep!r}, not hidden)")
+    if tag in ("", ".", "..") or os.sep in tag:
+        raise CheckpointError(f"checkpoint tag {tag!r}: a tag is one folder name (no {os.sep!r})")
     save_checkpoint(engine, os.path.join(save_dir, tag), client_state=client_state)
     exc = None
     if save_latest and dist.get_rank() == 0:

@@ -13,6 +13,7 @@ DeepSpeed runtime.
 """
 from __future__ import annotations
 
+import os
 
 import torch.distributed as dist
 
@@ -152,6 +153,23 @@ def _load_optimizer(optimizer, state: dict) -> None:
             opt.optimizer.state[p]["step"] = step.clone()
 
 
+def _check_backends(load_dir) -> None:
+    """Refuse a ``dist_checkpointing`` folder whose ``metadata.json`` names other backends
+    than the ones :func:`save_checkpoint` writes (torch_dist shards, torch common state): only
+    those are read through :func:`~ds_autoplan.runtime.checkpoint_files.no_code_on_load`."""
+    import json
+    path = os.path.join(load_dir, "metadata.json")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot be read ({str(e).splitlines()[0]})") from None
+    got = (meta.get("sharded_backend"), meta.get("common_backend")) if isinstance(meta, dict) else None
+    if got != ("torch_dist", "torch"):
+        raise CheckpointError(f"{path}: backends {got}, ds_autoplan reads ('torch_dist', 'torch') "
+                              "only (the ones it writes, read without running code)")
+
+
 def load_checkpoint(chunks, optimizer, load_dir, *, scheduler=None) -> dict:
     """Load a checkpoint written by :func:`save_checkpoint` under any plan for the same model
     into ``chunks`` (this rank's model chunks of the new plan), ``optimizer`` and
@@ -171,6 +189,7 @@ def load_checkpoint(chunks, optimizer, load_dir, *, scheduler=None) -> dict:
     meta["rng_from_rank"] = rank_state_source(meta)
     try:                                  # our files first: every rank agrees they are sound
         train, rank_state = load_train_state(load_dir), read_rank_state(load_dir, meta["rng_from_rank"])
+        _check_backends(load_dir)
         check_dcp_metadata(load_dir)
     except CheckpointError as e:
         exc = e
