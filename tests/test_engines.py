@@ -49,7 +49,7 @@ def test_engines_expose_what_they_serialise():
     s3 = Strategy(1, 8, 3)
     fs, plain = CostModel(m, c, execution="fsdp").tables([s3], 8), CostModel(m, c).tables([s3], 8)
     assert fs.fwd[blk, 0] < plain.fwd[blk, 0]
-    assert config_cost(CostModel(m, c, execution="deepspeed"), Config(1, 4, 2, 1, 8, 1)).time > 0
+    assert config_cost(CostModel(m, c, execution="deepspeed"), Config(tp=1, pp=4, dp=2, micro_batch=1, num_microbatches=8, zero=1)).time > 0
 
 
 def test_unknown_engine_or_overlap_is_a_clear_error():
@@ -115,3 +115,19 @@ def test_leave_one_source_out_never_sees_the_left_out_source():
     cal = pr.calibrate([r for r in rows if r["source_id"] != "bloom2022"], cfgs, prior)
     assert loso["bloom-176B"] == pytest.approx(pr.error(bloom, cal, cfgs["bloom-176B"]))
     assert cal["a100-sxm-80gb"] != full["a100-sxm-80gb"]
+
+
+def test_flash_attention_rate_follows_the_measured_table_by_length():
+    """Kinds with a measured flash table (data/gpus.yaml flash_tflops_by_seq) run a causal
+    kernel at the table's rate for its length (the full-count FLOPs halved), clamped at the
+    ends and monotone between; kinds without one keep flash_eff of peak."""
+    from ds_autoplan.cost.compute import get_gpu
+    h = get_gpu("h100-sxm-80gb")
+    table = dict(h.flash_seq)
+    rate = lambda s: 1e12 / 2 / h.fused_attention(1e12, s) / 1e12   # noqa: E731
+    for s, r in table.items():
+        assert rate(s) == pytest.approx(r)
+    assert rate(256) == pytest.approx(table[min(table)]) and rate(1 << 20) == pytest.approx(table[max(table)])
+    assert table[2048] < rate(3000) < table[4096]
+    a = get_gpu("a100-sxm-80gb")
+    assert not a.flash_seq and a.fused_attention(1e12, 2048) == pytest.approx(1 / (a.peak_tflops * a.flash_eff))
