@@ -417,6 +417,7 @@ def ds_loads(ds_kills):
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(900)      # the first test pays for its fixture's process groups
 @pytest.mark.parametrize("name,tag2,fault", DS_KILLS, ids=[k[0] for k in DS_KILLS])
 def test_deepspeed_rank_killed_during_save_leaves_latest_loadable(ds_kills, ds_loads, name, tag2, fault):
     """Rank 0 or 1 SIGKILLed inside ``engine.save_checkpoint``: ``latest`` names a complete
@@ -438,6 +439,7 @@ def test_deepspeed_rank_killed_during_save_leaves_latest_loadable(ds_kills, ds_l
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(900)      # the first test pays for its fixture's process groups
 @pytest.mark.parametrize("name", ["evil-rank-state", "evil-train-state", "evil-layer-state",
                                   "evil-layer-weights"])
 def test_deepspeed_crafted_pickle_in_any_checkpoint_file_is_refused(ds_loads, name):
@@ -452,6 +454,7 @@ def test_deepspeed_crafted_pickle_in_any_checkpoint_file_is_refused(ds_loads, na
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(900)      # the first test pays for its fixture's process groups
 @pytest.mark.parametrize("name,file", [("truncated-weights", "model_states.pt: truncated"),
                                        ("deleted-rank-state", "autoplan_rank_00001.pt: missing"),
                                        ("deleted-train-state", "autoplan_train_state.pt: missing")])
@@ -519,6 +522,7 @@ def megatron_faults(tmp_path_factory):
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(900)      # the first test pays for its fixture's process groups
 def test_megatron_rank_killed_during_resave_leaves_the_previous_checkpoint(megatron_faults):
     rows, saved, _, ck = megatron_faults
     assert cf.verify(ck) == []
@@ -530,6 +534,7 @@ def test_megatron_rank_killed_during_resave_leaves_the_previous_checkpoint(megat
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(900)      # the first test pays for its fixture's process groups
 @pytest.mark.parametrize("name", ["evil-metadata", "evil-common", "evil-rank-state", "evil-train-state"])
 def test_megatron_crafted_pickle_in_any_checkpoint_file_is_refused(megatron_faults, name):
     """DCP's ``.metadata`` (torch reads it with ``pickle.load``), Megatron's ``common.pt``, a
@@ -542,6 +547,7 @@ def test_megatron_crafted_pickle_in_any_checkpoint_file_is_refused(megatron_faul
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(900)      # the first test pays for its fixture's process groups
 def test_megatron_truncated_shard_is_refused_naming_it(megatron_faults):
     rows, _, _, _ = megatron_faults
     for r in range(2):
@@ -549,6 +555,7 @@ def test_megatron_truncated_shard_is_refused_naming_it(megatron_faults):
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(900)      # the first test pays for its fixture's process groups
 def test_megatron_backend_other_than_torch_dist_is_refused(megatron_faults):
     """``metadata.json`` naming another dist_checkpointing backend (whose reader the guard does
     not cover) is refused before Megatron picks that reader."""

@@ -15,7 +15,9 @@ reads them unchanged.  ``autoplan_checkpoint.json`` says which plan wrote the fo
 state that belongs to no layer: ``autoplan_train_state.pt`` (the learning-rate scheduler's
 ``state_dict`` and the optimizer's parameter-group hyperparameters; :func:`save_train_state`)
 and one ``autoplan_rank_XXXXX.pt`` per rank (its random generators and the user's
-``client_state``; :func:`save_rank_state`).
+``client_state``; :func:`save_rank_state`).  Every file is written crash-safe, listed with its
+size and sha256 in ``manifest.json`` and read without running code
+(:mod:`ds_autoplan.runtime.checkpoint_files`).
 """
 from __future__ import annotations
 
