@@ -30,6 +30,10 @@ form (cost/iteration.py) apply.
 * ``fsdp`` -- PyTorch FSDP FULL_SHARD (ZeRO-3): each layer's parameter all-gather is issued
   before the previous layer's compute finishes (forward and backward prefetch), the gradient
   reduce-scatter runs in the backward hooks; only what compute cannot cover is exposed.
+* Versions: Megatron-LM before megatron-core's DistributedDataParallel (2021, Narayanan et al.)
+  had no gradient/parameter overlap and no TP overlap (``megatron-2021``); the DeepSpeed the
+  BLOOM run used (its bf16 branch, bigscience tr11 README) already had the BF16_Optimizer that
+  accumulates fp32 gradients unsharded and reduces them whole after the flush, as 0.19.8 does.
 * ``any`` -- the engine-neutral model the planner has always used (reductions after the
   backward in the parameter dtype, TP overlap on): what a plan emitted for either runtime does.
 """
