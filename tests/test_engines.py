@@ -124,10 +124,16 @@ def test_flash_attention_rate_follows_the_measured_table_by_length():
     from ds_autoplan.cost.compute import get_gpu
     h = get_gpu("h100-sxm-80gb")
     table = dict(h.flash_seq)
-    rate = lambda s: 1e12 / 2 / h.fused_attention(1e12, s) / 1e12   # noqa: E731
+    rate = lambda s: 3.5e12 / 2 / h.fused_attention(1e12, s) / 1e12   # noqa: E731
     for s, r in table.items():
         assert rate(s) == pytest.approx(r)
     assert rate(256) == pytest.approx(table[min(table)]) and rate(1 << 20) == pytest.approx(table[max(table)])
     assert table[2048] < rate(3000) < table[4096]
+    fwd = dict(h.flash_fwd_seq)
+    for s in table:                   # forward at its own rate, the backward takes the rest
+        assert 1e12 / 2 / h.fused_attention(1e12, s, "fwd") / 1e12 == pytest.approx(fwd[s])
+        assert h.fused_attention(1e12, s, "fwd") + h.fused_attention(1e12, s, "bwd") == \
+            pytest.approx(h.fused_attention(1e12, s))
+        assert h.fused_attention(1e12, s, "bwd") / 2.5 > h.fused_attention(1e12, s, "fwd")
     a = get_gpu("a100-sxm-80gb")
-    assert not a.flash_seq and a.fused_attention(1e12, 2048) == pytest.approx(1 / (a.peak_tflops * a.flash_eff))
+    assert not a.flash_seq and a.fused_attention(1e12, 2048, "fwd") == pytest.approx(1 / (a.peak_tflops * a.flash_eff))

@@ -41,6 +41,7 @@ class GPU:
     stream_eff: float
     flash_eff: float
     flash_seq: tuple = ()     # ((s, TFLOP/s), ...): measured causal fwd+bwd flash throughput by length
+    flash_fwd_seq: tuple = ()  # the same for the forward alone
 
     def gemm(self, M: float, N: float, K: float, batch: float = 1) -> float:
         """Seconds of a [M, K] x [K, N] GEMM (``batch`` of them): whole waves of output tiles
@@ -58,20 +59,33 @@ class GPU:
         """Seconds of a bandwidth-bound kernel moving ``nbytes`` through HBM."""
         return nbytes / (self.hbm_GBps * 1e9 * self.stream_eff)
 
-    def fused_attention(self, flops: float, s: int | None = None) -> float:
-        """Seconds of a flash-attention kernel doing ``flops`` (counted on the full, non-causal
-        score matrix).  Where the kind has a measured table by sequence length (causal
-        kernels, FA2 FLOP convention: half the full count), its rate at ``s`` (interpolated
-        in log s, clamped at the table's ends); else ``flash_eff`` of peak."""
-        if self.flash_seq and s:
-            xs = [math.log(a) for a, _ in self.flash_seq]
-            ys = [b for _, b in self.flash_seq]
-            x = min(max(math.log(s), xs[0]), xs[-1])
-            i = max(j for j in range(len(xs)) if xs[j] <= x) if x > xs[0] else 0
-            j = min(i + 1, len(xs) - 1)
-            rate = ys[i] if i == j else ys[i] + (ys[j] - ys[i]) * (x - xs[i]) / (xs[j] - xs[i])
-            return flops / 2 / (rate * 1e12)
-        return flops / (self.peak_tflops * 1e12 * self.flash_eff)
+    def fused_attention(self, flops: float, s: int | None = None, part: str = "both") -> float:
+        """Seconds of a flash-attention kernel's forward (``flops``, counted on the full,
+        non-causal score matrix) and/or its backward (2.5x those FLOPs, FA-2's count):
+        ``part`` 'fwd', 'bwd' or 'both'.  Where the kind has measured tables by sequence
+        length (causal kernels, FA2 FLOP convention: half the full count; interpolated in
+        log s, clamped at the ends), the forward runs at the forward table's rate and the
+        backward takes what the forward+backward table leaves; else ``flash_eff`` of peak."""
+        if not (self.flash_seq and s):
+            return {"fwd": 1.0, "bwd": 2.5, "both": 3.5}[part] * flops / (self.peak_tflops * 1e12 * self.flash_eff)
+        both = 3.5 * flops / 2 / (_interp_log(self.flash_seq, s) * 1e12)
+        fwd = flops / 2 / (_interp_log(self.flash_fwd_seq, s) * 1e12) if self.flash_fwd_seq else both / 3.5
+        return {"fwd": fwd, "bwd": both - fwd, "both": both}[part]
+
+
+def _interp_log(table: tuple, s: int) -> float:
+    """``table`` ((x, y), ...) sorted by x, at ``s``: linear in log x, clamped at the ends."""
+    xs = [math.log(a) for a, _ in table]
+    ys = [b for _, b in table]
+    x = min(max(math.log(s), xs[0]), xs[-1])
+    i = max(j for j in range(len(xs)) if xs[j] <= x)
+    if i == len(xs) - 1:
+        return ys[i]
+    return ys[i] + (ys[i + 1] - ys[i]) * (x - xs[i]) / (xs[i + 1] - xs[i])
+
+
+def _table(v: dict, key: str) -> tuple:
+    return tuple(sorted((int(a), float(b)) for a, b in (v.get(key) or {}).items()))
 
 
 @lru_cache(maxsize=None)
@@ -83,8 +97,8 @@ def gpu_kinds(calibrated: bool = True) -> dict:
     cal = calibration()["sustained"] if calibrated else {}
     return {k: GPU(k, float(v["peak_tflops"]), float(v["mamf_tflops"]), float(cal.get(k, v["sustained"])),
                    int(v["sms"]), tuple(int(x) for x in v["tile"]), float(v["hbm_GBps"]),
-                   float(v["stream_eff"]), float(v["flash_eff"]),
-                   tuple(sorted((int(a), float(b)) for a, b in (v.get("flash_tflops_by_seq") or {}).items())))
+                   float(v["stream_eff"]), float(v["flash_eff"]), _table(v, "flash_tflops_by_seq"),
+                   _table(v, "flash_fwd_tflops_by_seq"))
             for k, v in data.items()}
 
 
@@ -159,7 +173,7 @@ def _attention_core(g: GPU, d: Dims, b: float, t: int, s: int, skv: int) -> tupl
     dh = d.h // d.heads
     if d.flash:                    # fused kernel; its backward redoes QK^T (FA-2: 2.5x the flops)
         fl = 4.0 * nh * s * skv * dh
-        return g.fused_attention(fl, skv), g.fused_attention(2.5 * fl, skv)
+        return g.fused_attention(fl, skv, "fwd"), g.fused_attention(fl, skv, "bwd")
     mm = g.gemm(s, skv, dh, nh) + g.gemm(s, dh, skv, nh)
     # scale+mask+softmax (read and write the scores) and dropout (read, write, 1-byte mask)
     sm = g.stream(nh * s * skv * (4 + (5 if d.dropout else 0)))
