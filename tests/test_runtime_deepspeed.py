@@ -151,10 +151,10 @@ def test_failing_rank_stops_the_others(mode):
 
 @pytest.mark.timeout(360)
 def test_context_parallel_ulysses_pp2_sp2(tmp_path):
-    """DeepSpeed-Ulysses (DeepSpeed's DistributedAttention) with sequence parallelism 2 on a
-    2-stage pipeline (4 ranks), 1F1B and V-Half: every rank holds half of each sequence, and
-    the gradients and loss equal the single-process model on whole sequences, as those of the
-    same pipeline without sequence parallelism do."""
+    """DeepSpeed-Ulysses (DeepSpeed's DistributedAttention) for a plan with context
+    parallelism 2 on a 2-stage pipeline (4 ranks), 1F1B and V-Half: every rank holds half of
+    each sequence, and the gradients and loss equal the single-process model on whole
+    sequences, as those of the same pipeline without sequence parallelism (dp 2) do."""
     import json
     from ds_autoplan.runtime.launch import per_rank_results
     cases = [{"pp": 2, "sp": 2, "n": 4, "schedule": "1f1b"},
@@ -173,3 +173,4 @@ def test_context_parallel_ulysses_pp2_sp2(tmp_path):
             assert r["distributed_attention"] == (2 if case["sp"] > 1 else 0)
             assert r["max_grad_err"] <= 1e-6 and r["max_grad"] > 1e-3, r
             assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-6)
+            assert r["train_batch_size"] == 2 * 4 * 2     # the engine counts dp x sp data ranks

@@ -3,6 +3,7 @@ no-pipeline run, on CPU with gloo (2 and 4 ranks, several schedules per process 
 from __future__ import annotations
 
 import inspect
+import json
 import time
 
 import pytest
@@ -269,12 +270,17 @@ def test_expert_parallel_moe_pp2_ep2_1f1b_and_v_half():
     expert parallelism 2 inside our 1F1B and V-Half on 4 ranks (pp 2 x ep 2): after Megatron's
     gradient reduction (dense over dp, experts over expert-dp) every rank's gradients,
     each local expert against the single-process model's expert of the same global index,
-    equal the unpipelined single-process model fed all ranks' micro-batches (2 steps), and
-    V-Half's W actions run the experts' deferred weight GEMMs."""
+    equal the unpipelined single-process model fed all ranks' micro-batches (2 steps; V-Half
+    with the router's auxiliary load-balancing loss), and V-Half's W actions run the experts'
+    deferred weight GEMMs."""
     from harness.megatron_cases import launch
     cases = [dict(fn="moe_case", pp=2, ep=2, n=4, schedule="1f1b", layers=[1, 1]),
-             dict(fn="moe_case", pp=2, ep=2, n=4, schedule="v-half", layers=[1, 1, 1, 1])]
+             # the router's load-balancing loss on: the same micro-batches in both runs
+             dict(fn="moe_case", pp=2, ep=2, n=4, schedule="v-half", layers=[1, 1, 1, 1],
+                  aux_loss=0.01)]
     out = launch(4, cases, timeout=260)
+    print(json.dumps({"moe_max_grad_err": {c["schedule"]: max(o[i]["max_grad_err"] for o in out)
+                                           for i, c in enumerate(cases)}}))     # pytest -s
     for i, case in enumerate(cases):
         rows = [o[i] for o in out]
         assert sorted((r["pp_rank"], r["ep_rank"]) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]

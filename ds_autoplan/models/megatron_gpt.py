@@ -43,17 +43,20 @@ class SPTorchNorm:
 EXPERTS, TOPK = 4, 2
 
 
-def moe_config(num_experts: int = EXPERTS, topk: int = TOPK) -> dict:
+def moe_config(num_experts: int = EXPERTS, topk: int = TOPK, aux_loss: float = 0.0) -> dict:
     """TransformerConfig keywords of the tiny MoE model: ``num_experts`` experts of FFN size
     2·hidden, top-``topk`` routing, Megatron's alltoall dispatcher (over the plan's ``ep``
     ranks: ``expert_model_parallel_size`` comes with ``setup.config_overrides``), dropless
     (no capacity factor) and no auxiliary load-balancing loss, so every token's output depends
-    on its own routing only and a pipelined/expert-parallel run equals one process.  No linear
+    on its own routing only and a pipelined/expert-parallel run equals one process;
+    ``aux_loss`` > 0 adds Megatron's load-balancing loss (``aux_loss``: statistics of each
+    micro-batch, the same micro-batches in both runs).  No linear
     biases (as Mixtral/Qwen-MoE): megatron-core 0.16.1's expert MLP adds its fc2 bias in place
     on the tp-reduce output, which autograd refuses for Megatron's local linear layers."""
     return dict(add_bias_linear=False, num_moe_experts=num_experts, moe_router_topk=topk, moe_ffn_hidden_size=2 * HIDDEN,
                 moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
-                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+                moe_router_load_balancing_type="aux_loss" if aux_loss else "none",
+                moe_aux_loss_coeff=aux_loss)
 
 
 def layer_spec(split: bool = True, sp: bool = False, num_experts: int | None = None):

@@ -42,19 +42,16 @@ def run_case(case, layers0, batches, ref):
     from ds_autoplan.schedule import build
     pp, sp, n = case["pp"], case["sp"], case["n"]
     world = torch.distributed.get_world_size()
-    data = world // pp          # the engine's data axis: dp x sp ranks (see ulysses.py)
-    sched = build(case["schedule"], pp, n)
-    S = sched.num_stages
-    plan = Plan(pp=pp, dp=data, micro_batch_size=MBS, num_microbatches=n, precision="fp32",
-                schedule=case["schedule"], layers_per_stage=[BLOCKS // S] * S,
+    S = build(case["schedule"], pp, n).num_stages
+    # sp > 1: the plan's context parallelism, run as Ulysses; sp = 1: the same ranks as dp
+    plan = Plan(pp=pp, cp=sp, dp=world // (pp * sp), micro_batch_size=MBS, num_microbatches=n,
+                precision="fp32", schedule=case["schedule"], layers_per_stage=[BLOCKS // S] * S,
                 recompute_per_stage=[0.0] * S)
-    group = sequence_parallel_group(pp, sp) if sp > 1 else None
+    group = sequence_parallel_group(plan)
     layers = [copy.deepcopy(m) for m in layers0]
     if group is not None:
         layers = ulysses_layers(layers, group)
-    cfg = {"steps_per_print": 10 ** 9, "gradient_clipping": 0.0,
-           "train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": n,
-           "train_batch_size": MBS * n * data}
+    cfg = {"steps_per_print": 10 ** 9, "gradient_clipping": 0.0}
     engine, *_ = api.initialize(layers, plan, loss_fn=gpt_loss, config=cfg,
                                 optimizer=lambda p: torch.optim.SGD(p, lr=1.0))
     mod = engine.module
@@ -70,7 +67,7 @@ def run_case(case, layers0, batches, ref):
             scale = max(scale, float(g.abs().max()))
     return {"schedule": case["schedule"], "sp": sp, "rank": torch.distributed.get_rank(),
             "stage": engine.stage_id, "max_grad_err": err, "max_grad": scale,
-            "loss": loss, "ref_loss": ref_loss, "tokens_per_rank": int(mine[0][0].numel()),
+            "loss": loss, "ref_loss": ref_loss, "train_batch_size": engine.train_batch_size(), "tokens_per_rank": int(mine[0][0].numel()),
             "sp_group_size": torch.distributed.get_world_size(group) if group is not None else 1,
             "distributed_attention": sum(isinstance(m, DistributedAttention)
                                          for _, f in local for m in f.modules())}

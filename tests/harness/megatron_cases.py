@@ -146,15 +146,18 @@ def run_case(case) -> dict:
     return res
 
 
-def _count_w_items(res):
-    """Count, into ``res["w_items"]``, the deferred weight-gradient closures of the Megatron
-    split layers that W actions run (shows that W does work); returns the undo."""
+def _count_w_items(res, key="w_items", pick=None):
+    """Count, into ``res[key]``, the deferred weight-gradient closures of the Megatron split
+    layers (those ``pick(fn)`` accepts) that W actions run (shows that W does work); returns
+    the undo."""
     from ds_autoplan.runtime.splitgrad import WeightGradStore
     from ds_autoplan.runtime.megatron import splitgrad
     run_all = WeightGradStore.run_all
+    res[key] = 0
 
     def counting(store):
-        res["w_items"] += sum(fn.__module__ == splitgrad.__name__ for fn, _, _ in store._items)
+        res[key] += sum(fn.__module__ == splitgrad.__name__ and (pick is None or pick(fn))
+                        for fn, _, _ in store._items)
         return run_all(store)
     WeightGradStore.run_all = counting
 
@@ -303,7 +306,7 @@ def moe_case(case) -> dict:
     ps.destroy_model_parallel()
     ep = case["ep"]
     plan = _plan(dict(case, dp=ep))
-    moe = moe_config()
+    moe = moe_config(aux_loss=case.get("aux_loss", 0.0))
     L = sum(plan.layers_per_stage)
     ref = gpt(base_config(num_layers=L, **moe), pg_collection=solo_groups())
     setup = initialize(plan)             # expert_model_parallel_size = plan.ep
@@ -357,26 +360,12 @@ def moe_case(case) -> dict:
 
 
 def _count_expert_w_items(res):
-    """Count, into ``res["expert_w_items"]``, the deferred weight GEMMs that W actions run
-    for expert-parallel linear layers (their weight has Megatron's ``allreduce`` False)."""
-    from ds_autoplan.runtime.splitgrad import WeightGradStore
-    run_all = WeightGradStore.run_all
-    res["expert_w_items"] = 0
+    """:func:`_count_w_items` of expert-parallel linear layers only (into
+    ``res["expert_w_items"]``: their weight has Megatron's ``allreduce`` False)."""
+    import torch
 
     def expert(fn):
         cells = [c.cell_contents for c in (fn.__closure__ or ())]
-        return any(getattr(c, "allreduce", True) is False for c in cells if torch_param(c))
-
-    def counting(store):
-        res["expert_w_items"] += sum(expert(fn) for fn, _, _ in store._items)
-        return run_all(store)
-    WeightGradStore.run_all = counting
-
-    def undo():
-        WeightGradStore.run_all = run_all
-    return undo
-
-
-def torch_param(x) -> bool:
-    import torch
-    return isinstance(x, torch.nn.Parameter)
+        return any(isinstance(c, torch.nn.Parameter) and getattr(c, "allreduce", True) is False
+                   for c in cells)
+    return _count_w_items(res, "expert_w_items", expert)

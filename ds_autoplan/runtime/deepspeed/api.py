@@ -38,7 +38,12 @@ def config_from_plan(plan, config=None, defaults: bool = True) -> dict:
     recomputes, DeepSpeed's global checkpointing switch stays off (the runtime recomputes per
     stage)."""
     from ...emit.deepspeed import ds_config
-    cfg = _merge(ds_config(plan) if defaults else {}, config or {})
+    base = ds_config(plan) if defaults else {}
+    if defaults and plan.cp > 1 and "train_batch_size" in base:
+        # Ulysses (runtime/deepspeed/ulysses.py): the pipeline engine's data axis holds dp·cp
+        # ranks and DeepSpeed counts a micro-batch per data rank, sequence shards included
+        base["train_batch_size"] *= plan.cp
+    cfg = _merge(base, config or {})
     cfg.setdefault("pipeline", {})["autoplan"] = plan.to_dict()
     if any(x > 0 for x in plan.recompute_per_stage):
         cfg["pipeline"]["activation_checkpoint_interval"] = 0

@@ -8,8 +8,9 @@ from its device mesh; the PipelineEngine's ``mpu`` is its ``PipelineParallelGrid
 topology has pipe / data (/ model) axes only.  So the Ulysses groups are built here with
 ``torch.distributed.new_group`` on the pipeline topology's data axis: the data axis of stage s
 holds dp·sp ranks, rank (s, k·sp + j) is shard j of data-parallel replica k, and each
-(s, k) gives one group of sp ranks.  The engine itself keeps seeing dp·sp data-parallel
-ranks: its gradient all-reduce (mean over the data axis) is then what DeepSpeed's
+(s, k) gives one group of sp ranks (sp is the plan's ``cp``: context parallelism, which the
+DeepSpeed runtime runs as Ulysses).  The engine itself keeps seeing dp·sp data-parallel
+ranks (so ``ds_autoplan.initialize`` multiplies ``train_batch_size`` by cp): its gradient all-reduce (mean over the data axis) is then what DeepSpeed's
 ``seq_data_parallel_group`` reduction does with Ulysses -- the mean over the sp shards of
 per-shard mean losses is the full sequence's mean loss, so gradients equal the run without
 sequence parallelism.
@@ -26,11 +27,16 @@ from __future__ import annotations
 import torch.distributed as dist
 
 
-def sequence_parallel_group(pp: int, sp: int):
-    """This rank's Ulysses group for a pipeline of ``pp`` stages (DeepSpeed's
-    ``PipeDataParallelTopology``: the data axis of each stage has world/pp ranks, sp of them
-    consecutive per group).  Every rank must call it (``new_group`` is collective)."""
+def sequence_parallel_group(plan):
+    """This rank's Ulysses group for ``plan`` (sp = the plan's context-parallel degree
+    ``cp``, which DeepSpeed runs as Ulysses; ``plan.pp`` pipeline ranks).  DeepSpeed's
+    ``PipeDataParallelTopology``: the data axis of each stage has world/pp = dp·sp ranks, sp of
+    them consecutive per group.  Every rank must call it (``new_group`` is collective); None
+    when ``cp`` is 1."""
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+    pp, sp = plan.pp, plan.cp
+    if sp == 1:
+        return None
     world = dist.get_world_size()
     if world % pp or (world // pp) % sp:
         raise ValueError(f"sequence parallelism {sp} must divide the {world // pp} data-axis ranks "
