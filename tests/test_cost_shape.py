@@ -41,7 +41,7 @@ def test_efficiency_grows_with_the_shape_and_tp_splitting_lowers_it():
     def eff(h, t, b=1):
         m = load_model({"name": "x", "arch": "gpt", "num_layers": 2, "hidden": h, "heads": h // 128,
                         "vocab": 51200, "seq_len": 2048, "flash_attention": False})
-        k = block_times(A100, Dims.of(m), b, t, False)
+        k = block_times(A100, m.layers[0].shape, b, t, False)
         return 3 * b * m.layers[0].flops / t / (k.fwd + k.bwd) / 312e12
     small, mid, large = eff(1024, 1), eff(4096, 1), eff(12288, 1)
     assert small < mid < large

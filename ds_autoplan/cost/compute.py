@@ -159,50 +159,87 @@ class Dims:
 
 
 def _linears(g: GPU, lin: list) -> tuple[float, float, float]:
-    """(forward, backward, weight-gradient) seconds of Y[M,N] = X[M,K] W[K,N] GEMMs: the
-    backward is dX = dY W^T ([M,K] from N) and dW = X^T dY ([K,N] from M)."""
-    f = sum(g.gemm(M, N, K) for M, N, K in lin)
-    dx = sum(g.gemm(M, K, N) for M, N, K in lin)
-    dw = sum(g.gemm(K, N, M) for M, N, K in lin)
+    """(forward, backward, weight-gradient) seconds of ``n`` Y[M,N] = X[M,K] W[K,N] GEMMs per
+    item (M, N, K[, n]): the backward is dX = dY W^T ([M,K] from N) and dW = X^T dY ([K,N]
+    from M)."""
+    lin = [(*x, 1)[:4] for x in lin]
+    f = sum(g.gemm(M, N, K, n) for M, N, K, n in lin)
+    dx = sum(g.gemm(M, K, N, n) for M, N, K, n in lin)
+    dw = sum(g.gemm(K, N, M, n) for M, N, K, n in lin)
     return f, dx + dw, dw
 
 
-def _attention_core(g: GPU, d: Dims, b: float, t: int, s: int, skv: int) -> tuple[float, float]:
-    """(forward, backward) seconds of softmax(Q K^T) V over the b*heads/t local heads."""
-    nh = b * d.heads / t
-    dh = d.h // d.heads
-    if d.flash:                    # fused kernel; its backward redoes QK^T (FA-2: 2.5x the flops)
-        fl = 4.0 * nh * s * skv * dh
+def _attention_core(g: GPU, blk, b: float, t: int, s: int, skv: int, pairs: float) -> tuple[float, float]:
+    """(forward, backward) seconds of softmax(Q K^T) V over the b*heads/t local heads, Q/K of
+    head size ``qk_dim``, V of ``v_dim``, on ``skv`` keys; ``pairs``: the query-key pairs the
+    fused kernel works on, counted like the full s x skv matrix (BlockShape.attention_pairs:
+    a sliding window's band), its rate taken at ``skv`` keys."""
+    nh = b * blk.heads / t
+    dq, dv = blk.qk_dim, blk.v_dim
+    if blk.flash:                  # fused kernel; its backward redoes QK^T (FA-2: 2.5x the flops)
+        fl = 2.0 * nh * pairs * (dq + dv)
         return g.fused_attention(fl, skv, "fwd"), g.fused_attention(fl, skv, "bwd")
-    mm = g.gemm(s, skv, dh, nh) + g.gemm(s, dh, skv, nh)
+    mm = g.gemm(s, skv, dq, nh) + g.gemm(s, dv, skv, nh)
     # scale+mask+softmax (read and write the scores) and dropout (read, write, 1-byte mask)
-    sm = g.stream(nh * s * skv * (4 + (5 if d.dropout else 0)))
+    sm = g.stream(nh * s * skv * (4 + (5 if blk.dropout else 0)))
     return mm + sm, 2 * mm + BWD_TRAFFIC * sm
 
 
-def block_times(g: GPU, d: Dims, b: float, t: int, sp: bool, decoder: bool = False) -> UnitTimes:
-    """One transformer block for ``b`` samples per device at TP degree ``t``."""
-    s = d.dec_s if decoder else d.s
+def _mlp_linears(blk, T: float, t: int) -> tuple[list, list, float]:
+    """(GEMMs [M, N, K, batch], the column-parallel ones, MLP width per token) of the block's
+    MLP at TP ``t``.  Experts run as a grouped GEMM, one per expert on its T*k/E tokens
+    (router balanced; expert parallelism 1: every expert on this rank, TP-split like the dense
+    MLP, Megatron's default expert TP = TP); shared experts as a dense MLP on every token; the
+    router as a replicated [h, E] linear."""
+    up = 2 if blk.gated else 1
+    lin, col = [], []
+    if blk.experts:
+        Te, E, fe = T * blk.topk / blk.experts, blk.experts, blk.expert_ffn
+        col.append((Te, up * fe / t, blk.h, E))
+        lin += [col[-1], (Te, blk.h, fe / t, E), (T, E, blk.h, 1)]
+        if blk.shared_ffn:
+            col.append((T, up * blk.shared_ffn / t, blk.h, 1))
+            lin += [col[-1], (T, blk.h, blk.shared_ffn / t, 1)]
+    else:
+        col.append((T, up * blk.ffn / t, blk.h, 1))
+        lin += [col[-1], (T, blk.h, blk.ffn / t, 1)]
+    return lin, col, blk.active_ffn() / t
+
+
+def block_times(g: GPU, blk, b: float, t: int, sp: bool) -> UnitTimes:
+    """One transformer block (a :class:`~ds_autoplan.spec.blocks.BlockShape`) for ``b`` samples
+    per device at TP degree ``t``."""
+    s, h = blk.s, blk.h
     T = b * s
     q = t if sp and t > 1 else 1
-    hkv = d.h * d.kv // d.heads
-    lin = [(T, (d.h + 2 * hkv) / t, d.h), (T, d.h, d.h / t),
-           (T, (2 if d.gated else 1) * d.f / t, d.h), (T, d.h, d.f / t)]
-    n_norm, n_res = 2, 2
-    attn_f, attn_b = _attention_core(g, d, b, t, s, s)
-    if decoder:                    # cross-attention over the encoder output
-        Tc = b * d.s
-        lin += [(T, d.h / t, d.h), (Tc, 2 * d.h / t, d.h), (T, d.h, d.h / t)]
-        cf, cb = _attention_core(g, d, b, t, s, d.s)
+    lin, col = [], []
+    for i, o, how in blk.attn_linears():
+        lin.append({"col": (T, o / t, i, 1), "row": (T, o, i / t, 1), "rep": (T, o, i, 1)}[how])
+        if how == "col":
+            col.append(lin[-1])
+    mlin, mcol, fa = _mlp_linears(blk, T, t)
+    lin, col = lin + mlin, col + mcol
+    n_norm, n_res = blk.norms, 2
+    attn_f, attn_b = _attention_core(g, blk, b, t, s, blk.skv if blk.flash else s, blk.attention_pairs())
+    if blk.cross_s:                # cross-attention over the encoder output
+        Tc = b * blk.cross_s
+        cross = [(T, h / t, h, 1), (Tc, 2 * h / t, h, 1), (T, h, h / t, 1)]
+        lin += cross
+        col += cross[:2]
+        cf, cb = _attention_core(g, blk, b, t, s, blk.cross_s, s * blk.cross_s)
         attn_f, attn_b = attn_f + cf, attn_b + cb
-        n_norm, n_res = 3, 3
+        n_norm, n_res = n_norm + 1, 3
     lf, lb, lw = _linears(g, lin)
-    col = [lin[0], lin[2]] + (lin[4:6] if decoder else [])
-    wcol = sum(g.gemm(K, N, M) for M, N, K in col)
+    wcol = sum(g.gemm(K, N, M, n) for M, N, K, n in col)
     # elementwise traffic per token, 2-byte activations: norm reads+writes h; bias-dropout-add
-    # reads 2h, writes h (+ a 1-byte mask); the activation reads its input(s) and writes f/t
-    res = 7 if d.dropout else 6
-    ew = T * (n_norm * 4 * d.h / q + n_res * res * d.h / q + (6 if d.gated else 4) * d.f / t)
+    # reads 2h, writes h (+ a 1-byte mask); the activation reads its input(s) and writes f/t;
+    # QK-norm reads and writes Q and K; experts: tokens permuted to their experts and back
+    res = 7 if blk.dropout else 6
+    ew = T * (n_norm * 4 * h / q + n_res * res * h / q + (6 if blk.gated else 4) * fa)
+    if blk.qk_norm:
+        ew += T * 4 * (blk.heads + blk.kv) * blk.qk_dim / t
+    if blk.experts:
+        ew += T * 2 * 2 * 2 * blk.topk * h / t
     ew_f = g.stream(ew)
     return UnitTimes(lf + attn_f + ew_f, lb + attn_b + BWD_TRAFFIC * ew_f, lw, attn_f, wcol)
 
@@ -230,7 +267,7 @@ def unit_times(g: GPU, d: Dims, unit, b: float, t: int, sp: bool) -> UnitTimes |
     """Times of a ModelSpec unit, or None where the shape model has no kernel list for it
     (ViT patch embedding and classification head: those keep FLOPs at the matmul rate)."""
     if unit.kind == "block":
-        return block_times(g, d, b, t, sp, decoder=unit.name == "dec_block")
+        return block_times(g, unit.shape, b, t, sp)
     if d.arch == "vit":
         return None
     if unit.kind == "post":
@@ -240,9 +277,10 @@ def unit_times(g: GPU, d: Dims, unit, b: float, t: int, sp: bool) -> UnitTimes |
 
 def attention_score_bytes(d: Dims, unit) -> float:
     """Activation bytes per sample of the attention scores, softmax output and dropout mask
-    (5 a s^2, Korthikanti et al. 2022 §4.1): what selective recompute does not keep; split by
-    TP like the rest of the attention.  Zero with flash attention."""
-    if d is None or d.flash or unit.kind != "block":
+    (5 a s^2, Korthikanti et al. 2022 §4.1; a window is a mask on them): what selective
+    recompute does not keep; split by TP like the rest of the attention.  Zero with flash
+    attention."""
+    blk = unit.shape
+    if d is None or blk is None or blk.flash or unit.kind != "block":
         return 0.0
-    s = d.dec_s if unit.name == "dec_block" else d.s
-    return 5.0 * d.heads * s * s + (5.0 * d.heads * s * d.s if unit.name == "dec_block" else 0.0)
+    return 5.0 * blk.heads * blk.s * (blk.s + blk.cross_s)

@@ -1,6 +1,7 @@
 """ModelSpec: a linear sequence of layers with per-sample parameter, FLOP and activation
 figures (planner-galvatron.md §2.1 analytic fallback, Korthikanti et al. activation
-accounting, generalised to GQA, gated MLPs, flash attention and cross-attention).
+accounting, generalised to GQA, any head size, gated MLPs, mixtures of experts, multi-latent
+and sliding-window attention, flash attention and cross-attention: spec/blocks.py).
 
 All per-sample byte counts assume 2-byte activations (bf16/fp16); the cost model scales
 them for fp32.  ``pre`` (embedding) is attached to the first pipeline stage and ``post``
@@ -8,10 +9,12 @@ them for fp32.  ``pre`` (embedding) is attached to the first pipeline stage and 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import SpecError
+from .blocks import ACTIVATIONS, BlockShape
+from .hf import from_hf_config
 from .presets import need, resolve, read_mapping
 
 ARCHS = ("gpt", "llama", "bert", "t5", "vit")
@@ -28,6 +31,12 @@ class LayerSpec:
     boundary: float           # bytes per sample of the layer's input (what CKPT keeps), x_{l-1}
     tp_allreduces: int = 2    # forward all-reduces under Megatron TP (n_ar, §2.4)
     checkpointable: bool = True
+    shape: BlockShape | None = None   # a transformer block's sizes (None: embedding, head, profiled)
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token goes through (MoE: the routed experts it is not sent to left out)."""
+        return float(self.shape.active_params()) if self.shape is not None else self.params
 
 
 @dataclass(frozen=True)
@@ -50,12 +59,20 @@ class ModelSpec:
         uniq: dict = {}
         return [uniq.setdefault(l, len(uniq)) for l in self.layers]
 
+    def _tied(self) -> float:
+        return self.vocab * self.hidden if self.arch != "vit" and tied_embeddings(self.config) else 0
+
     @property
     def total_params(self) -> float:
         """Distinct parameters: a tied output layer shares the input embedding's matrix (the
         per-stage memory still counts it on the last stage, where pipelining keeps a copy)."""
-        tied = self.vocab * self.hidden if self.arch != "vit" and tied_embeddings(self.config) else 0
-        return sum(l.params for l in self.layers) + self.pre.params + self.post.params - tied
+        return sum(l.params for l in self.layers) + self.pre.params + self.post.params - self._tied()
+
+    @property
+    def active_params(self) -> float:
+        """Parameters each token goes through (embeddings and head included, counted like
+        :attr:`total_params`); equal to it for a dense model."""
+        return sum(l.active_params for l in self.layers) + self.pre.params + self.post.params - self._tied()
 
     @property
     def flops_per_sample(self) -> float:
@@ -71,49 +88,24 @@ class ModelSpec:
         return build_model({**cfg, "seq_len": int(seq)}, self.name)
 
 
-def _block(name, s, h, heads, kv, f, gated, flash, dropout, cross_s=None, bias=0, experts=1,
-           topk=1):
-    """One transformer block.  ``bias``: bias parameters of its linear layers; ``experts`` > 1:
-    a mixture-of-experts MLP (each expert a full MLP of width ``f``, a linear router, every
-    token through ``topk`` experts; Mixtral, Jiang et al. 2024 §2), so parameters count all
-    experts and compute/activations ``topk`` of them."""
-    hkv = h * kv // heads
-    attn_p = h * (h + 2 * hkv) + h * h
-    mlp_p = (3 if gated else 2) * h * f
-    router = h * experts if experts > 1 else 0
-    params = attn_p + experts * mlp_p + router + 4 * h + bias
-    flops = 2 * s * (attn_p + topk * mlp_p + router) + 4 * s * s * h
-    rep = s * h * (10 if dropout else 8) + (4 * s * experts if experts > 1 else 0)
-    tp = s * (2 * (h + 2 * hkv) + 2 * h + topk * (6 if gated else 4) * f) + (0 if flash else 5 * heads * s * s)
-    if experts > 1:               # tokens permuted to their experts and back (2 bytes each way)
-        tp += 4 * s * topk * h
-    boundary = 2 * s * h
-    n_ar = 2
-    if cross_s is not None:          # decoder block: cross-attention over the encoder output
-        params += 4 * h * h + 2 * h
-        flops += 2 * s * 2 * h * h + 2 * cross_s * 2 * h * h + 4 * s * cross_s * h
-        rep += 4 * s * h
-        tp += 6 * s * h + 4 * cross_s * h + (0 if flash else 5 * heads * s * cross_s)
-        boundary += 2 * cross_s * h  # encoder output travels with every decoder stage (§6 #20)
-        n_ar = 3
-    return LayerSpec(name, "block", float(params), float(flops), float(rep), float(tp),
-                     float(boundary), n_ar, True)
-
-
-def _bias_params(h, hkv, f, gated, linear_bias, qkv_bias) -> int:
-    """Bias parameters of one block: all linear layers (GPT-2) or only Q, K, V (Qwen2)."""
-    qkv = h + 2 * hkv
-    if linear_bias:
-        return qkv + h + ((2 if gated else 1) * f + h)
-    return qkv if qkv_bias else 0
+def _layer(name: str, b: BlockShape) -> LayerSpec:
+    rep, tp = b.activation_bytes()
+    return LayerSpec(name, "block", float(b.params()), float(b.flops()), rep, tp, b.boundary(),
+                     3 if b.cross_s else 2, True, b)
 
 
 FIELDS = {"name", "arch", "num_layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len",
           "dec_layers", "dec_seq_len", "image_size", "patch_size", "num_classes",
           "flash_attention", "dropout", "description",
+          # attention and MLP variants (spec/blocks.py)
+          "head_dim", "activation", "qk_norm", "sandwich_norms", "sliding_window", "global_every",
+          "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+          "num_experts", "moe_topk", "moe_ffn", "moe_shared_ffn", "moe_shared_gate",
+          "moe_router_bias", "moe_pattern",
           # read from Hugging Face configs; carried to the Megatron flags (emit/megatron.py)
           "tie_embeddings", "linear_bias", "qkv_bias", "rope_base", "rope_scaling_factor",
-          "norm_eps", "num_experts", "moe_topk", "max_positions", "seq_note"}
+          "rope_scaling_type", "rope_scaling", "rotary_percent", "norm_eps", "max_positions",
+          "seq_note", "family"}
 
 
 def tied_embeddings(d: dict) -> bool:
@@ -134,6 +126,83 @@ def _depth(n: int, key: str, src: str) -> int:
     return n
 
 
+def _count(d: dict, key: str, src: str) -> int:
+    """An optional non-negative integer field (absent, None or 0: off)."""
+    v = d.get(key)
+    if v is None or v is False:
+        return 0
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 0:
+        raise SpecError(f"{src}: field {key!r} must be a non-negative integer, got {v!r}")
+    return int(v)
+
+
+def _moe_pattern(d: dict, L: int, src: str) -> list[int]:
+    """1 for each mixture-of-experts layer (default: all of them)."""
+    pat = d.get("moe_pattern")
+    if pat is None:
+        return [1] * L
+    if not isinstance(pat, (list, tuple)) or len(pat) != L or any(x not in (0, 1) for x in pat):
+        raise SpecError(f"{src}: moe_pattern must list 0 (dense) or 1 (experts) for each of the {L} layers")
+    return [int(x) for x in pat]
+
+
+def _mla(d: dict, src: str) -> tuple:
+    """(q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim) or ()."""
+    kvl = _count(d, "kv_lora_rank", src)
+    if not kvl:
+        return ()
+    dims = tuple(_count(d, k, src) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    if not all(dims):
+        raise SpecError(f"{src}: multi-latent attention (kv_lora_rank) needs qk_nope_head_dim, "
+                        "qk_rope_head_dim and v_head_dim")
+    return (_count(d, "q_lora_rank", src), kvl, *dims)
+
+
+def _shapes(d: dict, arch: str, s: int, src: str) -> list[BlockShape]:
+    """One BlockShape per transformer block (encoder blocks for T5)."""
+    L = _depth(need(d, "num_layers", int, src), "num_layers", src)
+    h = need(d, "hidden", int, src)
+    heads = need(d, "heads", int, src)
+    kv = need(d, "kv_heads", int, src, heads)
+    if heads % kv:
+        raise SpecError(f"{src}: kv_heads {kv} does not divide heads {heads} (grouped-query "
+                        "attention shares each K/V head among a whole number of query heads)")
+    hd = _count(d, "head_dim", src)
+    if not hd:
+        if h % heads:
+            raise SpecError(f"{src}: hidden {h} is not divisible by heads {heads} (set head_dim)")
+        hd = h // heads
+    act = str(d.get("activation", "swiglu" if arch == "llama" else "gelu")).lower()
+    if act not in ACTIVATIONS:
+        raise SpecError(f"{src}: unknown activation {act!r}; choose from {', '.join(ACTIVATIONS)}")
+    f = need(d, "ffn", int, src, 4 * h)
+    E = need(d, "num_experts", int, src, 1)
+    k = need(d, "moe_topk", int, src, 2 if E > 1 else 1)
+    if E > 1 and not 1 <= k <= E:
+        raise SpecError(f"{src}: moe_topk {k} must be between 1 and num_experts {E}")
+    mla = _mla(d, src)
+    window, every = _count(d, "sliding_window", src), _count(d, "global_every", src)
+    base = BlockShape(s=s, h=h, heads=heads, kv=heads if mla else kv, hd=hd, ffn=f, act=act, mla=mla,
+                      qk_norm=bool(d.get("qk_norm")), norms=4 if d.get("sandwich_norms") else 2,
+                      layernorm=arch != "llama", linear_bias=bool(d.get("linear_bias", False)),
+                      qkv_bias=bool(d.get("qkv_bias", False)),
+                      flash=bool(d.get("flash_attention", arch in ("gpt", "llama"))),
+                      dropout=bool(d.get("dropout", arch != "llama")))
+    moe = BlockShape(**{**base.__dict__, "ffn": 0, "experts": E, "topk": k,
+                        "expert_ffn": need(d, "moe_ffn", int, src, f),
+                        "shared_ffn": _count(d, "moe_shared_ffn", src),
+                        "shared_gate": bool(d.get("moe_shared_gate")),
+                        "router_bias": bool(d.get("moe_router_bias"))}) if E > 1 else base
+    pattern = _moe_pattern(d, L, src) if E > 1 else [0] * L
+    out = []
+    for i in range(L):
+        b = moe if pattern[i] else base
+        if window and not (every and (i + 1) % every == 0):     # a local (sliding-window) layer
+            b = BlockShape(**{**b.__dict__, "window": window})
+        out.append(b)
+    return out
+
+
 def build_model(d: dict, src: str = "model") -> ModelSpec:
     unknown = set(d) - FIELDS
     if unknown:
@@ -142,16 +211,7 @@ def build_model(d: dict, src: str = "model") -> ModelSpec:
     arch = str(d.get("arch", "gpt")).lower()
     if arch not in ARCHS:
         raise SpecError(f"{src}: unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
-    L = need(d, "num_layers", int, src)
     h = need(d, "hidden", int, src)
-    heads = need(d, "heads", int, src)
-    if h % heads:
-        raise SpecError(f"{src}: hidden {h} is not divisible by heads {heads}")
-    kv = need(d, "kv_heads", int, src, heads)
-    gated = arch == "llama"
-    f = need(d, "ffn", int, src, 4 * h)
-    flash = bool(d.get("flash_attention", arch in ("gpt", "llama")))
-    dropout = bool(d.get("dropout", arch != "llama"))
     if arch == "vit":
         img, p = need(d, "image_size", int, src, 224), need(d, "patch_size", int, src, 16)
         s = (img // p) ** 2 + 1
@@ -159,20 +219,17 @@ def build_model(d: dict, src: str = "model") -> ModelSpec:
     else:
         s = need(d, "seq_len", int, src)
         vocab = need(d, "vocab", int, src)
-    E = need(d, "num_experts", int, src, 1)
-    k = need(d, "moe_topk", int, src, 2 if E > 1 else 1)
-    if E > 1 and not 1 <= k <= E:
-        raise SpecError(f"{src}: moe_topk {k} must be between 1 and num_experts {E}")
-    bias = _bias_params(h, h * kv // heads, f, gated, bool(d.get("linear_bias", False)),
-                        bool(d.get("qkv_bias", False)))
-    blk = _block("block", s, h, heads, kv, f, gated, flash, dropout, bias=bias, experts=E, topk=k)
-    layers = [blk] * _depth(L, "num_layers", src)
+    shapes = _shapes(d, arch, s, src)
+    cache: dict = {}
+    layers = [cache.setdefault(b, _layer("block", b)) for b in shapes]
     if arch == "t5":
-        Ld = _depth(need(d, "dec_layers", int, src, L), "dec_layers", src)
+        Ld = _depth(need(d, "dec_layers", int, src, len(layers)), "dec_layers", src)
         sd = need(d, "dec_seq_len", int, src, s)
-        layers = [replace(blk, name="enc_block")] * L + \
-                 [_block("dec_block", sd, h, heads, kv, f, gated, flash, dropout, cross_s=s)] * Ld
-    out_s = layers[-1].boundary / (2 * h) if arch != "t5" else need(d, "dec_seq_len", int, src, s)
+        base = shapes[0]
+        dec = _layer("dec_block", BlockShape(**{**base.__dict__, "s": sd, "cross_s": s, "window": 0}))
+        layers = [_layer("enc_block", b) for b in shapes] + [dec] * Ld
+    out_s = s if arch != "t5" else need(d, "dec_seq_len", int, src, s)
+    norm = h * (2 if arch != "llama" else 1)          # final LayerNorm (weight, bias) or RMSNorm
     if arch == "vit":
         pre = LayerSpec("patch_embed", "pre", 3 * p * p * h + (s + 1) * h, 2 * s * 3 * p * p * h,
                         2 * s * h, 0.0, 2 * 3 * img * img, 0, False)
@@ -183,92 +240,12 @@ def build_model(d: dict, src: str = "model") -> ModelSpec:
         pre = LayerSpec("embedding", "pre", vocab * h + pos, 2 * s * h, 2 * s * h, 0.0,
                         4 * s, 1, False)
         extra = h * h if arch == "bert" else 0
-        post = LayerSpec("head", "post", vocab * h + extra + 2 * h, 2 * out_s * h * vocab + 2 * out_s * extra,
+        post = LayerSpec("head", "post", vocab * h + extra + norm, 2 * out_s * h * vocab + 2 * out_s * extra,
                          2 * out_s * h, 6 * out_s * vocab, 2 * out_s * h, 1, False)
     name = str(d.get("name", Path(src).stem))
-    return ModelSpec(name=name, arch=arch, seq_len=s, hidden=h, heads=heads, num_layers=len(layers),
-                     vocab=vocab, layers=tuple(layers), pre=pre, post=post,
+    return ModelSpec(name=name, arch=arch, seq_len=s, hidden=h, heads=shapes[0].heads,
+                     num_layers=len(layers), vocab=vocab, layers=tuple(layers), pre=pre, post=post,
                      config={**d, "arch": arch, "name": name})
-
-
-# Hugging Face families whose config class defaults to untied input/output embeddings
-# (transformers' PretrainedConfig default is tied)
-_UNTIED = {"gpt_neox", "gptj", "llama", "mistral", "qwen2", "mixtral"}
-_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-DEFAULT_TRAIN_SEQ = 4096   # tokens; LLaMA-2's pretraining length (Touvron et al. 2023 §2.2)
-
-
-def _hf_arch(mt: str, src: str) -> str:
-    if mt in ("gpt2", "gpt_neox", "gptj", "opt", "gpt_neo", "bloom", "falcon"):
-        return "gpt"
-    if mt in ("llama", "mistral", "qwen2", "gemma", "mixtral"):
-        return "llama"
-    if mt in ("bert", "roberta", "deberta", "electra"):
-        return "bert"
-    if mt in ("t5", "mt5", "bart"):
-        return "t5"
-    if mt in ("vit", "deit", "beit"):
-        return "vit"
-    raise SpecError(f"{src}: unsupported Hugging Face model_type {mt!r}")
-
-
-def _hf_moe(d: dict, mt: str, src: str) -> dict:
-    """Mixtral's experts; any other mixture-of-experts config is refused, never planned dense."""
-    n = next((int(d[k]) for k in _MOE_KEYS if isinstance(d.get(k), int) and d[k] > 1), 0)
-    if not n:
-        return {}
-    if mt != "mixtral":
-        raise SpecError(f"{src}: {mt} is a mixture-of-experts model ({n} experts); only Mixtral-style "
-                        "MoE (num_local_experts, num_experts_per_tok) is supported")
-    return {"num_experts": n, "moe_topk": int(d.get("num_experts_per_tok") or 2)}
-
-
-def _hf_seq(d: dict, g) -> tuple[int, int, str]:
-    """(training sequence length, context length, note): the model's context (the pre-scaling
-    one under RoPE scaling) capped at :data:`DEFAULT_TRAIN_SEQ`."""
-    rs = d.get("rope_scaling") if isinstance(d.get("rope_scaling"), dict) else {}
-    ctx = int(g("max_position_embeddings", "n_positions", "n_ctx", default=512))
-    train = int(rs.get("original_max_position_embeddings") or ctx)
-    seq = min(train, DEFAULT_TRAIN_SEQ)
-    return seq, ctx, (f"sequence length {seq} (default: the model's context {train} capped at "
-                      f"{DEFAULT_TRAIN_SEQ}; --seq to change)")
-
-
-def from_hf_config(d: dict, src: str) -> dict:
-    """Map a Hugging Face config.json (no weights) to our preset fields: sizes, tied
-    embeddings, biases, RoPE base and scaling, norm epsilon, Mixtral's experts, and a
-    training sequence length (:func:`_hf_seq`; ``--seq`` overrides it)."""
-    mt = str(d.get("model_type", "")).lower()
-    g = lambda *ks, default=None: next((d[k] for k in ks if d.get(k) is not None), default)  # noqa: E731
-    arch = _hf_arch(mt, src)
-    h = g("hidden_size", "n_embd", "d_model", "word_embed_proj_dim")
-    seq, ctx, note = _hf_seq(d, g)
-    if arch == "llama":
-        lin = bool(d.get("attention_bias") and d.get("mlp_bias"))
-        qkv = mt == "qwen2" or bool(d.get("attention_bias"))
-    else:
-        lin, qkv = bool(d.get("bias", True)), False
-    rs = d.get("rope_scaling") if isinstance(d.get("rope_scaling"), dict) else {}
-    out = {"name": Path(src).parent.name or mt, "arch": arch,
-           "num_layers": g("num_hidden_layers", "n_layer", "num_layers", "encoder_layers"),
-           "hidden": h, "heads": g("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads"),
-           "kv_heads": g("num_key_value_heads"),
-           "ffn": g("intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim"),
-           "vocab": g("vocab_size"),
-           "seq_len": seq, "max_positions": ctx, "seq_note": note,
-           "dec_layers": g("num_decoder_layers", "decoder_layers"),
-           "image_size": g("image_size"), "patch_size": g("patch_size"),
-           "num_classes": len(d["id2label"]) if isinstance(d.get("id2label"), dict) else None,
-           "tie_embeddings": bool(d.get("tie_word_embeddings", mt not in _UNTIED)),
-           "linear_bias": lin, "qkv_bias": qkv,
-           "rope_base": g("rope_theta", "rotary_emb_base") if arch == "llama" else None,
-           "rope_scaling_factor": rs.get("factor") if rs.get("rope_type", rs.get("type")) == "llama3" else None,
-           "norm_eps": g("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "layernorm_epsilon"),
-           **_hf_moe(d, mt, src)}
-    if arch == "vit":
-        for k in ("seq_len", "max_positions", "seq_note"):
-            out.pop(k)
-    return {k: v for k, v in out.items() if v is not None}
 
 
 def load_model(model: "str | ModelSpec | dict", seq: int | None = None) -> ModelSpec:

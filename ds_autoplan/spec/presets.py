@@ -63,6 +63,8 @@ def need(d: dict, key: str, typ, src: str, default=None):
             return default
         raise SpecError(f"{src}: missing required field {key!r}")
     v = d[key]
+    if typ is int and (isinstance(v, bool) or (isinstance(v, float) and not v.is_integer())):
+        raise SpecError(f"{src}: field {key!r} must be an integer, got {v!r}")
     try:
         v = typ(v)
     except (TypeError, ValueError):
