@@ -131,3 +131,132 @@ def test_silently_wrong_configs_are_refused(tmp_path, change, message):
     with pytest.raises(SpecError) as e:
         load_model(_write(tmp_path, {**SMALL, **change}))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# -- Megatron-LM flags of the model ----------------------------------------------------------
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _client(rel="shared/clients/megatron-lm-core_v0.16.1"):
+    d = HERE
+    while d != os.path.dirname(d):
+        d = os.path.dirname(d)
+        if os.path.isdir(os.path.join(d, rel)):
+            return os.path.join(d, rel)
+    return ""
+
+
+CLIENT = _client()
+PLAN = dict(precision="bf16", tp=2, pp=1, dp=4, micro_batch_size=1, num_microbatches=2)
+
+
+def _flags(name):
+    from ds_autoplan.emit.megatron import megatron_args
+    from ds_autoplan.plan import Plan
+    m = load_model(os.path.join(ROOT, name, "config.json"))
+    return m, megatron_args(Plan(**PLAN), m)
+
+
+@pytest.mark.skipif(not CLIENT, reason="Megatron-LM client copy not available")
+def test_model_flags_build_the_same_model_in_megatron(tmp_path):
+    """Every family Megatron-LM can express: its own parser and megatron-core's
+    TransformerConfig / MLATransformerConfig accept the flags, and what Megatron parsed is our
+    model: head size (--kv-channels), query groups, QK-norm, window, experts, expert and shared
+    widths, the MoE layer pattern (DeepSeek's leading dense layers), MLA ranks."""
+    import shutil
+    import subprocess
+    import sys
+    names = [n for n in sorted(REFERENCE) if not n.startswith("gemma")]
+    lists, models = [], []
+    for n in names:
+        m, flags = _flags(n)
+        models.append(m)
+        lists.append(" ".join(flags).split() + ["--mock-data", "--tokenizer-type", "NullTokenizer",
+                                                "--vocab-size", str(m.vocab), "--no-rope-fusion"])
+    client = tmp_path / "megatron-lm"
+    shutil.copytree(CLIENT, client)
+    env = dict(os.environ, WORLD_SIZE="8", ARGCHECK_CONFIG="1")
+    r = subprocess.run([sys.executable, os.path.join(HERE, "megatron_argcheck.py"), str(client)],
+                       input=json.dumps(lists), capture_output=True, text=True, env=env, timeout=600)
+    out = [json.loads(x.split(" ", 1)[1]) for x in r.stdout.splitlines() if x.startswith("ARGCHECK ")]
+    assert len(out) == len(lists), r.stderr[-3000:]
+    for n, m, o in zip(names, models, out):
+        assert o["ok"], (n, o)
+        got, blk = o["model"], next((l.shape for l in m.layers if l.shape.experts), m.layers[0].shape)
+        assert got["num_layers"] == m.num_layers and got["hidden_size"] == m.hidden, n
+        assert o["gated_linear_unit"] and o["activation"] == "silu", n
+        assert got["qk_layernorm"] == blk.qk_norm, n
+        if blk.mla:
+            assert o["config"] == "MLATransformerConfig" and got["multi_latent_attention"]
+            assert (got["q_lora_rank"], got["kv_lora_rank"], got["qk_head_dim"], got["qk_pos_emb_head_dim"],
+                    got["v_head_dim"]) == blk.mla
+        else:
+            assert got["kv_channels"] == blk.hd, n
+            if blk.kv != blk.heads:              # (without GQA Megatron ignores the groups)
+                assert got["num_query_groups"] == blk.kv, n
+        if blk.experts:
+            pattern = [int(bool(l.shape.experts)) for l in m.layers]
+            assert (got["num_experts"], got["moe_router_topk"], got["moe_ffn_hidden_size"]) == \
+                (blk.experts, blk.topk, blk.expert_ffn), n
+            assert (got["moe_shared_expert_intermediate_size"] or 0) == blk.shared_ffn, n
+            assert got["moe_layer_freq"] in (1, pattern), n
+        else:
+            assert got["num_experts"] is None, n
+        w = max(l.shape.window for l in m.layers)
+        assert got["window_size"] == ([w - 1, 0] if w and w < m.seq_len else None), n
+    ds = dict(zip(names, out))["DeepSeek-V3"]["model"]
+    assert ds["moe_layer_freq"] == [0] * 3 + [1] * 58 and ds["moe_router_enable_expert_bias"]
+
+
+def test_deepseek_layer_pattern_survives_the_shell():
+    """--moe-layer-freq's list expression is the one value with '(' '[' '*': `$(...)` output
+    is split at spaces only, so Megatron receives it verbatim (no file matches the glob)."""
+    import subprocess
+    _, flags = _flags("DeepSeek-V3")
+    flag = next(f for f in flags if f.startswith("--moe-layer-freq"))
+    assert flag == "--moe-layer-freq ([0]*3+[1]*58)"
+    r = subprocess.run(["bash", "-c", 'printf "%s\\n" $(printf "%s" "$F")'], env=dict(os.environ, F=flag),
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout.split("\n")[:2] == ["--moe-layer-freq", "([0]*3+[1]*58)"]
+
+
+@pytest.mark.parametrize("name", ["gemma-7b", "gemma-2-9b", "gemma-3-27b-pt"])
+def test_gemma_flags_are_refused_not_emitted_as_swiglu(name):
+    """Gemma's GeGLU is not --swiglu (SiLU) nor --quick-geglu (x*sigmoid(1.702x)): refused in
+    one line naming what to build instead; megatron.json keeps the note."""
+    from ds_autoplan.emit.megatron import NotExpressible, megatron_config
+    from ds_autoplan.plan import Plan
+    with pytest.raises(NotExpressible, match="GeGLU .* no Megatron-LM flag"):
+        _flags(name)
+    m = load_model(os.path.join(ROOT, name, "config.json"))
+    cfg = megatron_config(Plan(**PLAN), m)
+    assert cfg["gated_linear_unit"] and "GeGLU" in cfg["autoplan"]["note_model"]
+
+
+def test_plan_reports_total_and_active_params(tmp_path):
+    """`plan` prints, `--json` reports and report.md states total and active parameters; a
+    Gemma plan writes everything but megatron_args.txt and says why."""
+    import subprocess
+    import sys
+    qwen = os.path.join(ROOT, "Qwen1.5-MoE-A2.7B", "config.json")
+    base = [sys.executable, "-m", "ds_autoplan", "plan", "--cluster", "8xh100-80gb", "--global-batch", "16",
+            "--no-wide", "--quiet", "--pp", "1"]
+    r = subprocess.run(base + ["--model", qwen, "--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    js = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (js["total_params"], js["active_params"]) == (14_315_784_192, 2_689_173_504)
+    r = subprocess.run(base + ["--model", qwen, "--out", str(tmp_path / "q")], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "parameters 14.316 B, 2.689 B active per token" in r.stdout
+    assert "14,315,784,192 parameters, 2,689,173,504 active per token" in (tmp_path / "q" / "report.md").read_text()
+    assert "--moe-shared-expert-gate" in (tmp_path / "q" / "megatron_args.txt").read_text()
+    gemma = os.path.join(ROOT, "gemma-7b", "config.json")
+    r = subprocess.run(base + ["--model", gemma, "--out", str(tmp_path / "g")], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "parameters 8.538 B\n" in r.stdout and "megatron_args.txt not written: gemma-7b: GeGLU" in r.stderr
+    assert not (tmp_path / "g" / "megatron_args.txt").exists() and (tmp_path / "g" / "megatron.json").exists()
+    r = subprocess.run(base + ["--model", gemma, "--emit", "megatron-args"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode != 0 and r.stderr.count("\n") == 1 and "GeGLU" in r.stderr and not r.stdout

@@ -71,9 +71,23 @@ def execution_of(args):
     return get_execution(args.execution or RUNTIME_ENGINE[args.runtime], args.overlap)
 
 
-def summary(plan) -> dict:
+def param_counts(model) -> dict:
+    """Parameters of the planned model: all of them and those each token goes through (a
+    mixture of experts' routed experts it is not sent to left out; spec/blocks.py)."""
+    return {"total_params": int(model.total_params), "active_params": int(model.active_params)}
+
+
+def params_line(model) -> str:
+    c = param_counts(model)
+    moe = c["active_params"] != c["total_params"]
+    return (f"parameters {c['total_params'] / 1e9:.3f} B" +
+            (f", {c['active_params'] / 1e9:.3f} B active per token" if moe else ""))
+
+
+def summary(plan, model=None) -> dict:
     pr = plan.predicted
-    return {"throughput_tokens_per_s": pr["throughput_tokens_per_s"],
+    return {**(param_counts(model) if model is not None else {}),
+            "throughput_tokens_per_s": pr["throughput_tokens_per_s"],
             "iteration_time_s": pr["iteration_time_s"], "pp": plan.pp, "tp": plan.tp, "dp": plan.dp,
             "zero_stage": plan.zero_stage, "sequence_parallel": plan.sequence_parallel,
             "seq_len": plan.seq_len,
@@ -105,16 +119,18 @@ def write_outputs(res, out: str) -> list[str]:
     replaced atomically, nothing there that ds-autoplan did not write is touched, the last
     run's files no longer produced are removed)."""
     from ..emit.deepspeed import ds_config
-    from ..emit.megatron import megatron_args, megatron_config
+    from ..emit.megatron import NotExpressible, megatron_args, megatron_config
     from ..outputs import json_text, text, write_folder
     from ..report import report_files
     plan = res.plan
     files = {"plan.json": text(plan.to_json() + "\n"),
              "ds_config.json": json_text(ds_config(plan)),
-             "megatron.json": json_text(megatron_config(plan, res.model)),
-             # $(cat megatron_args.txt)
-             "megatron_args.txt": text("\n".join(megatron_args(plan, res.model)) + "\n"),
-             **report_files(res)}
+             "megatron.json": json_text(megatron_config(plan, res.model))}
+    try:
+        files["megatron_args.txt"] = text("\n".join(megatron_args(plan, res.model)) + "\n")  # $(cat ...)
+    except NotExpressible as e:           # megatron.json's autoplan.note_model says why
+        print(f"ds-autoplan: megatron_args.txt not written: {e}", file=sys.stderr)
+    files.update(report_files(res))
     return write_folder(out, files, complete=True)
 
 
@@ -154,7 +170,7 @@ def _report(res, args) -> int:
         from ..emit.deepspeed import ds_config
         print(json.dumps(ds_config(plan), indent=2))
     elif args.json:
-        print(json.dumps(summary(plan)))
+        print(json.dumps(summary(plan, res.model)))
     else:
         pr = plan.predicted
         print(f"{plan.model} on {plan.cluster}: pp={plan.pp} tp={plan.tp}"
@@ -162,6 +178,7 @@ def _report(res, args) -> int:
               f"ZeRO-{plan.zero_stage} schedule={plan.schedule} micro-batch={plan.micro_batch_size} "
               f"x {plan.num_microbatches}")
         print(seq_line(plan, res.model, args.seq))
+        print(params_line(res.model))
         print(f"layers per stage {plan.layers_per_stage}, recompute {plan.recompute_per_stage}")
         print(f"predicted {pr['iteration_time_s']:.4g} s/iteration, "
               f"{pr['throughput_tokens_per_s']:.6g} tokens/s, MFU {pr['mfu']:.1%}, "

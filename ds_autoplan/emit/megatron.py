@@ -7,10 +7,15 @@ from __future__ import annotations
 import re
 
 from ..plan import Plan
+from ..spec import SpecError
 
 # characters a value may hold so that the flags work unquoted: as `$(...)` output (word
 # splitting only, no quote removal) and as lines of megatron_args.txt ('|' is data there)
 _UNQUOTED_SAFE = re.compile(r"[A-Za-z0-9_.,:=+/@%|-]+")
+# --moe-layer-freq's list expression (DeepSeek's leading dense layers: ([0]*3+[1]*58)) has no
+# other form (Megatron-LM takes no file of flags; its YAML config replaces all of them).  It
+# works unquoted: `$(...)` output is not re-parsed, so '(' is data, and as a glob it matches only
+# a file named like '(0...3+1...58)' in the working directory (`set -f` rules even that out).
 
 def _schedule(plan: Plan):
     """The plan's schedule (None for pp = 1); its placement decides what Megatron can express."""
@@ -36,7 +41,6 @@ def layout_string(counts: list[int]) -> str:
 
 def megatron_config(plan: Plan, model=None) -> dict:
     """Keys named as megatron-core's ModelParallelConfig / TransformerConfig fields."""
-    from ..spec import SpecError
     from ..spec.model import load_model
     m = model
     if m is None and plan.model:
@@ -59,12 +63,13 @@ def megatron_config(plan: Plan, model=None) -> dict:
         "bf16": plan.precision == "bf16", "fp16": plan.precision == "fp16",
     }
     if m is not None:
+        blk = _typical_block(m)
         cfg.update({"num_layers": m.num_layers, "hidden_size": m.hidden,
                     "num_attention_heads": m.heads,
-                    "num_query_groups": int(m.config.get("kv_heads", m.heads)),
+                    "num_query_groups": blk.kv if blk is not None else m.heads,
                     "ffn_hidden_size": int(m.config.get("ffn", 4 * m.hidden)),
                     "seq_length": m.seq_len, "vocab_size": m.vocab,
-                    "gated_linear_unit": m.arch == "llama", **_architecture(m)})
+                    "gated_linear_unit": bool(blk is not None and blk.gated), **_architecture(m)})
     counts = megatron_stage_counts(plan)
     if plan.pp > 1 and counts is not None:
         cfg["pipeline_model_parallel_layout"] = layout_string(counts)
@@ -100,24 +105,117 @@ def megatron_config(plan: Plan, model=None) -> dict:
                                    "Megatron runtime builds it from the plan")
     if m is not None and m.arch not in ("gpt", "llama"):
         cfg["autoplan"]["note_arch"] = f"pretrain_gpt.py trains decoder-only models; {m.arch} needs its own script"
+    if m is not None and _inexpressible(m):
+        cfg["autoplan"]["note_model"] = _inexpressible(m)
     return cfg
 
 
+class NotExpressible(SpecError):
+    """The model has a feature Megatron-LM's pretrain_gpt.py flags cannot state."""
+
+
+def _typical_block(m):
+    """The first mixture-of-experts block, else the first block (its sizes are the model's)."""
+    shapes = [l.shape for l in m.layers if l.shape is not None]
+    return next((b for b in shapes if b.experts), shapes[0] if shapes else None)
+
+
+# Megatron-core's LLaMA-3 RoPE scaling has fixed constants (rotary_pos_embedding.py
+# _apply_scaling): only the factor is a flag
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# MLATransformerConfig's YaRN fields without a flag (their defaults; DeepSeek-V2/V3's values)
+_YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
+
+
+def _inexpressible(m) -> str | None:
+    """Why the flags cannot build model ``m`` (None: they can).  Gemma's GeGLU is a GELU-tanh
+    gate: Megatron-LM offers --swiglu (SiLU) and --quick-geglu (x * sigmoid(1.702 x)), neither
+    is it; TransformerConfig(gated_linear_unit=True, activation_func=gelu-tanh) from your own
+    script is."""
+    c, blk = m.config, _typical_block(m)
+    if blk is not None and blk.act == "geglu":
+        return (f"{m.name}: GeGLU (a GELU-tanh gate) has no Megatron-LM flag (--swiglu is SiLU, "
+                "--quick-geglu is x*sigmoid(1.702x)); build TransformerConfig(gated_linear_unit=True, "
+                "activation_func=gelu(approximate='tanh')) in your own script")
+    if blk is not None and blk.norms != 2:
+        return f"{m.name}: the extra pre/post-feedforward norms have no Megatron-LM flag"
+    kind, rs = c.get("rope_scaling_type"), c.get("rope_scaling") or {}
+    if kind == "llama3":
+        bad = {k: rs[k] for k, v in _LLAMA3_FIXED.items() if k in rs and float(rs[k]) != v}
+        if bad:
+            return f"{m.name}: llama3 RoPE scaling with {bad}: Megatron fixes {_LLAMA3_FIXED}"
+    elif kind == "yarn" and blk is not None and blk.mla:
+        bad = {k: rs[k] for k, v in _YARN_FIXED.items() if k in rs and float(rs[k]) != v}
+        if bad:
+            return f"{m.name}: YaRN RoPE with {bad}: Megatron's MLA fixes {_YARN_FIXED}"
+    elif kind is not None:
+        return f"{m.name}: RoPE scaling of type {kind!r} has no Megatron-LM flag for this attention"
+    return None
+
+
 def _architecture(m) -> dict:
-    """Embedding tying, biases, positions, norm epsilon and experts of model ``m``, named as
-    megatron-core's TransformerConfig fields (plus GPTModel's
-    ``share_embeddings_and_output_weights``); unset values keep Megatron's defaults."""
+    """Embedding tying, biases, positions, norms, head size, attention and experts of model
+    ``m``, named as megatron-core's TransformerConfig / MLATransformerConfig fields (plus
+    GPTModel's ``share_embeddings_and_output_weights``); unset values keep Megatron's defaults."""
     from ..spec.model import tied_embeddings
     c, rope = m.config, m.arch == "llama"
+    blk = _typical_block(m)
     lin = bool(c.get("linear_bias", not rope))
     out = {"share_embeddings_and_output_weights": tied_embeddings(c), "add_bias_linear": lin,
            "add_qkv_bias": lin or bool(c.get("qkv_bias")),
            "position_embedding_type": "rope" if rope else "learned_absolute",
            "rotary_base": int(c.get("rope_base", 10000)) if rope else None,
+           "rotary_percent": c.get("rotary_percent") if rope else None,
            "rope_scaling_factor": c.get("rope_scaling_factor") if rope else None,
-           "layernorm_epsilon": c.get("norm_eps"),
-           "num_moe_experts": c.get("num_experts"), "moe_router_topk": c.get("moe_topk")}
+           "layernorm_epsilon": c.get("norm_eps")}
+    if blk is None:
+        return {k: v for k, v in out.items() if v is not None}
+    if blk.mla:
+        ql, kvl, nope, rp, v = blk.mla
+        rs = c.get("rope_scaling") or {}
+        out.update({"multi_latent_attention": True, "q_lora_rank": ql or None, "kv_lora_rank": kvl,
+                    "qk_head_dim": nope, "qk_pos_emb_head_dim": rp, "v_head_dim": v,
+                    "rope_type": "yarn" if c.get("rope_scaling_type") == "yarn" else "rope",
+                    "rotary_scaling_factor": rs.get("factor") if c.get("rope_scaling_type") == "yarn" else None,
+                    "mscale": rs.get("mscale"), "mscale_all_dim": rs.get("mscale_all_dim")})
+    elif blk.hd * m.heads != m.hidden:
+        out["kv_channels"] = blk.hd
+    if blk.qk_norm:
+        out["qk_layernorm"] = True
+    windows = {l.shape.window for l in m.layers if l.shape is not None}
+    w = max(windows)
+    if w and w < m.seq_len:          # HF's window of W tokens: the token and W-1 before it
+        out["window_size"] = [w - 1, 0]
+        if 0 in windows:             # local layers with a global one every k (k-1 : 1)
+            out["window_attn_skip_freq"] = int(c.get("global_every") or 0) or None
+    if blk.experts:
+        pattern = [int(bool(l.shape.experts)) for l in m.layers]
+        out.update({"num_moe_experts": blk.experts, "moe_router_topk": blk.topk,
+                    "moe_ffn_hidden_size": blk.expert_ffn,
+                    "moe_shared_expert_intermediate_size": blk.shared_ffn or None,
+                    "moe_shared_expert_gate": blk.shared_gate or None,
+                    "moe_router_enable_expert_bias": blk.router_bias or None,
+                    "moe_router_score_function": c.get("moe_score"),
+                    "moe_router_topk_scaling_factor": c.get("moe_scale"),
+                    "moe_router_num_groups": c.get("moe_groups"),
+                    "moe_router_group_topk": c.get("moe_group_topk"),
+                    "moe_layer_freq": 1 if all(pattern) else pattern})
     return {k: v for k, v in out.items() if v is not None}
+
+
+def _layer_freq(pattern) -> str:
+    """``--moe-layer-freq``: 1 (every layer), or Megatron's list expression of the pattern in
+    runs, e.g. ([0]*3+[1]*58) (arguments.py moe_freq_type; it allows only digits and ,[]()+*)."""
+    if pattern == 1:
+        return "1"
+    runs, i = [], 0
+    while i < len(pattern):
+        j = i
+        while j < len(pattern) and pattern[j] == pattern[i]:
+            j += 1
+        runs.append(f"[{pattern[i]}]*{j - i}")
+        i = j
+    return "(" + "+".join(runs) + ")"
 
 
 def _architecture_args(c: dict) -> list[str]:
@@ -131,12 +229,44 @@ def _architecture_args(c: dict) -> list[str]:
             a.append("--add-qkv-bias")
     if c.get("rotary_base") is not None:
         a.append(f"--rotary-base {c['rotary_base']}")
+    if c.get("rotary_percent") is not None:
+        a.append(f"--rotary-percent {c['rotary_percent']}")
     if c.get("rope_scaling_factor"):
         a += ["--use-rope-scaling", f"--rope-scaling-factor {c['rope_scaling_factor']}"]
     if c.get("layernorm_epsilon") is not None:
         a.append(f"--norm-epsilon {c['layernorm_epsilon']}")
+    if c.get("kv_channels"):
+        a.append(f"--kv-channels {c['kv_channels']}")
+    if c.get("multi_latent_attention"):
+        a.append("--multi-latent-attention")
+        if c.get("q_lora_rank"):
+            a.append(f"--q-lora-rank {c['q_lora_rank']}")
+        a += [f"--kv-lora-rank {c['kv_lora_rank']}", f"--qk-head-dim {c['qk_head_dim']}",
+              f"--qk-pos-emb-head-dim {c['qk_pos_emb_head_dim']}", f"--v-head-dim {c['v_head_dim']}",
+              f"--rope-type {c['rope_type']}"]
+        for k in ("rotary_scaling_factor", "mscale", "mscale_all_dim"):
+            if c.get(k) is not None:
+                a.append(f"--{k.replace('_', '-')} {c[k]}")
+    if c.get("qk_layernorm"):
+        a.append("--qk-layernorm")
+    if c.get("window_size"):
+        a.append(f"--window-size {c['window_size'][0]},{c['window_size'][1]}")
+        if c.get("window_attn_skip_freq"):
+            a.append(f"--window-attn-skip-freq {c['window_attn_skip_freq']}")
     if c.get("num_moe_experts"):
-        a += [f"--num-experts {c['num_moe_experts']}", f"--moe-router-topk {c['moe_router_topk']}"]
+        a += [f"--num-experts {c['num_moe_experts']}", f"--moe-router-topk {c['moe_router_topk']}",
+              f"--moe-ffn-hidden-size {c['moe_ffn_hidden_size']}",
+              f"--moe-layer-freq {_layer_freq(c['moe_layer_freq'])}"]
+        if c.get("moe_shared_expert_intermediate_size"):
+            a.append(f"--moe-shared-expert-intermediate-size {c['moe_shared_expert_intermediate_size']}")
+        if c.get("moe_shared_expert_gate"):
+            a.append("--moe-shared-expert-gate")
+        if c.get("moe_router_enable_expert_bias"):
+            a.append("--moe-router-enable-expert-bias")
+        for k in ("moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+                  "moe_router_group_topk"):
+            if c.get(k) is not None:
+                a.append(f"--{k.replace('_', '-')} {c[k]}")
     return a
 
 
@@ -163,10 +293,15 @@ def megatron_args(plan: Plan, model=None) -> list[str]:
               f"--num-attention-heads {c['num_attention_heads']}",
               f"--ffn-hidden-size {c['ffn_hidden_size']}",
               f"--seq-length {c['seq_length']}", f"--max-position-embeddings {c['seq_length']}"]
+        note = c["autoplan"].get("note_model")
+        if note:
+            raise NotExpressible(note)
         if c["num_query_groups"] != c["num_attention_heads"]:
             a += ["--group-query-attention", f"--num-query-groups {c['num_query_groups']}"]
         if c["gated_linear_unit"]:
-            a += ["--swiglu", "--normalization RMSNorm", "--position-embedding-type rope"]
+            a.append("--swiglu")           # the only gate left: _inexpressible refused GeGLU
+        if c.get("position_embedding_type") == "rope":
+            a += ["--normalization RMSNorm", "--position-embedding-type rope"]
         a += _architecture_args(c)
     if c.get("pipeline_model_parallel_layout"):
         a.append(f"--pipeline-model-parallel-layout {c['pipeline_model_parallel_layout']}")
@@ -194,6 +329,8 @@ def megatron_args(plan: Plan, model=None) -> list[str]:
     elif c["fp16"]:
         a.append("--fp16")
     for flag in a:
+        if flag.startswith("--moe-layer-freq ("):
+            continue                         # see the note under _UNQUOTED_SAFE
         if not all(_UNQUOTED_SAFE.fullmatch(tok) for tok in flag.split(" ")):
             raise ValueError(f"Megatron flag {flag!r} would need shell quoting")
     return a

@@ -67,6 +67,10 @@ def report_files(res) -> dict:
       f"memory budget {budget:.1f} GB per device (headroom {pred.get('memory_headroom_gb', 0.0):.1f} GB "
       f"kept free below it; {pred.get('memory_runtime', 'any')} engine accounting), {plan.world_size} devices. "
       f"Search took {pred['search_time_s']:.2f} s ({pred['candidates_evaluated']} configurations costed).\n")
+    if getattr(res, "model", None) is not None:
+        tot, act = res.model.total_params, res.model.active_params
+        w(f"Model: {tot:,.0f} parameters" + (f", {act:,.0f} active per token (mixture of experts)"
+                                             if act != tot else "") + ".\n")
     w("## Chosen plan\n")
     w("| pp | tp | sequence parallel | dp | ZeRO | schedule | micro-batch | micro-batches | partitioner |")
     w("|---|---|---|---|---|---|---|---|---|")

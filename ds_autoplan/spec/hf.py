@@ -92,7 +92,10 @@ def _moe(d: dict, mt: str, L: int, src: str) -> dict:
         pattern = [int(i >= first and i % freq == 0) for i in range(L)]
         fe = d.get("moe_intermediate_size")
         out = {"moe_ffn": fe, "moe_shared_ffn": int(d.get("n_shared_experts") or 0) * int(fe or 0) or None,
-               "moe_router_bias": d.get("topk_method") == "noaux_tc"}   # V3's e_score_correction_bias
+               "moe_router_bias": d.get("topk_method") == "noaux_tc",   # V3's e_score_correction_bias
+               "moe_score": d.get("scoring_func"), "moe_scale": d.get("routed_scaling_factor")}
+        if d.get("topk_method") in ("group_limited_greedy", "noaux_tc") and (d.get("n_group") or 1) > 1:
+            out.update(moe_groups=d.get("n_group"), moe_group_topk=d.get("topk_group"))
     else:
         raise SpecError(f"{src}: {mt} is a mixture-of-experts model ({n} experts) but not a supported "
                         "MoE family (mixtral, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3)")

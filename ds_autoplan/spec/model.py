@@ -102,6 +102,8 @@ FIELDS = {"name", "arch", "num_layers", "hidden", "heads", "kv_heads", "ffn", "v
           "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
           "num_experts", "moe_topk", "moe_ffn", "moe_shared_ffn", "moe_shared_gate",
           "moe_router_bias", "moe_pattern",
+          # the router's arithmetic (no cost; carried to the Megatron flags)
+          "moe_score", "moe_groups", "moe_group_topk", "moe_scale",
           # read from Hugging Face configs; carried to the Megatron flags (emit/megatron.py)
           "tie_embeddings", "linear_bias", "qkv_bias", "rope_base", "rope_scaling_factor",
           "rope_scaling_type", "rope_scaling", "rotary_percent", "norm_eps", "max_positions",
