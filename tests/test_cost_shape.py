@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ds_autoplan.cost.collectives import Network
-from ds_autoplan.cost.compute import Dims, block_times, get_gpu
+from ds_autoplan.cost.compute import block_times, get_gpu
 from ds_autoplan.cost.iteration import Config, config_cost, in_flight, split_layers
 from ds_autoplan.cost.memory import state_bytes
 from ds_autoplan.cost.model import CostModel, Strategy
