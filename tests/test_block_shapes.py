@@ -77,7 +77,7 @@ def test_kernel_times_follow_the_shapes():
     full, local = block_times(H100, g, 1, 1, False), block_times(H100, replace(g, window=512), 1, 1, False)
     band = (2 * S * 512 - 512 ** 2) / S ** 2          # the pairs a window of 512 keys keeps
     # the band's work at the kernel's measured rate for 512 keys (no faster than for 4096)
-    rate_ratio = H100.fused_attention(1.0, 512) / H100.fused_attention(1.0, S)
+    rate_ratio = H100.fused_attention(1.0, 512, "fwd") / H100.fused_attention(1.0, S, "fwd")
     assert local.attn == pytest.approx(full.attn * band * rate_ratio) and rate_ratio >= 1
     assert local.fwd < full.fwd
     mla = BlockShape(s=S, h=7168, heads=128, kv=128, hd=56, ffn=18432, act="swiglu",
