@@ -13,6 +13,7 @@ import pytest
 
 from ds_autoplan.spec import SpecError
 from ds_autoplan.spec.model import load_model
+from harness.megatron_args import CLIENT, argcheck
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "hf")
 
@@ -134,19 +135,6 @@ def test_silently_wrong_configs_are_refused(tmp_path, change, message):
 
 
 # -- Megatron-LM flags of the model ----------------------------------------------------------
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _client(rel="shared/clients/megatron-lm-core_v0.16.1"):
-    d = HERE
-    while d != os.path.dirname(d):
-        d = os.path.dirname(d)
-        if os.path.isdir(os.path.join(d, rel)):
-            return os.path.join(d, rel)
-    return ""
-
-
-CLIENT = _client()
 PLAN = dict(precision="bf16", tp=2, pp=1, dp=4, micro_batch_size=1, num_microbatches=2)
 
 
@@ -163,9 +151,6 @@ def test_model_flags_build_the_same_model_in_megatron(tmp_path):
     TransformerConfig / MLATransformerConfig accept the flags, and what Megatron parsed is our
     model: head size (--kv-channels), query groups, QK-norm, window, experts, expert and shared
     widths, the MoE layer pattern (DeepSeek's leading dense layers), MLA ranks."""
-    import shutil
-    import subprocess
-    import sys
     names = [n for n in sorted(REFERENCE) if not n.startswith("gemma")]
     lists, models = [], []
     for n in names:
@@ -173,13 +158,7 @@ def test_model_flags_build_the_same_model_in_megatron(tmp_path):
         models.append(m)
         lists.append(" ".join(flags).split() + ["--mock-data", "--tokenizer-type", "NullTokenizer",
                                                 "--vocab-size", str(m.vocab), "--no-rope-fusion"])
-    client = tmp_path / "megatron-lm"
-    shutil.copytree(CLIENT, client)
-    env = dict(os.environ, WORLD_SIZE="8", ARGCHECK_CONFIG="1")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "megatron_argcheck.py"), str(client)],
-                       input=json.dumps(lists), capture_output=True, text=True, env=env, timeout=600)
-    out = [json.loads(x.split(" ", 1)[1]) for x in r.stdout.splitlines() if x.startswith("ARGCHECK ")]
-    assert len(out) == len(lists), r.stderr[-3000:]
+    out = argcheck(tmp_path, lists, 8, config=True)
     for n, m, o in zip(names, models, out):
         assert o["ok"], (n, o)
         got, blk = o["model"], next((l.shape for l in m.layers if l.shape.experts), m.layers[0].shape)

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,21 +18,10 @@ from ds_autoplan.search import fastsim, search
 from ds_autoplan.search.fix import parse_fix
 from ds_autoplan.search.planner import Planner
 from ds_autoplan.spec import SpecError, load_cluster, load_model
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _client(rel="shared/clients/megatron-lm-core_v0.16.1"):
-    """../shared/clients beside the checkout (a worktree sits one level deeper)."""
-    d = HERE
-    while d != os.path.dirname(d):
-        d = os.path.dirname(d)
-        if os.path.isdir(os.path.join(d, rel)):
-            return os.path.join(d, rel)
-    return ""
+from harness.megatron_args import CLIENT, argcheck
 
 
-CLIENT = _client()
+
 # three 8-GPU nodes: 24 devices (not a power of two)
 C24 = dict(name="3x8xa100", num_nodes=3, gpus_per_node=8, memory_gb=80, reserve_gb=4,
            peak_tflops=312, compute_efficiency=0.5, intra_node_GBps=230, inter_node_GBps=25,
@@ -77,18 +63,6 @@ def test_space_has_any_divisor():
         assert c.pp * c.tp * c.dp == c.world_size == 24 and c.global_batch == 72
 
 
-def _argcheck(tmp_path, flag_lists, world):
-    client = tmp_path / "megatron-lm"
-    shutil.copytree(CLIENT, client)
-    env = dict(os.environ, WORLD_SIZE=str(world))
-    r = subprocess.run([sys.executable, os.path.join(HERE, "megatron_argcheck.py"), str(client)],
-                       input=json.dumps(flag_lists), capture_output=True, text=True, env=env,
-                       timeout=300)
-    out = [json.loads(x.split(" ", 1)[1]) for x in r.stdout.splitlines() if x.startswith("ARGCHECK ")]
-    assert len(out) == len(flag_lists), r.stderr[-3000:]
-    return out
-
-
 @pytest.mark.skipif(not os.path.isdir(CLIENT), reason="Megatron-LM client copy not available")
 def test_non_power_of_two_plans_emit_valid_configs(tmp_path):
     """24 GPUs, pp=3, micro-batch 3 (1F1B with an uneven split, and interleaved): the plans
@@ -110,7 +84,7 @@ def test_non_power_of_two_plans_emit_valid_configs(tmp_path):
     bad = list(flag_lists[0])
     i = bad.index("--pipeline-model-parallel-layout")
     del bad[i:i + 2]                                    # 40 layers do not split evenly over 3
-    out = _argcheck(tmp_path, flag_lists + [bad], 24)
+    out = argcheck(tmp_path, flag_lists + [bad], 24)
     for p, o in zip(plans, out):
         assert o["ok"], o
         assert (o["tp"], o["pp"], o["dp"], o["mbs"], o["gbs"]) == (p.tp, p.pp, p.dp, 3, 72)
