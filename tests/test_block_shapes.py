@@ -33,6 +33,7 @@ def test_moe_counts_shared_experts_router_bias_and_active():
     attn = 4 * h * h
     assert b.params() == attn + E * 3 * h * fe + 3 * h * fs + h * E + E + h + 2 * h
     assert b.active_params() == b.params() - (E - k) * 3 * h * fe
+    assert b.expert_params() == E * 3 * h * fe and replace(b, experts=0, ffn=fe).expert_params() == 0
     assert b.flops() == 2 * S * (attn + 3 * h * (k * fe + fs) + h * E) + 4 * S * S * h
     dense = replace(b, experts=0, topk=0, ffn=k * fe + fs)
     rep, tp = b.activation_bytes()

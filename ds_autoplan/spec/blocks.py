@@ -120,11 +120,16 @@ class BlockShape:
             p += 4 * self.h * self.h + 2 * self.h
         return p
 
+    def expert_params(self) -> int:
+        """Parameters of the routed experts (what expert parallelism divides; the shared
+        experts, router and attention stay whole on every expert-parallel rank)."""
+        return self.experts * self.mlp_matrices(self.expert_ffn) if self.experts else 0
+
     def active_params(self) -> int:
         """Parameters one token goes through: all but the routed experts it is not sent to."""
         if not self.experts:
             return self.params()
-        return self.params() - (self.experts - self.topk) * self.mlp_matrices(self.expert_ffn)
+        return self.params() - self.expert_params() * (self.experts - self.topk) // self.experts
 
     # -- work and memory per sample ---------------------------------------------------------
     def flops(self) -> float:
