@@ -76,20 +76,30 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def _device() -> torch.device:
+    """Where the default group's collectives take tensors: the current GPU for a NCCL-only
+    group, else the CPU (gloo, or a group with a CPU backend beside NCCL)."""
+    backend = str(dist.get_backend())
+    if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _gather_text(text: str) -> list[str]:
     """Every rank's ``text`` (UTF-8 bytes in a padded uint8 tensor: no pickling)."""
     if _world() == 1:
         return [text]
-    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
-    n = torch.tensor([data.numel()], dtype=torch.int64)
+    dev = _device()
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=dev)
+    n = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(n) for _ in range(_world())]
     dist.all_gather(sizes, n)
     width = max(int(s) for s in sizes) or 1
-    buf = torch.zeros(width, dtype=torch.uint8)
+    buf = torch.zeros(width, dtype=torch.uint8, device=dev)
     buf[:data.numel()] = data
     bufs = [torch.zeros_like(buf) for _ in range(_world())]
     dist.all_gather(bufs, buf)
-    return [bytes(b[:int(s)].tolist()).decode() for b, s in zip(bufs, sizes)]
+    return [bytes(b[:int(s)].cpu().tolist()).decode() for b, s in zip(bufs, sizes)]
 
 
 def first_error(exc: BaseException | str | None) -> tuple[int, str] | None:
