@@ -30,21 +30,21 @@ CONFIG_KEYS = ("tp", "pp", "dp", "micro_batch", "num_microbatches", "zero", "rec
 
 def _clean(d):
     if isinstance(d, dict):
-        return {k: _clean(v) for k, v in d.items() if k not in TIMING}
+        return {k: _clean(v) for k, v in d.items() if k not in TIMING and not _new_default(k, v, d)}
     if isinstance(d, list):
         return [_clean(x) for x in d]
     return d
+
+
+def _new_default(k, v, d: dict) -> bool:
+    """A key newer than the reference at its old meaning (no expert/context parallelism)."""
+    return NEW_DEFAULTS.get(k, object()) == v or k == "etp" and v == d.get("tp")
 
 
 def _plan_record(plan) -> dict:
     from ds_autoplan.emit.deepspeed import ds_config
     from ds_autoplan.emit.megatron import megatron_args
     d = _clean(plan.to_dict())
-    for k, v in NEW_DEFAULTS.items():
-        if k in d and d[k] == v:
-            del d[k]
-    if d.get("etp") == d["tp"]:             # Megatron's default: the expert TP is the TP
-        del d["etp"]
     ds = _clean(ds_config(plan))
     ds.get("pipeline", {}).pop("autoplan", None)
     return {"plan": d, "ds_config": ds, "megatron_args": megatron_args(plan)}
@@ -127,6 +127,9 @@ def main(argv=None) -> int:
             with open(path, "w") as f:
                 json.dump(rec, f, indent=1, sort_keys=True)
             print(f"saved {name}", flush=True)
+            continue
+        if not os.path.exists(path):           # a case added after the reference
+            print(f"new {name}", flush=True)
             continue
         with open(path) as f:
             ref = json.load(f)

@@ -13,8 +13,10 @@ A100-80GB, global batch 1536, full space, in a fresh process), "plan_command_wal
 whole `ds-autoplan plan ... --out DIR` command: interpreter start, imports, search, configs,
 report and plots; median of 3 runs), their process CPU seconds (steadier on a shared
 machine), the 1-minute load average while measuring, and "min_ratio_vs_best_baseline" (plan
-throughput / best baseline throughput, minimum over the cases).  Goals (issue 11): search
-<= 2 s, command <= 6 s, ratio >= 1.
+throughput / best baseline throughput, minimum over the cases), and
+"search_time_s_moe64_64gpu" (OLMoE-1B-7B, 64 experts, on 64 H100, expert parallelism
+searched).  Goals (issue 11, issue 18): search <= 2 s, MoE search <= 5 s, command <= 6 s,
+ratio >= 1.
 """
 from __future__ import annotations
 
@@ -42,8 +44,10 @@ CASES = [  # model, cluster, global batch, options
     ("llama2-7b", "8xh100-80gb", 256, {}),
     ("vit-huge", "64xa100-40gb", 1024, {"budget_gb": 16}),
     ("llama2-70b", "64xa100-80gb", 512, {}),
+    ("olmoe-1b-7b", "64xh100-80gb", 1024, {}),     # 64 experts, top-8: EP searched
 ]
-QUICK = [0, 1, 3, 4, 5]
+QUICK = [0, 1, 3, 4, 5, 9]
+MOE = CASES[9]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIG = ["--model", "gpt3-175b", "--cluster", "64xa100-80gb", "--global-batch", "1536"]
 
@@ -75,15 +79,15 @@ def plan_command(runs: int = 3) -> dict:
             "plan_command_search_s": round(statistics.median(searches), 3)}
 
 
-def fresh_search() -> dict:
-    """search() of the 175B case in a fresh process (no warm caches): wall and CPU seconds."""
+def fresh_search(model="gpt3-175b", cluster="64xa100-80gb", B=1536, key="175b_64gpu") -> dict:
+    """search() of one case in a fresh process (no warm caches): wall and CPU seconds."""
     code = ("import json, time; from ds_autoplan.search import search; "
             "t, c = time.perf_counter(), time.process_time(); "
-            "search('gpt3-175b', '64xa100-80gb', 1536); "
+            f"search({model!r}, {cluster!r}, {B}); "
             "print(json.dumps([time.perf_counter() - t, time.process_time() - c]))")
     _, _, out = _child([sys.executable, "-c", code])
     wall, cpu = json.loads(out.strip().splitlines()[-1])
-    return {"search_time_s_175b_64gpu": round(wall, 3), "search_cpu_s_175b_64gpu": round(cpu, 3)}
+    return {f"search_time_s_{key}": round(wall, 3), f"search_cpu_s_{key}": round(cpu, 3)}
 
 
 def run_case(model, cluster, B, opts):
@@ -96,7 +100,9 @@ def run_case(model, cluster, B, opts):
           for k, v in pr["baselines"].items()}
     best_bl = max(bl.values()) if bl else 0.0
     return {"model": model, "cluster": cluster, "global_batch": B,
-            "plan": f"pp{p.pp} tp{p.tp}{'+sp' if p.sequence_parallel else ''} dp{p.dp} z{p.zero_stage} {p.schedule} mbs{p.micro_batch_size}x{p.num_microbatches}",
+            "plan": f"pp{p.pp} tp{p.tp}{'+sp' if p.sequence_parallel else ''} dp{p.dp}"
+                    f"{f' ep{p.ep}' if p.ep > 1 else ''}{f' cp{p.cp}' if p.cp > 1 else ''} z{p.zero_stage} "
+                    f"{p.schedule} mbs{p.micro_batch_size}x{p.num_microbatches}",
             "tokens_per_s": tok, "mfu": pr["mfu"], "baselines": bl,
             "ratio_vs_best_baseline": tok / best_bl if best_bl else None,
             "wide_gain": pr.get("wide_gain"), "wide_gain_vs_1f1b": pr.get("wide_gain_vs_1f1b"),
@@ -105,7 +111,7 @@ def run_case(model, cluster, B, opts):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="five cases (< 60 s on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="six cases (< 60 s on 2 cores)")
     ap.add_argument("--json", help="also write the full results here")
     a = ap.parse_args(argv)
     cases = [CASES[i] for i in QUICK] if a.quick else CASES
@@ -122,7 +128,7 @@ def main(argv=None) -> int:
         print(f"{'':>13}baselines (tok/s): {bl}")
     ratios = [r["ratio_vs_best_baseline"] for r in rows if r["ratio_vs_best_baseline"]]
     load0 = os.getloadavg()[0]
-    out = {**fresh_search(), **plan_command(),
+    out = {**fresh_search(), **fresh_search(*MOE[:3], key="moe64_64gpu"), **plan_command(),
            "load_avg_1m": round((load0 + os.getloadavg()[0]) / 2, 2), "cpus": os.cpu_count(),
            "min_ratio_vs_best_baseline": round(min(ratios), 4),
            "median_ratio_vs_best_baseline": round(sorted(ratios)[len(ratios) // 2], 4),

@@ -54,6 +54,7 @@ class Plan:
     ep: int = 1                          # expert parallelism (absent in old plan files)
     etp: int = 0                         # expert tensor parallelism; 0: Megatron's default (= tp)
     cp: int = 1                          # context parallelism
+    cp_comm: str = "p2p"                 # p2p: Megatron ring attention; a2a: Ulysses all-to-all
     # per-layer strategies of the wide (Galvatron) search: list of dicts
     # {"tp": int, "dp": int, "sdp": bool, "ckpt": bool} (one per model layer)
     layer_strategies: list = field(default_factory=list)
@@ -140,7 +141,7 @@ class Plan:
     def parallel(self) -> Parallel:
         """The plan's degrees and batch split (chunks: schedule stages per pipeline rank)."""
         return Parallel(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, etp=self.etp, cp=self.cp,
-                        zero=self.zero_stage, sp=bool(self.sequence_parallel),
+                        cp_comm=self.cp_comm, zero=self.zero_stage, sp=bool(self.sequence_parallel),
                         chunks=max(1, len(self.layers_per_stage) // self.pp),
                         micro_batch=self.micro_batch_size, num_microbatches=self.num_microbatches)
 
@@ -149,7 +150,7 @@ class Plan:
         """The Plan fields of ``par`` (``Plan(**Plan.parallel_fields(par), ...)``); chunks are
         the schedule's (``layers_per_stage`` and ``schedule_options``)."""
         return {"pp": par.pp, "tp": par.tp, "dp": par.dp, "ep": par.ep, "etp": par.etp,
-                "cp": par.cp, "zero_stage": par.zero, "sequence_parallel": par.sp,
+                "cp": par.cp, "cp_comm": par.cp_comm, "zero_stage": par.zero, "sequence_parallel": par.sp,
                 "micro_batch_size": par.micro_batch, "num_microbatches": par.num_microbatches}
 
     def build_schedule(self):

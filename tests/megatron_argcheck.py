@@ -48,6 +48,9 @@ for flags in json.load(sys.stdin):
         out = {"ok": True, "dp": a.data_parallel_size, "tp": a.tensor_model_parallel_size,
                "pp": a.pipeline_model_parallel_size, "mbs": a.micro_batch_size,
                "gbs": a.global_batch_size, "vpp": a.virtual_pipeline_model_parallel_size,
+               "cp": a.context_parallel_size, "cp_comm": a.cp_comm_type,
+               "ep": a.expert_model_parallel_size, "etp": a.expert_tensor_parallel_size,
+               "experts": a.num_experts, "dispatcher": a.moe_token_dispatcher_type,
                "model": {k: getattr(a, k, None) for k in MODEL_KEYS}}
         if os.environ.get("ARGCHECK_CONFIG"):   # megatron-core's own checks of the model config
             cfg = arguments.core_transformer_config_from_args(a)

@@ -15,7 +15,8 @@ def add_parser(sub) -> None:
     add_problem_args(p)
     p.add_argument("--config", required=True, metavar="K=V,...",
                    help="keys tp, pp, dp, mbs, zero, schedule, v (interleaved chunks), "
-                        "recompute (auto|none|full), sp (on|off)")
+                        "recompute (auto|none|full|selective), sp (on|off), ep (expert parallel), "
+                        "etp (expert tensor parallel), cp (context parallel), cp_comm (p2p|a2a)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run)
 

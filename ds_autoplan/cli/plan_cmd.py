@@ -28,7 +28,8 @@ def add_parser(sub) -> None:
                         "(an error with --tp 1); off = never")
     p.add_argument("--fix", default=None, metavar="K=V,...",
                    help="restrict the search to your configuration, e.g. tp=8,pp=8,mbs=1,zero=1,"
-                        "schedule=interleaved,v=3,recompute=full,sp=on (see `ds-autoplan cost`)")
+                        "schedule=interleaved,v=3,recompute=full,sp=on,ep=8,etp=1,cp=2,cp_comm=p2p "
+                        "(see `ds-autoplan cost`)")
     p.add_argument("--no-wide", action="store_true", help="skip the wide Galvatron-BMW mode")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -90,6 +91,7 @@ def summary(plan, model=None) -> dict:
             "throughput_tokens_per_s": pr["throughput_tokens_per_s"],
             "iteration_time_s": pr["iteration_time_s"], "pp": plan.pp, "tp": plan.tp, "dp": plan.dp,
             "zero_stage": plan.zero_stage, "sequence_parallel": plan.sequence_parallel,
+            "ep": plan.ep, "etp": plan.etp, "cp": plan.cp, "cp_comm": plan.cp_comm,
             "seq_len": plan.seq_len,
             "schedule": plan.schedule,
             "micro_batch_size": plan.micro_batch_size,
@@ -175,6 +177,8 @@ def _report(res, args) -> int:
         pr = plan.predicted
         print(f"{plan.model} on {plan.cluster}: pp={plan.pp} tp={plan.tp}"
               f"{' (sequence parallel)' if plan.sequence_parallel else ''} dp={plan.dp} "
+              f"{f'ep={plan.ep} etp={plan.etp} ' if plan.ep > 1 else ''}"
+              f"{f'cp={plan.cp} ({plan.cp_comm}) ' if plan.cp > 1 else ''}"
               f"ZeRO-{plan.zero_stage} schedule={plan.schedule} micro-batch={plan.micro_batch_size} "
               f"x {plan.num_microbatches}")
         print(seq_line(plan, res.model, args.seq))

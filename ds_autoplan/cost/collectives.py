@@ -63,6 +63,30 @@ class Network:
 
     reduce_scatter = all_gather
 
+    def all_to_all(self, X: float, g: int, stride: int = 1) -> float:
+        """All-to-all of ``X`` bytes per rank over ``g`` ranks spaced ``stride`` apart: each
+        rank keeps X/g and sends X/g to every peer; with ``k`` members per node the (k-1)/g
+        share for node peers goes over NVLink and the (g-k)/g share for other nodes over the
+        GPU's own rail, both at once (the slower bounds it), plus each level's latency."""
+        if g <= 1 or X <= 0:
+            return 0.0
+        c = self.c
+        k, n = self.layout(g, stride)
+        intra = (k - 1) / g * X / (c.intra_node_GBps * 1e9) + (c.intra_latency_us * 1e-6 if k > 1 else 0.0)
+        inter = (g - k) / g * X / (c.rail_GBps * 1e9) + c.inter_latency_us * 1e-6 if n > 1 else 0.0
+        return max(intra, inter)
+
+    def ring_step(self, X: float, g: int, stride: int = 1) -> float:
+        """One step of a ring over ``g`` ranks spaced ``stride`` apart, every rank sending ``X``
+        bytes to its successor at once: a ring spanning nodes has steps crossing a node
+        boundary, on the rail, which the lock-step ring waits for."""
+        if g <= 1 or X <= 0:
+            return 0.0
+        c = self.c
+        if self.layout(g, stride)[1] > 1:
+            return X / (c.rail_GBps * 1e9) + c.inter_latency_us * 1e-6
+        return X / (c.intra_node_GBps * 1e9) + c.intra_latency_us * 1e-6
+
     def p2p(self, X: float, n: int) -> float:
         """Send of X bytes per device between adjacent stages of n devices each: stages of a
         full node or more cross the node boundary, smaller ones stay inside."""

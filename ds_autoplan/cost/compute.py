@@ -185,18 +185,23 @@ def _attention_core(g: GPU, blk, b: float, t: int, s: int, skv: int, pairs: floa
     return mm + sm, 2 * mm + BWD_TRAFFIC * sm
 
 
-def _mlp_linears(blk, T: float, t: int) -> tuple[list, list, float]:
+def _mlp_linears(blk, T: float, t: int, ep: int = 1, etp: int | None = None,
+                 imb: float = 1.0) -> tuple[list, list, float]:
     """(GEMMs [M, N, K, batch], the column-parallel ones, MLP width per token) of the block's
-    MLP at TP ``t``.  Experts run as a grouped GEMM, one per expert on its T*k/E tokens
-    (router balanced; expert parallelism 1: every expert on this rank, TP-split like the dense
-    MLP, Megatron's default expert TP = TP); shared experts as a dense MLP on every token; the
+    MLP at TP ``t``.  Experts run as a grouped GEMM (Megatron's --moe-grouped-gemm), one per
+    local expert: the stage's T*k token copies per TP group spread over its ranks, so a rank
+    holds E/ep experts of width f/etp (expert TP, default = TP) on T*k*etp/t rows, the busiest
+    expert-parallel rank ``imb`` times the mean (router imbalance; ep = 1: every expert on
+    every rank, no imbalance between ranks); shared experts as a dense MLP on every token; the
     router as a replicated [h, E] linear."""
     up = 2 if blk.gated else 1
     lin, col = [], []
     if blk.experts:
-        Te, E, fe = T * blk.topk / blk.experts, blk.experts, blk.expert_ffn
-        col.append((Te, up * fe / t, blk.h, E))
-        lin += [col[-1], (Te, blk.h, fe / t, E), (T, E, blk.h, 1)]
+        etp = t if etp is None else etp
+        n = blk.experts // ep
+        Te, E, fe = T * blk.topk * etp / t * (imb if ep > 1 else 1.0) / n, blk.experts, blk.expert_ffn
+        col.append((Te, up * fe / etp, blk.h, n))
+        lin += [col[-1], (Te, blk.h, fe / etp, n), (T, E, blk.h, 1)]
         if blk.shared_ffn:
             col.append((T, up * blk.shared_ffn / t, blk.h, 1))
             lin += [col[-1], (T, blk.h, blk.shared_ffn / t, 1)]
@@ -206,9 +211,13 @@ def _mlp_linears(blk, T: float, t: int) -> tuple[list, list, float]:
     return lin, col, blk.active_ffn() / t
 
 
-def block_times(g: GPU, blk, b: float, t: int, sp: bool) -> UnitTimes:
+def block_times(g: GPU, blk, b: float, t: int, sp: bool, ep: int = 1, etp: int | None = None,
+                imb: float = 1.0) -> UnitTimes:
     """One transformer block (a :class:`~ds_autoplan.spec.blocks.BlockShape`) for ``b`` samples
-    per device at TP degree ``t``."""
+    per device at TP degree ``t``, its experts at expert parallelism ``ep`` and expert TP
+    ``etp`` (:func:`_mlp_linears`).  Context parallelism needs nothing here: a CP rank's
+    linears see b s / cp tokens and its attention (s/cp queries over s keys, causal chunks
+    balanced) the work of b / cp whole samples, so the cost model passes b / cp."""
     s, h = blk.s, blk.h
     T = b * s
     q = t if sp and t > 1 else 1
@@ -217,7 +226,7 @@ def block_times(g: GPU, blk, b: float, t: int, sp: bool) -> UnitTimes:
         lin.append({"col": (T, o / t, i, 1), "row": (T, o, i / t, 1), "rep": (T, o, i, 1)}[how])
         if how == "col":
             col.append(lin[-1])
-    mlin, mcol, fa = _mlp_linears(blk, T, t)
+    mlin, mcol, fa = _mlp_linears(blk, T, t, ep, etp, imb)
     lin, col = lin + mlin, col + mcol
     n_norm, n_res = blk.norms, 2
     attn_f, attn_b = _attention_core(g, blk, b, t, s, blk.skv if blk.flash else s, blk.attention_pairs())
@@ -263,11 +272,12 @@ def embedding_times(g: GPU, d: Dims, b: float, t: int, sp: bool) -> UnitTimes:
     return UnitTimes(g.stream(3 * x), g.stream(3 * x), g.stream(x), 0.0)
 
 
-def unit_times(g: GPU, d: Dims, unit, b: float, t: int, sp: bool) -> UnitTimes | None:
+def unit_times(g: GPU, d: Dims, unit, b: float, t: int, sp: bool, ep: int = 1,
+               etp: int | None = None, imb: float = 1.0) -> UnitTimes | None:
     """Times of a ModelSpec unit, or None where the shape model has no kernel list for it
     (ViT patch embedding and classification head: those keep FLOPs at the matmul rate)."""
     if unit.kind == "block":
-        return block_times(g, unit.shape, b, t, sp)
+        return block_times(g, unit.shape, b, t, sp, ep, etp, imb)
     if d.arch == "vit":
         return None
     if unit.kind == "post":

@@ -19,6 +19,10 @@ from .engines import Execution, get_execution, grad_bytes
 from .memory import OPT_STEP_BYTES, RUNTIMES, local_optimizer_fraction, state_bytes
 
 PRECISIONS = ("bf16", "fp16", "fp32")
+# router load imbalance: tokens the busiest expert-parallel rank receives over the mean
+# [decision: 1.1; auxiliary-loss balanced routing keeps the busiest expert within ~10% of the
+# mean after warm-up (Fedus et al. 2022 §2.2 capacity factor 1.0-1.25); 1.0 = perfect balance]
+MOE_IMBALANCE = 1.1
 ACT_SCALE = {"bf16": 1.0, "fp16": 1.0, "fp32": 2.0}   # activations are specified at 2 bytes
 
 
@@ -32,15 +36,30 @@ class Strategy(NamedTuple):
     ckpt: bool = False
     sp: bool = False         # Megatron sequence parallelism (Korthikanti et al. 2022 §4.2.2); needs tp > 1
     sel: bool = False        # selective recompute of the attention core (Korthikanti et al. §5); ckpt wins
+    ep: int = 1              # expert parallelism (MoE layers; docs/planner.md §2.7)
+    etp: int = 0             # expert tensor parallelism (0: = tp, Megatron's default)
+    cp: int = 1              # context parallelism: the sequence split over cp ranks
+    cp_comm: str = "p2p"     # p2p: ring attention (Megatron); a2a: Ulysses (DeepSpeed)
 
     @classmethod
     def of(cls, par: Parallel, *, ckpt: bool = False, sel: bool = False) -> "Strategy":
         """The intra-stage strategy of a uniform configuration ``par`` (every layer alike)."""
-        return cls(tp=par.tp, dp=par.dp, zero=par.zero, ckpt=ckpt, sp=par.sequence_parallel, sel=sel)
+        return cls(tp=par.tp, dp=par.dp, zero=par.zero, ckpt=ckpt, sp=par.sequence_parallel, sel=sel,
+                   ep=par.ep, etp=0 if par.etp == par.tp else par.etp, cp=par.cp, cp_comm=par.cp_comm)
 
     @property
     def n(self) -> int:
-        return self.tp * self.dp
+        """Devices of the stage group: tp * cp * dp."""
+        return self.tp * self.dp * self.cp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert-data-parallel degree: the stage's ranks regrouped as etp * ep * expert_dp."""
+        return self.n // (self.ep * self.expert_tp)
 
     @property
     def sdp(self) -> bool:
@@ -53,6 +72,8 @@ class Strategy(NamedTuple):
         tp = f"TP{self.tp}" if self.tp > 1 else ""
         parts = [tp, data] if self.tp_outer else [data, tp]
         s = "+".join(p for p in parts if p) or "1 device"
+        s += (f"+CP{self.cp}" + ("(a2a)" if self.cp_comm == "a2a" else "") if self.cp > 1 else "") + \
+            (f"+EP{self.ep}" if self.ep > 1 else "") + (f"/ETP{self.etp}" if self.ep > 1 and self.expert_tp != self.tp else "")
         return s + ("+SP" if self.sp and self.tp > 1 else "") + ("+CKPT" if self.ckpt else
                                                                  "+SEL" if self.sel else "")
 
@@ -64,7 +85,7 @@ class Strategy(NamedTuple):
 
     def data_index(self) -> np.ndarray:
         """Batch shard held by each local rank of the stage group (§1.4)."""
-        r = np.arange(self.n)
+        r = np.arange(self.tp * self.dp)       # one context-parallel slice of the stage
         return r % self.dp if self.tp_outer else r // self.tp
 
 
@@ -109,7 +130,8 @@ class CostModel:
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str = "bf16",
                  runtime: str = "any", overlap_grad_reduce: bool | None = None,
-                 overlap_tp_comm: bool | None = None, execution: "Execution | str | None" = None):
+                 overlap_tp_comm: bool | None = None, execution: "Execution | str | None" = None,
+                 moe_imbalance: float = MOE_IMBALANCE):
         from ..spec import SpecError
         if precision not in PRECISIONS:
             raise SpecError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -125,6 +147,10 @@ class CostModel:
         self.dims = Dims.of(model) if self.gpu is not None else None
         self.net = Network(cluster)
         self.gamma = cluster.overlap_slowdown
+        if not moe_imbalance >= 1.0:
+            raise SpecError(f"moe_imbalance must be >= 1 (tokens of the busiest expert rank over "
+                            f"the mean), got {moe_imbalance!r}")
+        self.moe_imbalance = float(moe_imbalance)
         # unit types: 0 = pre, 1 = post, 2.. distinct blocks
         blocks = model.type_ids
         self.units: list[LayerSpec] = [model.pre, model.post]
@@ -132,6 +158,9 @@ class CostModel:
             if t + 2 >= len(self.units):
                 self.units.append(model.layers[i])
         self.block_types = np.array([t + 2 for t in blocks], dtype=np.int64)
+        shapes = [u.shape for u in self.units if u.shape is not None]
+        self.num_experts = max((b.experts for b in shapes), default=0)   # routed, per MoE layer
+        self._heads = [(b.heads, b.kv) for b in shapes]
         self._cache: dict = {}
         self._relayout: dict = {}
         self._times: dict = {}
@@ -154,61 +183,143 @@ class CostModel:
         net, ex = self.net, self.execution
         gcb = grad_bytes(ex, self.precision, cb)
         for j, s in enumerate(strategies):
-            t, d, z = s.tp, s.dp, s.zero
+            t, d, z, cp, ep = s.tp, s.dp, s.zero, s.cp, s.ep
             b = B_m / d
-            if B_m % d:
+            if B_m % d or not self.admits(s):
                 allowed[:, j] = False
-            pb, gb, obytes = state_bytes(self.precision, z, d, self.runtime)
-            opt_share = local_optimizer_fraction(z, d, self.precision, self.runtime)
+            # a context-parallel rank does the work of b / cp whole samples (compute.block_times)
+            bc = b / cp
+            # dense parameters are replicated over the dp x cp ranks of a tensor-parallel rank
+            # (Megatron's dp-cp group, stride t); routed experts are split ep x etp and
+            # replicated over the expert-data-parallel group (stride etp * ep)
+            etp = s.expert_tp
+            split = ep > 1 or etp != t
+            dd, ed = d * cp, s.expert_dp
+            pb, gb, obytes = state_bytes(self.precision, z, dd, self.runtime)
+            opt_share = local_optimizer_fraction(z, dd, self.precision, self.runtime)
+            pe, ge, oe = state_bytes(self.precision, z, ed, self.runtime)
+            opt_e = local_optimizer_fraction(z, ed, self.precision, self.runtime)
             # sequence parallelism (Korthikanti et al. 2022 §4.2.2): the activations TP keeps
             # replicated (LayerNorm/dropout inputs, residuals), the layer input kept by CKPT and
             # the pipeline send ([s/t, b, h]) are split along the sequence over the t ranks
             q = t if s.sp and t > 1 else 1
             for i, u in enumerate(self.units):
-                W = u.params / t
+                We = u.expert_params if split else 0.0
+                W, Wx = (u.params - We) / t, We / (ep * etp)
                 sel = s.sel and not s.ckpt and u.checkpointable
                 act = (u.act_rep / q + (u.act_tp - (attention_score_bytes(self.dims, u) if sel else 0.0)) / t) * ab
                 x = u.boundary * ab / q
                 ck = s.ckpt and u.checkpointable
                 if s.ckpt and not u.checkpointable:
                     allowed[i, j] = False
-                ms[i, j] = W * (pb + gb + obytes)
-                f1[i, j] = b * (x if ck else act)
-                ob[i, j] = (b * act if ck else 0.0) + (W * 2 * cb if z == 3 else 0.0)
-                k = self.unit_times(u, b, t, s.sp)
+                ms[i, j] = W * (pb + gb + obytes) + Wx * (pe + ge + oe)
+                f1[i, j] = bc * (x if ck else act)
+                k = self.unit_times(u, bc, t, s.sp, ep, etp)
+                c_f, c_b, buf = self.parallel_comm(u, s, bc, ab)
+                ob[i, j] = (bc * act if ck else 0.0) + ((W + Wx) * 2 * cb if z == 3 else 0.0) + buf
                 # with SP each all-reduce is a reduce-scatter + all-gather of the same tensor
                 # (§4.2.2): 2 (t-1)/t X / BW, a ring all-reduce's own two phases, so t_AR stands
-                A_tp = u.tp_allreduces * net.all_reduce(b * u.boundary * ab, t, s.tp_stride()) if t > 1 else 0.0
-                ds = s.dp_stride()
-                X, Xg = W * cb, W * gcb          # parameters / gradients on the wire
-                g_f = net.all_gather(X, d, ds) if z == 3 else 0.0
-                g_b = (net.all_gather(X, d, ds) + net.reduce_scatter(Xg, d, ds)) if z == 3 else \
-                    (net.reduce_scatter(Xg, d, ds) if z == 2 else 0.0)
-                g_sync = {0: net.all_reduce(Xg, d, ds),
-                          1: net.all_reduce(Xg, d, ds) if ex.full_allreduce else net.reduce_scatter(Xg, d, ds),
-                          2: 0.0, 3: 0.0}[z]
+                A_tp = u.tp_allreduces * net.all_reduce(bc * u.boundary * ab, t, s.tp_stride()) if t > 1 else 0.0
+                g_f, g_b, g_sync, gather = (a + e for a, e in zip(
+                    self._data_comm(W * cb, W * gcb, dd, s.dp_stride(), z),
+                    self._data_comm(Wx * cb, Wx * gcb, ed, etp * ep, z)))
                 # after the step: ZeRO-1/2 gather the updated parameters (hidden behind the next
                 # forward with Megatron's --overlap-param-gather); the Adam step itself streams
                 # the rank's optimizer shard through HBM (memory-bound)
-                gather = net.all_gather(X, d, ds) if z in (1, 2) and not ex.param_gather_overlap else 0.0
-                tail = gather + self.step_time(W * opt_share)
-                k_comp = k.bwd + (k.fwd if ck else k.attn if sel else 0.0)   # recompute replays
+                tail = gather + self.step_time(W * opt_share + Wx * opt_e)
+                k_comp = k.bwd + (k.fwd + c_f if ck else k.attn if sel else 0.0)   # recompute replays
                 # Megatron overlaps the backward TP all-reduce of the column-parallel input
                 # gradient with their weight-gradient GEMMs; CKPT repeats the forward's
                 k_tp = (self.ov(A_tp, k.wcol) - k.wcol if k.wcol and self.overlap_tp_comm else A_tp) + \
                     (A_tp if ck else 0.0)
-                base = self.ov(k_comp, g_b) + k_tp
+                base = self.ov(k_comp, g_b) + k_tp + c_b
                 # FSDP prefetches the next layer's all-gather behind this layer's forward
-                fwd[i, j] = (self.ov(k.fwd, g_f) if ex.zero3_prefetch else k.fwd + g_f) + A_tp
+                fwd[i, j] = (self.ov(k.fwd, g_f) if ex.zero3_prefetch else k.fwd + g_f) + A_tp + c_f
                 bwd_ns[i, j] = base
-                bwd[i, j] = (self.ov(k_comp, g_sync + g_b) + k_tp if self.overlap_grad_reduce
+                bwd[i, j] = (self.ov(k_comp, g_sync + g_b) + k_tp + c_b if self.overlap_grad_reduce
                              else base + g_sync) + tail
                 wg[i, j] = k.wgrad
-                p2p[i, j] = self.p2p_time(b * u.boundary * ab, t, q, s)
+                p2p[i, j] = self.p2p_time(bc * u.boundary * ab, t, q, s)
         R = self._relayout_times(tuple(strategies), B_m, ab)
         res = LayerTables(list(strategies), ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, R, allowed)
         self._cache[key] = res
         return res
+
+    def _data_comm(self, X: float, Xg: float, d: int, stride: int, z: int) -> tuple:
+        """(forward all-gather, backward collectives, gradient sync, post-step all-gather)
+        seconds of parameters of ``X`` bytes (gradients ``Xg``) replicated over a data group of
+        ``d`` ranks spaced ``stride`` apart, at ZeRO stage ``z``."""
+        net, ex = self.net, self.execution
+        if d <= 1 or X <= 0:
+            return 0.0, 0.0, 0.0, 0.0
+        g_f = net.all_gather(X, d, stride) if z == 3 else 0.0
+        g_b = (net.all_gather(X, d, stride) + net.reduce_scatter(Xg, d, stride)) if z == 3 else \
+            (net.reduce_scatter(Xg, d, stride) if z == 2 else 0.0)
+        g_sync = {0: net.all_reduce(Xg, d, stride),
+                  1: net.all_reduce(Xg, d, stride) if ex.full_allreduce else net.reduce_scatter(Xg, d, stride),
+                  2: 0.0, 3: 0.0}[z]
+        gather = net.all_gather(X, d, stride) if z in (1, 2) and not ex.param_gather_overlap else 0.0
+        return g_f, g_b, g_sync, gather
+
+    def admits(self, s: Strategy) -> bool:
+        """Expert and context parallelism the model can take: ep divides the routed experts
+        (dense models: ep = 1, etp = tp); cp on decoder-only models with the sequence a
+        multiple of 2 cp (Megatron's causal load balancing); Ulysses (a2a) with the query and
+        key/value heads divisible by tp * cp (Jacobs et al. 2023 §3.1)."""
+        E = self.num_experts
+        if E > 1 and (s.ep < 1 or E % s.ep) or E <= 1 and (s.ep > 1 or s.expert_tp != s.tp):
+            return False
+        if s.n % (s.ep * s.expert_tp):
+            return False
+        if s.cp > 1:
+            if self.model.arch not in ("gpt", "llama") or self.model.seq_len % (2 * s.cp):
+                return False
+            g = s.tp * s.cp
+            if s.cp_comm == "a2a" and any(q % g or kv % g for q, kv in self._heads):
+                return False
+        return True
+
+    def parallel_comm(self, u: LayerSpec, s: Strategy, bc: float, ab: float) -> tuple:
+        """(forward, backward, transient buffer bytes) of unit ``u``'s expert and context
+        parallel communication for ``bc`` samples' worth of work per rank.
+
+        Experts (Megatron's alltoall dispatcher): each MoE layer dispatches and combines the
+        rank's token copies (T topk / t tokens of h, the busiest rank ``moe_imbalance`` times
+        the mean) by all-to-all over the ep ranks spaced etp apart, forward and backward; with
+        etp > 1 the received tokens are all-gathered / reduce-scattered over the etp ranks.
+        Context (ring attention, Megatron's --cp-comm-type p2p): cp - 1 ring steps pass the
+        K, V blocks forward (K, V and their gradients backward), overlapped with the attention
+        kernels; Ulysses (a2a): Q, K, V to head sharding and the output back, forward and
+        backward, not overlapped.  Buffers: the all-to-all send/receive tensors, the ring's
+        two receive blocks."""
+        if u.kind != "block" or (s.ep == 1 and s.cp == 1):
+            return 0.0, 0.0, 0.0
+        net, t, cp = self.net, s.tp, s.cp
+        f = b = buf = 0.0
+        tok = bc * u.boundary * ab             # the rank's token tensor [T, h], 2-byte elements
+        blk = u.shape
+        if u.expert_params and s.ep > 1:
+            X = tok * blk.topk / t * self.moe_imbalance
+            etp = s.expert_tp
+            a2a = 2 * net.all_to_all(X, s.ep, etp)
+            if etp > 1:
+                a2a += 2 * net.all_gather(X * etp, etp, 1)
+            f, b, buf = f + a2a, b + a2a, buf + 2 * X
+        if cp > 1 and blk is not None:
+            kv = tok * blk.kv * (blk.qk_dim + blk.v_dim) / blk.h / t      # K and V of the rank's tokens
+            k = self.unit_times(u, bc, t, s.sp, s.ep, s.expert_tp)
+            if s.cp_comm == "p2p":
+                attn_b = k.attn * (k.bwd / k.fwd if k.fwd else 2.0)
+                cf = (cp - 1) * net.ring_step(kv, cp, t)
+                cb_ = (cp - 1) * net.ring_step(2 * kv, cp, t)
+                f += self.ov(k.attn, cf) - k.attn
+                b += self.ov(attn_b, cb_) - attn_b
+                buf += 2 * kv
+            else:
+                qkv, out = tok / t + kv, tok / t
+                a2a = net.all_to_all(qkv, cp, t) + net.all_to_all(out, cp, t)
+                f, b, buf = f + a2a, b + a2a, buf + qkv + out
+        return f, b, buf
 
     def _relayout_times(self, strategies: tuple, B_m: int, ab: float) -> np.ndarray:
         """R[type, s', s]: re-layout before each layer type (§2.5), activations only: an
@@ -227,19 +338,23 @@ class CostModel:
                 R[i, a, c] = (g - 1) / g * B_m * u.boundary * ab * frac / bw + lat
         return R
 
-    def unit_times(self, u: LayerSpec, b: float, t: int, sp: bool) -> UnitTimes:
-        """Compute seconds of unit ``u`` for ``b`` samples at TP ``t``: from the work's shape on
-        a known GPU kind (cost/compute.py); otherwise (profiled models, GPU kinds without data)
-        FLOPs at the cluster's constant rate with a 2x backward (planner-galvatron.md §2.1).
-        Memoised: strategies that differ only in ZeRO stage or recompute share the kernels."""
-        key = (u, b, t, sp)
+    def unit_times(self, u: LayerSpec, b: float, t: int, sp: bool, ep: int = 1,
+                   etp: int | None = None) -> UnitTimes:
+        """Compute seconds of unit ``u`` for ``b`` samples at TP ``t`` (experts at ``ep`` x
+        ``etp``): from the work's shape on a known GPU kind (cost/compute.py); otherwise
+        (profiled models, GPU kinds without data) FLOPs at the cluster's constant rate with a
+        2x backward (planner-galvatron.md §2.1).  Memoised: strategies that differ only in
+        ZeRO stage or recompute share the kernels."""
+        etp = t if etp is None else etp
+        key = (u, b, t, sp, ep, etp) if u.expert_params else (u, b, t, sp)
         if key not in self._times:
-            self._times[key] = self._unit_times(u, b, t, sp)
+            self._times[key] = self._unit_times(u, b, t, sp, ep, etp)
         return self._times[key]
 
-    def _unit_times(self, u: LayerSpec, b: float, t: int, sp: bool) -> UnitTimes:
+    def _unit_times(self, u: LayerSpec, b: float, t: int, sp: bool, ep: int = 1,
+                    etp: int | None = None) -> UnitTimes:
         if self.dims is not None:
-            k = unit_times(self.gpu, self.dims, u, b, t, sp)
+            k = unit_times(self.gpu, self.dims, u, b, t, sp, ep, etp, self.moe_imbalance)
             if k is not None:
                 return k
             F = b * u.flops / (t * self.gpu.mamf_tflops * self.gpu.sustained * 1e12)

@@ -39,6 +39,11 @@ def ds_config(plan: Plan) -> dict:
         cfg["bf16"] = {"enabled": True}
     elif plan.precision == "fp16":
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    if par.cp > 1:
+        # DeepSpeed-Ulysses (deepspeed.sequence.layer.DistributedAttention): DeepSpeedConfig
+        # reads this key only to size the data-parallel world when no mpu is given; the
+        # engine's degree is that of the sequence-parallel process group (docs/planner.md §2.7)
+        cfg["sequence_parallel_size"] = par.cp
     if par.zero >= 1:
         cfg["zero_optimization"].update({"overlap_comm": True, "contiguous_gradients": True})
     return cfg

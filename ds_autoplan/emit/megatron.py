@@ -59,6 +59,8 @@ def megatron_config(plan: Plan, model=None) -> dict:
         "global_batch_size": plan.global_batch_size,
         "num_microbatches": par.num_microbatches,
         "data_parallel_size": par.dp,
+        "context_parallel_size": par.cp,
+        "cp_comm_type": par.cp_comm if par.cp > 1 else None,
         "use_distributed_optimizer": par.zero >= 1,
         "bf16": plan.precision == "bf16", "fp16": plan.precision == "fp16",
     }
@@ -70,6 +72,9 @@ def megatron_config(plan: Plan, model=None) -> dict:
                     "ffn_hidden_size": int(m.config.get("ffn", 4 * m.hidden)),
                     "seq_length": m.seq_len, "vocab_size": m.vocab,
                     "gated_linear_unit": bool(blk is not None and blk.gated), **_architecture(m)})
+        if cfg.get("num_moe_experts"):          # experts: Megatron-core's EP x ETP layout
+            cfg.update({"expert_model_parallel_size": par.ep, "expert_tensor_parallel_size": par.etp,
+                        "moe_token_dispatcher_type": "alltoall"})
     counts = megatron_stage_counts(plan)
     if plan.pp > 1 and counts is not None:
         cfg["pipeline_model_parallel_layout"] = layout_string(counts)
@@ -317,6 +322,13 @@ def megatron_args(plan: Plan, model=None) -> list[str]:
                  f"{c['microbatch_group_size_per_vp_stage']}")
     if c["sequence_parallel"]:
         a.append("--sequence-parallel")
+    if c["context_parallel_size"] > 1:
+        a += [f"--context-parallel-size {c['context_parallel_size']}",
+              f"--cp-comm-type {c['cp_comm_type']}"]
+    if c.get("moe_token_dispatcher_type"):
+        a += [f"--expert-model-parallel-size {c['expert_model_parallel_size']}",
+              f"--expert-tensor-parallel-size {c['expert_tensor_parallel_size']}",
+              f"--moe-token-dispatcher-type {c['moe_token_dispatcher_type']}"]
     if c["use_distributed_optimizer"]:
         a.append("--use-distributed-optimizer")
     if c["recompute_granularity"]:

@@ -6,14 +6,17 @@ from ..spec import SpecError
 
 RECOMPUTE = {"auto": "dp", "none": "none", "full": "full", "selective": "selective"}
 SP = {"on": "on", "off": "off", "auto": "auto", "true": "on", "false": "off", "1": "on", "0": "off"}
-INT_KEYS = {"tp", "pp", "dp", "mbs", "zero", "v"}
-KEYS = INT_KEYS | {"schedule", "recompute", "sp"}
+INT_KEYS = {"tp", "pp", "dp", "mbs", "zero", "v", "ep", "etp", "cp"}
+KEYS = INT_KEYS | {"schedule", "recompute", "sp", "cp_comm"}
 ALIASES = {"micro_batch_size": "mbs", "micro-batch": "mbs", "zero_stage": "zero", "chunks": "v",
-           "sequence_parallel": "sp"}
+           "sequence_parallel": "sp", "cp-comm": "cp_comm", "cp_comm_type": "cp_comm"}
+CP_COMM = ("p2p", "a2a")
 
 
 def parse_fix(text: str | dict | None) -> dict:
-    """``'tp=8,pp=8,mbs=1,zero=1,schedule=interleaved,v=3,recompute=full,sp=on'`` -> dict.
+    """``'tp=8,pp=8,mbs=1,zero=1,schedule=interleaved,v=3,recompute=full,sp=on'`` -> dict;
+    also ``ep`` (expert parallelism), ``etp`` (expert TP), ``cp`` (context parallelism) and
+    ``cp_comm`` (p2p: ring attention; a2a: Ulysses).
     recompute: auto (the planner's per-stage choice), none, full (every block, even split,
     1F1B as Megatron's --recompute-granularity full), selective (the attention core of every
     layer, Megatron's --recompute-granularity selective)."""
@@ -35,6 +38,10 @@ def parse_fix(text: str | dict | None) -> dict:
         elif k == "recompute":
             if v not in RECOMPUTE:
                 raise SpecError(f"--fix: recompute must be one of {', '.join(RECOMPUTE)}, got {v!r}")
+            out[k] = v
+        elif k == "cp_comm":
+            if v not in CP_COMM:
+                raise SpecError(f"--fix: cp_comm must be p2p (ring attention) or a2a (Ulysses), got {v!r}")
             out[k] = v
         elif k == "sp":
             if v not in SP:
@@ -64,6 +71,10 @@ def _takes_chunks(schedule: str | None) -> bool:
 def describe(s: dict) -> str:
     """One line for a plan summary (``Candidate.summary``)."""
     v = f" v={s['chunks']}" if s.get("chunks", 1) > 1 else ""
+    if s.get("ep", 1) > 1:
+        v += f" ep={s['ep']}" + (f" etp={s['etp']}" if s["etp"] != s["tp"] else "")
+    if s.get("cp", 1) > 1:
+        v += f" cp={s['cp']} ({'ring' if s['cp_comm'] == 'p2p' else 'Ulysses'})"
     return (f"pp={s['pp']} tp={s['tp']}{'+sp' if s['sequence_parallel'] else ''} dp={s['dp']} "
             f"ZeRO-{s['zero_stage']} {s['schedule']}{v} micro-batch {s['micro_batch_size']} x "
             f"{s['num_microbatches']}, recompute "
@@ -83,6 +94,10 @@ def reasons(mine: dict, best: dict) -> list[str]:
     if best["micro_batch_size"] > mine["micro_batch_size"]:
         out.append(f"micro-batch {best['micro_batch_size']} instead of {mine['micro_batch_size']} "
                    f"(fewer, larger steps)")
+    for k, what, why in (("ep", "expert parallel", "less token all-to-all"),
+                         ("cp", "context parallel", "fewer KV exchanges")):
+        if best.get(k, 1) < mine.get(k, 1):
+            out.append(f"{what} {best[k]} instead of {mine[k]} ({why})")
     if best["zero_stage"] < mine["zero_stage"]:
         out.append(f"ZeRO-{best['zero_stage']} instead of ZeRO-{mine['zero_stage']} (less gradient traffic)")
     return out or ["a better balance of stages and communication on the same cost model"]

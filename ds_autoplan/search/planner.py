@@ -14,7 +14,7 @@ import numpy as np
 
 from ..cost.engines import error_band
 from ..cost.memory import usable_budget
-from ..cost.model import CostModel, Strategy
+from ..cost.model import MOE_IMBALANCE, CostModel, Strategy
 from ..plan import Plan
 from ..spec import SpecError
 from ..spec.cluster import GB, ClusterSpec, load_cluster
@@ -29,6 +29,10 @@ from .space import divisors, strategies as wide_strategies
 
 
 SP_MODES = ("auto", "on", "off")
+# context parallelism is searched where every CP rank still keeps at least this many tokens
+# [decision: below 8K tokens per rank TP + SP already split the activations and CP's ring
+# steps only add latency; 128K tokens: cp up to 16]
+CP_MIN_TOKENS = 8192
 
 
 @dataclass
@@ -93,6 +97,7 @@ class Candidate:
     def summary(self, B: int, seq: int) -> dict:
         return {"name": self.name, "pp": self.pp, "tp": self.tp, "dp": self.dp, "zero_stage": self.zero,
                 "micro_batch_size": self.B_m // self.dp if self.dp else 0, "num_microbatches": self.m,
+                "ep": self.par.ep, "etp": self.par.etp, "cp": self.par.cp, "cp_comm": self.par.cp_comm,
                 "sequence_parallel": self.sp, "selective_recompute": self.selective,
                 "schedule": self.schedule, "partitioner": self.partitioner,
                 "chunks": chunks_per_rank(self.schedule, self.parts, self.pp) or 1,
@@ -124,7 +129,7 @@ class Planner:
                  allow_zero: tuple = (0, 1, 2, 3), progress: bool = False,
                  pp: int | None = None, tp: int | None = None, sequence_parallel: str = "auto",
                  fix: dict | str | None = None, runtime: str = "any", headroom_gb: float | None = None,
-                 execution=None):
+                 execution=None, moe_imbalance: float = MOE_IMBALANCE):
         self.fix = fx = parse_fix(fix)
         pp, tp = _merge_fix(fx, "pp", pp), _merge_fix(fx, "tp", tp)
         sequence_parallel = fx.get("sp", sequence_parallel)
@@ -136,10 +141,12 @@ class Planner:
                 raise SpecError(f"--fix: unknown schedule {fx['schedule']!r}; choose from {', '.join(names())}")
             schedules = [fx["schedule"]]
         self.ckpt = RECOMPUTE[fx.get("recompute", "auto")]
+        self.cp_comm = fx.get("cp_comm", "a2a" if runtime == "deepspeed" else "p2p")
         self.chunks = fx.get("v")
         self.model, self.cluster, self.B = model, cluster, int(global_batch)
         self.E, self.headroom_gb = usable_budget(cluster, budget_gb, headroom_gb)
-        self.cm = CostModel(model, cluster, precision, runtime, execution=execution)
+        self.cm = CostModel(model, cluster, precision, runtime, execution=execution,
+                            moe_imbalance=moe_imbalance)
         self.precision, self.units = precision, units
         # the user's names must all exist (one line naming the builders); the default list
         # keeps the registered ones
@@ -174,6 +181,7 @@ class Planner:
             if not self.tps:
                 raise SpecError(f"sequence parallelism 'on' needs tensor parallelism (tp > 1), but "
                                 f"tp={tp or 1} is the only degree possible here; use 'auto' or 'off'")
+        self.eps, self.cps = self._expert_degrees(), self._context_degrees()
         self._ctx: dict = {}
         self._seq = np.concatenate([[0], self.cm.block_types, [1]])
         self.max_mbs = self.micro_batch_bound()
@@ -182,14 +190,50 @@ class Planner:
     def micro_batch_bound(self) -> int:
         """The largest micro-batch per device any plan could hold: even its leanest layout
         (the widest TP with sequence parallelism, every layer recomputed: a layer keeps only
-        its input) spread over the deepest pipeline keeps ``total / P`` bytes per sample on
-        some device.  Micro-batches are enumerated up to it, so the search's work does not
-        grow with the global batch."""
+        its input) spread over the deepest pipeline and the widest context split keeps
+        ``total / (P cp)`` bytes per sample on some device.  Micro-batches are enumerated up
+        to it, so the search's work does not grow with the global batch."""
         lean = Strategy(max(self.tps), 1, ckpt=True, sp=max(self.tps) > 1)
-        per_sample = float(self.cm.tables([lean], 1).f1[self._seq, 0].sum()) / max(self.pp_degrees())
+        per_sample = float(self.cm.tables([lean], 1).f1[self._seq, 0].sum()) / \
+            (max(self.pp_degrees()) * max(self.cps))
         if per_sample <= 0:
             return self.B
         return max(1, min(self.B, int(self.E // per_sample)))
+
+    def _expert_degrees(self) -> list[int]:
+        """Expert-parallel degrees: divisors of the routed experts (1 for a dense model)."""
+        E = self.cm.num_experts
+        eps = divisors(E) if E > 1 else [1]
+        if "ep" in self.fix and self.fix["ep"] not in eps:
+            raise SpecError(f"--fix ep={self.fix['ep']}: expert parallelism must divide the model's "
+                            f"{E} routed experts; choose from {eps}" if E > 1 else
+                            f"--fix ep={self.fix['ep']}: {self.model.name} has no experts (ep=1)")
+        return [self.fix["ep"]] if "ep" in self.fix else eps
+
+    def _context_degrees(self) -> list[int]:
+        """Context-parallel degrees searched: 1, and for decoder-only models the degrees that
+        keep :data:`CP_MIN_TOKENS` tokens per rank with the sequence a multiple of 2 cp."""
+        m, s = self.model, self.model.seq_len
+        ok = [c for c in divisors(self.N) if c == 1 or (
+            m.arch in ("gpt", "llama") and s % (2 * c) == 0 and s // c >= CP_MIN_TOKENS)]
+        if "cp" not in self.fix:
+            return ok
+        c = self.fix["cp"]
+        if c > 1 and (m.arch not in ("gpt", "llama") or s % (2 * c) or self.N % c):
+            raise SpecError(f"--fix cp={c}: context parallelism needs a decoder-only model whose "
+                            f"sequence ({s}) is a multiple of 2 cp and cp dividing the {self.N} devices")
+        return [c]
+
+    def _expert_layouts(self, t: int, n: int, eps=None):
+        """(ep, etp) pairs for TP ``t`` on a stage of ``n`` ranks: expert TP 1 or t (Megatron's
+        default), ep x etp dividing the stage."""
+        etps = [self.fix["etp"]] if "etp" in self.fix else list(dict.fromkeys((t, 1)))
+        if len(self.eps) == 1 and self.eps[0] == 1 and "etp" not in self.fix:
+            etps = [t]                  # dense: no expert layers
+        for ep in eps or self.eps:
+            for et in etps:
+                if n % (ep * et) == 0:
+                    yield ep, et
 
     def pp_degrees(self) -> list[int]:
         """Pipeline degrees: divisors of the world size, at most one block per stage (uneven
@@ -203,7 +247,7 @@ class Planner:
             self._ctx[key] = Context(self.cm, list(strats), P, m, B_m, self.E, self.units)
         return self._ctx[key]
 
-    def combos(self, pps=None, tps=None, zeros=None):
+    def combos(self, pps=None, tps=None, zeros=None, eps=None, cps=None):
         """The executable space as :class:`Parallel` configurations (chunks decided later by
         the schedule): DeepSpeed's pipeline engine takes ZeRO 0/1 only with pp > 1
         (docs/planner.md); any micro-batch per GPU dividing the batch share of a data-parallel
@@ -213,27 +257,33 @@ class Planner:
         for P in pps or self.pps or self.pp_degrees():
             n = self.N // P
             for t in tps or self.tps:
-                if n % t:
-                    continue
-                d = n // t
-                for z in zeros or self.allow_zero:
-                    if (P > 1 and z > 1) or (d == 1 and z > 0):
+                for cp in cps or self.cps:
+                    if n % (t * cp):
                         continue
+                    d = n // (t * cp)
                     if self.B % d or self.fix.get("dp", d) != d:
                         continue
-                    for b in divisors(self.B // d, upto=self.max_mbs):
-                        if self.fix.get("mbs", b) != b:
-                            continue
-                        m = self.B // (b * d)
-                        if P > 1 and m < P:
-                            continue
-                        yield self.config(tp=t, pp=P, dp=d, zero=z, micro_batch=b,
-                                          num_microbatches=m)
+                    for ep, etp in self._expert_layouts(t, n, eps):
+                        yield from self._batch_splits(P, t, d, cp, ep, etp, zeros)
+
+    def _batch_splits(self, P, t, d, cp, ep, etp, zeros):
+        for z in zeros or self.allow_zero:
+            if (P > 1 and z > 1) or (d * cp == 1 and z > 0):
+                continue
+            for b in divisors(self.B // d, upto=self.max_mbs):
+                if self.fix.get("mbs", b) != b:
+                    continue
+                m = self.B // (b * d)
+                if P > 1 and m < P:
+                    continue
+                yield self.config(tp=t, pp=P, dp=d, cp=cp, ep=ep, etp=etp, zero=z, micro_batch=b,
+                                  num_microbatches=m)
 
     def config(self, **degrees) -> Parallel:
         """A configuration of this planner's space (keywords as :class:`Parallel`), with
         sequence parallelism as the planner's mode sets it (on whenever tp > 1 unless 'off')."""
-        return Parallel(sp=degrees.get("tp", 1) > 1 and self.sp != "off", **degrees)
+        comm = self.cp_comm if degrees.get("cp", 1) > 1 else "p2p"     # no CP: no exchange
+        return Parallel(sp=degrees.get("tp", 1) > 1 and self.sp != "off", cp_comm=comm, **degrees)
 
     def exec_strats(self, c: Parallel, sel: bool = False):
         """The two strategies of an executable config (without / with CKPT)."""
@@ -429,28 +479,37 @@ class Planner:
         Galvatron without BMW (even split, per-layer CKPT), all on this cost model."""
         out = {}
         p1 = dict(ckpt="none", schedules=[])
-        out["pure DP"] = self.best_of("pure DP", self.combos([1], [1], [0]), **p1)
-        out["ZeRO-3"] = self.best_of("ZeRO-3", self.combos([1], [1], [3]), **p1)
+        plain = dict(eps=[1], cps=[1])     # no expert or context parallelism
+        out["pure DP"] = self.best_of("pure DP", self.combos([1], [1], [0], **plain), **p1)
+        out["ZeRO-3"] = self.best_of("ZeRO-3", self.combos([1], [1], [3], **plain), **p1)
         mg = None
         for kw in (dict(ckpt="full"), dict(ckpt="none", partitioner="even", schedules=["1f1b"])):
             c = self.best_of("Megatron 3D", self.combos(zeros=[0]), **kw)
             if c and (mg is None or c.time < mg.time):
                 mg = c
         out["Megatron 3D"] = mg
-        out["DeepSpeed autotuning"] = self.best_of("DeepSpeed autotuning", self.combos([1], [1]), **p1)
+        out["DeepSpeed autotuning"] = self.best_of("DeepSpeed autotuning", self.combos([1], [1], **plain), **p1)
         out["Galvatron (no BMW)"] = self.best_of("Galvatron (no BMW)", self.combos(),
                                                  partitioner="even", schedules=["1f1b"])
         return out
 
-    def wide_strategies(self, n: int) -> list[Strategy]:
+    def wide_strategies(self, n: int, par: Parallel | None = None) -> list[Strategy]:
         """Galvatron-BMW's per-layer set for a stage group of ``n`` devices (decision trees,
         CKPT) plus ZeRO-1 and ZeRO-2 data parallelism (Galvatron's DP is ZeRO-2) where the
-        user allows them: the executable data-parallel layouts are all in it."""
+        user allows them: the executable data-parallel layouts are all in it.  Expert and
+        context parallelism are one per model (Megatron-core builds one EP and CP group): the
+        trees split the n / cp ranks of one context slice, with ``par``'s ep, etp and cp."""
+        cp = par.cp if par is not None else 1
+        if n % cp:
+            return []
+        extra = {} if par is None else dict(ep=par.ep, etp=0 if par.etp == par.tp else par.etp,
+                                            cp=cp, cp_comm=par.cp_comm)
         out = []
-        for s in wide_strategies(n, max_tp=max(self.tps)):
+        for s in wide_strategies(n // cp, max_tp=max(self.tps)):
             if s.tp not in self.tps:
                 continue
-            zs = [z for z in (1, 2) if z in self.allow_zero] if s.dp > 1 and s.zero == 0 else []
+            s = s._replace(**extra)
+            zs = [z for z in (1, 2) if z in self.allow_zero] if s.dp * cp > 1 and s.zero == 0 else []
             out += [s] + [s._replace(zero=z) for z in zs]
         return out
 
@@ -467,7 +526,7 @@ class Planner:
                 "base": None}
         cands = []
         for P in pps or self.pp_degrees():
-            S = self.wide_strategies(self.N // P)
+            S = self.wide_strategies(self.N // P, incumbent.par if incumbent is not None else None)
             # micro-batch of the whole stage group
             for B_m in divisors(self.B, upto=self.max_mbs * (self.N // P)):
                 m = self.B // B_m
@@ -516,7 +575,8 @@ class Planner:
     def admits(self, c: Candidate) -> bool:
         """``c`` lies in the space the user restricted (--pp/--tp/--sequence-parallel/--fix)."""
         want = dict(pp=c.pp, tp=c.tp, dp=c.dp, zero=c.zero, mbs=c.par.micro_batch, schedule=c.schedule,
-                    v=chunks_per_rank(c.schedule, c.parts, c.pp))
+                    v=chunks_per_rank(c.schedule, c.parts, c.pp), ep=c.par.ep, etp=c.par.etp,
+                    cp=c.par.cp, cp_comm=c.par.cp_comm)
         if any(self.fix.get(k, x) != x for k, x in want.items()):
             return False
         if self.pps and c.pp not in self.pps or c.tp not in self.tps:
@@ -591,7 +651,8 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
            world_size: int | None = None, profile: str | None = None, units: int = 512,
            max_tp: int | None = None, keep_sim: bool = True, pp: int | None = None,
            tp: int | None = None, sequence_parallel: str = "auto", fix=None,
-           runtime: str = "any", headroom_gb: float | None = None, execution=None) -> SearchResult:
+           runtime: str = "any", headroom_gb: float | None = None, execution=None,
+           moe_imbalance: float = MOE_IMBALANCE) -> SearchResult:
     """Plan ``model`` on ``cluster`` for ``global_batch``: the executable plan (never worse than
     the baselines on the same cost model), the baselines, the wide Galvatron-BMW result and
     the partitioner comparison.  ``pp``/``tp`` restrict the search to one degree;
@@ -615,7 +676,8 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
     pl = Planner(model, cluster, global_batch, precision=precision, budget_gb=budget_gb,
                  partitioner=partitioner, schedules=schedules, progress=progress, units=units,
                  max_tp=max_tp, pp=pp, tp=tp, sequence_parallel=sequence_parallel, fix=fix,
-                 runtime=runtime, headroom_gb=headroom_gb, execution=execution)
+                 runtime=runtime, headroom_gb=headroom_gb, execution=execution,
+                 moe_imbalance=moe_imbalance)
     if next(pl.combos(), None) is None:
         if pl.fix:
             raise SpecError(f"--fix {pl.fix}: no layout of {cluster.world_size} devices and global "

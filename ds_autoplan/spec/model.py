@@ -38,6 +38,12 @@ class LayerSpec:
         """Parameters one token goes through (MoE: the routed experts it is not sent to left out)."""
         return float(self.shape.active_params()) if self.shape is not None else self.params
 
+    @property
+    def expert_params(self) -> float:
+        """Routed-expert parameters (part of ``params``): what expert parallelism splits."""
+        b = self.shape
+        return float(b.experts * b.mlp_matrices(b.expert_ffn)) if b is not None and b.experts else 0.0
+
 
 @dataclass(frozen=True)
 class ModelSpec:

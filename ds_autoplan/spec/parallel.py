@@ -16,6 +16,11 @@ from dataclasses import dataclass, fields, replace
 from . import SpecError
 
 ZERO_STAGES = (0, 1, 2, 3)
+# context parallelism's communication: "p2p" Megatron's ring attention (KV blocks passed
+# around the ring, Liu et al. 2023 / Megatron-core's --cp-comm-type p2p); "a2a"
+# DeepSpeed-Ulysses (all-to-all from sequence to head sharding, Jacobs et al. 2023 §3;
+# Megatron-core's --cp-comm-type a2a)
+CP_COMM = ("p2p", "a2a")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,13 +31,15 @@ class Parallel:
     ``sp``: Megatron sequence parallelism (tp > 1 only); ``chunks``: model chunks (virtual
     stages) per pipeline rank; ``micro_batch``: samples per data-parallel rank per
     micro-batch; ``num_microbatches``: micro-batches per iteration (gradient accumulation);
-    ``etp``: None means Megatron's default, the dense tensor-parallel degree."""
+    ``etp``: None means Megatron's default, the dense tensor-parallel degree; ``cp_comm``:
+    how context parallelism exchanges (:data:`CP_COMM`)."""
     tp: int = 1
     pp: int = 1
     dp: int = 1
     ep: int = 1
     etp: int | None = None
     cp: int = 1
+    cp_comm: str = "p2p"
     zero: int = 0
     sp: bool = False
     chunks: int = 1
@@ -46,6 +53,8 @@ class Parallel:
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise SpecError(f"{k} must be a positive integer, got {v!r}")
+        if self.cp_comm not in CP_COMM:
+            raise SpecError(f"cp_comm must be one of {', '.join(CP_COMM)}, got {self.cp_comm!r}")
         if self.zero not in ZERO_STAGES:
             raise SpecError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if (self.tp * self.cp * self.dp) % (self.ep * self.etp):
