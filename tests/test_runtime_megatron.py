@@ -189,12 +189,18 @@ def test_split_spec_and_shim_restore():
     assert sa.linear_qkv is SplitColumnParallelLinear and sa.linear_proj is SplitRowParallelLinear
     mlp = spec.submodules.mlp.submodules
     assert mlp.linear_fc1 is SplitColumnParallelLinear and mlp.linear_fc2 is SplitRowParallelLinear
-    before = (torch.cuda.current_device, torch.cuda.synchronize)
+    from megatron.core.transformer.moe import token_dispatcher
+    before = (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.Stream,
+              torch.cuda.current_stream, token_dispatcher.maybe_move_tensor_to_cpu)
     if not torch.cuda.is_available():
         with cpu_shim(remap_cuda_factories=True):
             assert torch.zeros(2, device="cuda").device.type == "cpu"
             assert torch.cuda.current_device() == torch.device("cpu")
-    assert (torch.cuda.current_device, torch.cuda.synchronize) == before
+            # MoE dispatcher on the host: split sizes as numpy (all_to_all_single takes sizes)
+            sizes = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+            assert sizes.tolist() == [3, 1] and torch.cuda.Stream() is torch.cuda.current_stream()
+    assert (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.Stream,
+            torch.cuda.current_stream, token_dispatcher.maybe_move_tensor_to_cpu) == before
 
 
 def test_memory_ratio_of_v_schedules_in_simulator():
