@@ -188,7 +188,7 @@ def test_fix_and_cost_accept_expert_and_context_degrees(capsys):
 def test_expert_and_context_plans_emit_what_the_engines_accept(tmp_path):
     """Megatron-LM's own parser takes the EP/CP flags with the plan's sizes; DeepSpeed's
     config class takes sequence_parallel_size (Ulysses) with the data-parallel batch."""
-    from test_planner_space import CLIENT, _argcheck
+    from harness.megatron_args import CLIENT, argcheck
     moe = search(TOP1, H100x64, 512, **KW).plan
     cp = search("llama2-7b", H100x64, 64, 131072, **KW).plan
     flag_lists = []
@@ -202,7 +202,7 @@ def test_expert_and_context_plans_emit_what_the_engines_accept(tmp_path):
         assert Plan.from_json(p.to_json()) == p
     if not os.path.isdir(CLIENT):
         pytest.skip("Megatron-LM client copy not available")
-    out = _argcheck(tmp_path, flag_lists, 64)
+    out = argcheck(tmp_path, flag_lists, 64)
     assert out[0]["ok"] and out[1]["ok"], out
     assert (out[0]["ep"], out[0]["etp"], out[0]["experts"], out[0]["dispatcher"]) == \
         (moe.ep, moe.etp, 64, "alltoall")

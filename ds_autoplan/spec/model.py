@@ -41,8 +41,7 @@ class LayerSpec:
     @property
     def expert_params(self) -> float:
         """Routed-expert parameters (part of ``params``): what expert parallelism splits."""
-        b = self.shape
-        return float(b.experts * b.mlp_matrices(b.expert_ffn)) if b is not None and b.experts else 0.0
+        return float(self.shape.expert_params()) if self.shape is not None else 0.0
 
 
 @dataclass(frozen=True)
