@@ -72,7 +72,7 @@ def test_sigkill_at_every_point_of_a_save_leaves_the_previous_checkpoint(tmp_pat
                                                                          fault, same_tag):
     """Save tag t1 and ``latest``; a second save (the same tag again, or t2) is SIGKILLed at
     ``fault``: ``latest`` names a complete tag (t1's content, or the new one when the kill came
-    after its rename) and the next save clears the staging folder the kill left."""
+    after its rename) and the next save, of any tag, clears the staging folder the kill left."""
     def save(tag, content):
         cf.save_atomically(tmp_path / tag, lambda d: _write(d, content))
         cf.write_latest(tmp_path, tag)
@@ -88,8 +88,10 @@ def test_sigkill_at_every_point_of_a_save_leaves_the_previous_checkpoint(tmp_pat
         assert (tmp_path / "t2").exists() == renamed
         assert not renamed or (cf.verify(tmp_path / "t2") == [] and _contents(tmp_path / "t2") == {"new"})
     monkeypatch.delenv("DS_AUTOPLAN_CHECKPOINT_FAULT")
-    save(tag2, "third")
-    assert _contents(tmp_path / tag2) == {"third"} and _leftovers(tmp_path) == []
+    save("t3", "third")         # another tag: the killed save's staging folder is removed too
+    assert _contents(tmp_path / "t3") == {"third"} and _leftovers(tmp_path) == []
+    save(tag2, "fourth")
+    assert _contents(tmp_path / tag2) == {"fourth"} and _leftovers(tmp_path) == []
 
 
 def test_a_kill_between_the_two_renames_of_the_fallback_swap_keeps_the_old_copy(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ them leaves ``.<name>.autoplan-old`` which loading and the next save use) and re
 afterwards.  :func:`write_latest` replaces DeepSpeed's ``latest`` file atomically (temporary
 file, fsync, ``os.replace``).  A rank killed at any moment therefore leaves the previous
 checkpoint complete and ``latest`` naming a complete tag; the staging folder it leaves is
-removed by the next save into that parent (rank 0 holds an ``flock`` on its staging folder
+removed by the next save (of any tag) into that parent (rank 0 holds an ``flock`` on its staging folder
 while it saves, so a concurrent writer's folder is never taken for a stale one).
 
 Verifying.  :func:`verify` checks a folder against its manifest: a missing, truncated,
@@ -476,26 +476,29 @@ def _lock(path) -> tuple[int | None, bool]:
         return fd, False
 
 
-def _remove_stale(parent, name) -> None:
-    """Rank 0, before a save of ``parent/name``: remove staging folders of ``name`` that no
-    live save holds (a killed save's) and put back a copy a killed two-rename swap left
-    aside.  Only these hidden names of ours are touched."""
-    final = os.path.join(parent, name)
-    old = _aside(final)
-    if os.path.isdir(old):
-        if os.path.exists(final) or not os.path.isfile(os.path.join(old, MANIFEST)):
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(old, final)
-    _remove_unheld(parent, f".{name}{STAGING}", os.path.isdir, shutil.rmtree)
+def _remove_stale(parent) -> None:
+    """Rank 0, before a save into ``parent``: remove the staging folders no live save holds
+    (a killed save's, of any tag) and put back a copy a killed two-rename swap left aside
+    (dropping it where the tag is in place).  Only these hidden names of ours are touched."""
+    for entry in os.listdir(parent):
+        if entry.startswith(".") and entry.endswith(OLD) and len(entry) > len(OLD) + 1:
+            old, final = os.path.join(parent, entry), os.path.join(parent, entry[1:-len(OLD)])
+            if not os.path.isdir(old) or os.path.islink(old):
+                continue
+            if os.path.exists(final) or not os.path.isfile(os.path.join(old, MANIFEST)):
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(old, final)
+    _remove_unheld(parent, lambda e: e.startswith(".") and STAGING in e, os.path.isdir, shutil.rmtree)
 
 
-def _remove_unheld(parent, prefix: str, kind, remove) -> None:
-    """Remove the entries of ``parent`` named ``prefix...`` of ``kind`` (``os.path.isdir`` /
-    ``isfile``; never a symlink) whose ``flock`` no live writer holds: a killed writer's."""
+def _remove_unheld(parent, ours, kind, remove) -> None:
+    """Remove the entries of ``parent`` whose name ``ours(name)`` accepts, of ``kind``
+    (``os.path.isdir`` / ``isfile``; never a symlink), whose ``flock`` no live writer holds:
+    a killed writer's."""
     for entry in os.listdir(parent):
         path = os.path.join(parent, entry)
-        if entry.startswith(prefix) and kind(path) and not os.path.islink(path):
+        if ours(entry) and kind(path) and not os.path.islink(path):
             fd, locked = _lock(path)
             if fd is None:
                 continue
@@ -515,7 +518,7 @@ def _stage(final) -> tuple[str, int]:
     if os.path.lexists(final) and not os.path.isdir(final):
         raise CheckpointError(f"{final} exists and is not a folder: refusing to replace it "
                               "with a checkpoint")
-    _remove_stale(parent, name)
+    _remove_stale(parent)
     while True:
         staging = os.path.join(parent, f".{name}{STAGING}{secrets.token_hex(4)}")
         try:
@@ -575,7 +578,8 @@ def write_file(path, data: bytes | str) -> None:
     path = os.fspath(path)
     parent, name = os.path.split(os.path.abspath(path))
     raw = data.encode() if isinstance(data, str) else data
-    _remove_unheld(parent, f".{name}.autoplan-tmp-", os.path.isfile, os.unlink)
+    prefix = f".{name}.autoplan-tmp-"
+    _remove_unheld(parent, lambda e: e.startswith(prefix), os.path.isfile, os.unlink)
     tmp = os.path.join(parent, f".{name}.autoplan-tmp-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
