@@ -38,7 +38,8 @@ MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_gro
               "ffn_hidden_size", "swiglu", "qk_layernorm", "window_size", "window_attn_skip_freq",
               "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq",
-              "moe_router_enable_expert_bias", "multi_latent_attention", "q_lora_rank",
+              "moe_router_enable_expert_bias", "moe_router_pre_softmax", "moe_router_score_function",
+              "multi_latent_attention", "q_lora_rank",
               "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
               "rotary_scaling_factor", "mscale", "mscale_all_dim", "rotary_percent")
 for flags in json.load(sys.stdin):

@@ -194,6 +194,12 @@ def test_model_flags_build_the_same_model_in_megatron(tmp_path):
         assert got["window_size"] == ([w - 1, 0] if w and w < m.seq_len else None), n
     ds = dict(zip(names, out))["DeepSeek-V3"]["model"]
     assert ds["moe_layer_freq"] == [0] * 3 + [1] * 58 and ds["moe_router_enable_expert_bias"]
+    assert ds["moe_router_score_function"] == "sigmoid"
+    # routers: softmax over all experts kept un-renormalised (Qwen1.5-MoE, DeepSeek-V2) is
+    # Megatron's pre-softmax; Mixtral's and Qwen3-MoE's (renormalised top-k) its default
+    pre = {n: o["model"]["moe_router_pre_softmax"] for n, o in zip(names, out) if o["model"]["num_experts"]}
+    assert pre == {"DeepSeek-V2": True, "DeepSeek-V3": False, "Mixtral-8x7B-v0.1": False,
+                   "Qwen1.5-MoE-A2.7B": True, "Qwen3-30B-A3B": False}
 
 
 def test_deepseek_layer_pattern_survives_the_shell():

@@ -201,6 +201,7 @@ def _architecture(m) -> dict:
                     "moe_shared_expert_gate": blk.shared_gate or None,
                     "moe_router_enable_expert_bias": blk.router_bias or None,
                     "moe_router_score_function": c.get("moe_score"),
+                    "moe_router_pre_softmax": c.get("moe_pre_softmax") or None,
                     "moe_router_topk_scaling_factor": c.get("moe_scale"),
                     "moe_router_num_groups": c.get("moe_groups"),
                     "moe_router_group_topk": c.get("moe_group_topk"),
@@ -268,6 +269,8 @@ def _architecture_args(c: dict) -> list[str]:
             a.append("--moe-shared-expert-gate")
         if c.get("moe_router_enable_expert_bias"):
             a.append("--moe-router-enable-expert-bias")
+        if c.get("moe_router_pre_softmax"):
+            a.append("--moe-router-pre-softmax")
         for k in ("moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_num_groups",
                   "moe_router_group_topk"):
             if c.get(k) is not None:

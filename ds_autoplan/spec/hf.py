@@ -86,6 +86,8 @@ def _moe(d: dict, mt: str, L: int, src: str) -> dict:
         shared = int(d.get("shared_expert_intermediate_size") or 0) if mt == "qwen2_moe" else 0
         out = {"moe_ffn": d.get("moe_intermediate_size"), "moe_shared_ffn": shared or None,
                "moe_shared_gate": bool(shared)}
+        # Qwen2MoeSparseMoeBlock: softmax over all experts, top-k, renormalised only with
+        # norm_topk_prob (its config default False)
     elif mt in ("deepseek_v2", "deepseek_v3"):
         # DeepseekV2DecoderLayer: experts where i >= first_k_dense_replace and i % moe_layer_freq == 0
         first, freq = int(d.get("first_k_dense_replace") or 0), int(d.get("moe_layer_freq") or 1)
@@ -99,6 +101,11 @@ def _moe(d: dict, mt: str, L: int, src: str) -> dict:
     else:
         raise SpecError(f"{src}: {mt} is a mixture-of-experts model ({n} experts) but not a supported "
                         "MoE family (mixtral, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3)")
+    # a softmax router that keeps the top-k probabilities of the softmax over all experts
+    # (not renormalised) is Megatron's --moe-router-pre-softmax; Mixtral's (softmax of the
+    # top-k logits, the same as renormalising) is Megatron's default
+    if str(d.get("scoring_func") or "softmax") == "softmax" and not d.get("norm_topk_prob"):
+        out["moe_pre_softmax"] = True
     out.update(num_experts=n, moe_topk=k)
     if not all(pattern):
         out["moe_pattern"] = pattern

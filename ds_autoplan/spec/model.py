@@ -108,7 +108,7 @@ FIELDS = {"name", "arch", "num_layers", "hidden", "heads", "kv_heads", "ffn", "v
           "num_experts", "moe_topk", "moe_ffn", "moe_shared_ffn", "moe_shared_gate",
           "moe_router_bias", "moe_pattern",
           # the router's arithmetic (no cost; carried to the Megatron flags)
-          "moe_score", "moe_groups", "moe_group_topk", "moe_scale",
+          "moe_score", "moe_groups", "moe_group_topk", "moe_scale", "moe_pre_softmax",
           # read from Hugging Face configs; carried to the Megatron flags (emit/megatron.py)
           "tie_embeddings", "linear_bias", "qkv_bias", "rope_base", "rope_scaling_factor",
           "rope_scaling_type", "rope_scaling", "rotary_percent", "norm_eps", "max_positions",
