@@ -40,6 +40,11 @@ REFERENCE = {
     "DeepSeek-V2": (235_741_434_880, 21e9, "checkpoint total (tensor elements of the HF checkpoint "
                     "headers, as audited by public projects; paper abstract: 236B); active ROUNDED: 21B "
                     "activated (DeepSeek-V2 paper abstract)"),
+    "gpt-oss-20b": (20_914_757_184, 3.61e9, "logical parameter count (MXFP4 experts unpacked) in the "
+                    "GGUF metadata general.parameter_count; active ROUNDED: OpenAI's gpt-oss model card "
+                    "Table 1, 20.91B total, 3.61B active"),
+    "gpt-oss-120b": (116_829_156_672, 5.13e9, "as gpt-oss-20b; model card Table 1: 116.83B total, "
+                     "5.13B active"),
     "DeepSeek-V3": (671_026_419_200, 37e9, "main-model tensor elements of the HF checkpoint headers "
                     "(FP8 scale tensors and the multi-token-prediction layer 61 excluded; public "
                     "checkpoint audits); report abstract: 671B total, 37B activated (active ROUNDED); "
@@ -66,9 +71,9 @@ def test_counts_match_the_official_figures(name):
         assert m.active_params == m.total_params
     else:
         assert m.active_params < m.total_params
-        # DeepSeek counts activated parameters without the input embedding (a lookup; V3's
-        # README_WEIGHTS.md: 36.6B incl. the 0.9B output head); the others with it
-        act = m.active_params - (m.vocab * m.hidden if name.startswith("DeepSeek") else 0)
+        # DeepSeek and OpenAI count activated parameters without the input embedding (a lookup;
+        # V3's README_WEIGHTS.md: 36.6B incl. the 0.9B output head); Mistral and Qwen with it
+        act = m.active_params - (m.vocab * m.hidden if name.startswith(("DeepSeek", "gpt-oss")) else 0)
         assert abs(act - active) <= _tolerance(active), (act, active)
 
 
@@ -132,7 +137,7 @@ SMALL = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_
     ({"num_hidden_layers": 8.5}, "'num_layers' must be an integer, got 8.5"),
     ({"rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1.0}},
      "rope_scaling of type llama3 needs a positive 'factor'"),
-    ({"model_type": "gpt_oss"}, "unsupported Hugging Face model_type 'gpt_oss'"),
+    ({"model_type": "falcon_h1"}, "unsupported Hugging Face model_type 'falcon_h1'"),
     ({"model_type": "qwen2", "num_experts": 8}, "qwen2 is a mixture-of-experts model"),
 ])
 def test_silently_wrong_configs_are_refused(tmp_path, change, message):
@@ -160,7 +165,7 @@ def test_model_flags_build_the_same_model_in_megatron(tmp_path):
     TransformerConfig / MLATransformerConfig accept the flags, and what Megatron parsed is our
     model: head size (--kv-channels), query groups, QK-norm, window, experts, expert and shared
     widths, the MoE layer pattern (DeepSeek's leading dense layers), MLA ranks."""
-    names = [n for n in sorted(REFERENCE) if not n.startswith("gemma")]
+    names = [n for n in sorted(REFERENCE) if not n.startswith(("gemma", "gpt-oss"))]
     lists, models = [], []
     for n in names:
         m, flags = _flags(n)
@@ -212,6 +217,19 @@ def test_deepseek_layer_pattern_survives_the_shell():
     r = subprocess.run(["bash", "-c", 'printf "%s\\n" $(printf "%s" "$F")'], env=dict(os.environ, F=flag),
                        capture_output=True, text=True, timeout=60)
     assert r.stdout.split("\n")[:2] == ["--moe-layer-freq", "([0]*3+[1]*58)"]
+
+
+def test_gpt_oss_reads_sinks_biases_and_windows():
+    """gpt-oss: attention sinks (one logit per head), biases on Q/K/V/O, the router and every
+    expert, alternating 128-token windows; its flags are refused, not approximated."""
+    from ds_autoplan.emit.megatron import NotExpressible
+    m = load_model(os.path.join(ROOT, "gpt-oss-20b", "config.json"))
+    b = m.layers[0].shape
+    assert (b.sinks, b.o_bias, b.qkv_bias, b.router_bias, b.expert_bias, b.act) == \
+        (True, True, True, True, True, "quick_geglu")
+    assert [l.shape.window for l in m.layers[:4]] == [128, 0, 128, 0]
+    with pytest.raises(NotExpressible):
+        _flags("gpt-oss-20b")
 
 
 @pytest.mark.parametrize("name", ["gemma-7b", "gemma-2-9b", "gemma-3-27b-pt"])

@@ -144,6 +144,9 @@ def _inexpressible(m) -> str | None:
                 "activation_func=gelu(approximate='tanh')) in your own script")
     if blk is not None and blk.norms != 2:
         return f"{m.name}: the extra pre/post-feedforward norms have no Megatron-LM flag"
+    if blk is not None and (blk.sinks or blk.o_bias or blk.expert_bias or blk.act == "quick_geglu"):
+        return (f"{m.name}: attention sinks, biases on the attention but not the MLP, expert biases or "
+                "gpt-oss's clamped gate are not emitted as Megatron-LM flags")
     kind, rs = c.get("rope_scaling_type"), c.get("rope_scaling") or {}
     if kind == "llama3":
         bad = {k: rs[k] for k, v in _LLAMA3_FIXED.items() if k in rs and float(rs[k]) != v}

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ACTIVATIONS = ("gelu", "swiglu", "geglu")
+# swiglu: SiLU gate; geglu: GeLU(-tanh) gate (Gemma); quick_geglu: x * sigmoid(1.702 x) gate,
+# clamped, with 1 added to the linear half (gpt-oss)
+ACTIVATIONS = ("gelu", "swiglu", "geglu", "quick_geglu")
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,10 @@ class BlockShape:
     expert_ffn: int = 0       # width of one routed expert
     shared_ffn: int = 0       # total width of the shared expert(s), every token goes through it
     shared_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared expert (an h -> 1 linear)
-    router_bias: bool = False  # DeepSeek-V3's per-expert score-correction bias (E parameters)
+    router_bias: bool = False  # a bias per expert on the router (DeepSeek-V3's score correction, gpt-oss)
+    expert_bias: bool = False  # biases on each expert's linears (gpt-oss)
+    o_bias: bool = False       # a bias on the attention's output projection (HF attention_bias)
+    sinks: bool = False        # a learned attention-sink logit per head (gpt-oss)
     # multi-latent attention (DeepSeek-V2 §2.1): (q_lora_rank (0: full-rank Q), kv_lora_rank,
     # qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
     mla: tuple = ()
@@ -46,7 +51,7 @@ class BlockShape:
     # -- sizes ---------------------------------------------------------------------------
     @property
     def gated(self) -> bool:
-        return self.act in ("swiglu", "geglu")
+        return self.act != "gelu"
 
     @property
     def qk_dim(self) -> int:
@@ -93,7 +98,13 @@ class BlockShape:
         if self.linear_bias:
             f = self.active_ffn()
             return qkv + self.h + (2 if self.gated else 1) * f + self.h
-        return qkv if self.qkv_bias else 0
+        return (qkv if self.qkv_bias else 0) + (self.h if self.o_bias else 0) + \
+            (self.heads if self.sinks else 0)
+
+    def _expert(self) -> int:
+        """Parameters of one routed expert (its biases included)."""
+        f = self.expert_ffn
+        return self.mlp_matrices(f) + (((2 if self.gated else 1) * f + self.h) if self.expert_bias else 0)
 
     def _norm_params(self) -> int:
         n = self.norms * self.h * (2 if self.layernorm else 1)
@@ -112,7 +123,7 @@ class BlockShape:
     def params(self) -> int:
         attn = sum(i * o for i, o, _ in self.attn_linears())
         if self.experts:
-            mlp = self.experts * self.mlp_matrices(self.expert_ffn) + self.mlp_matrices(self.shared_ffn)
+            mlp = self.experts * self._expert() + self.mlp_matrices(self.shared_ffn)
         else:
             mlp = self.mlp_matrices(self.ffn)
         p = attn + mlp + self._router() + self._norm_params() + self._bias()
@@ -123,7 +134,7 @@ class BlockShape:
     def expert_params(self) -> int:
         """Parameters of the routed experts (what expert parallelism divides; the shared
         experts, router and attention stay whole on every expert-parallel rank)."""
-        return self.experts * self.mlp_matrices(self.expert_ffn) if self.experts else 0
+        return self.experts * self._expert() if self.experts else 0
 
     def active_params(self) -> int:
         """Parameters one token goes through: all but the routed experts it is not sent to."""

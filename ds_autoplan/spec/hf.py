@@ -33,6 +33,7 @@ _DECODERS = {
     "phi3": {"tie_word_embeddings": False},
     "deepseek_v2": {"tie_word_embeddings": False, "first_k_dense_replace": 0, "moe_layer_freq": 1},
     "deepseek_v3": {"tie_word_embeddings": False, "first_k_dense_replace": 0, "moe_layer_freq": 1},
+    "gpt_oss": {"tie_word_embeddings": False, "attention_bias": True, "head_dim": 64},
 }
 _OTHER = {**{m: "gpt" for m in ("gpt2", "gpt_neox", "gptj", "opt", "gpt_neo", "bloom", "falcon")},
           **{m: "bert" for m in ("bert", "roberta", "deberta", "electra")},
@@ -63,6 +64,8 @@ def _activation(d: dict, mt: str, src: str) -> str:
     act = str(d.get("hidden_activation") or d.get("hidden_act") or "silu").lower()
     if mt == "gemma":                    # Gemma's modeling code runs GeLU-tanh whatever hidden_act says
         act = "gelu_pytorch_tanh"
+    if mt == "gpt_oss":                  # GptOssExperts: (up + 1) * gate * sigmoid(1.702 gate), clamped
+        return "quick_geglu"
     if act in ("silu", "swish"):
         return "swiglu"
     if act.startswith("gelu"):
@@ -79,6 +82,8 @@ def _moe(d: dict, mt: str, L: int, src: str) -> dict:
     k = int(d.get("num_experts_per_tok") or 2)
     if mt == "mixtral":
         return {"num_experts": n, "moe_topk": k}
+    if mt == "gpt_oss":                  # GptOssMLP: router and experts with biases
+        return {"num_experts": n, "moe_topk": k, "moe_router_bias": True, "moe_expert_bias": True}
     if mt in ("qwen2_moe", "qwen3_moe"):
         # Qwen2MoeDecoderLayer: experts where layer not in mlp_only_layers and (i+1) % step == 0
         step, only = int(d.get("decoder_sparse_step") or 1), set(d.get("mlp_only_layers") or [])
@@ -100,7 +105,7 @@ def _moe(d: dict, mt: str, L: int, src: str) -> dict:
             out.update(moe_groups=d.get("n_group"), moe_group_topk=d.get("topk_group"))
     else:
         raise SpecError(f"{src}: {mt} is a mixture-of-experts model ({n} experts) but not a supported "
-                        "MoE family (mixtral, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3)")
+                        "MoE family (mixtral, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3, gpt_oss)")
     # a softmax router that keeps the top-k probabilities of the softmax over all experts
     # (not renormalised) is Megatron's --moe-router-pre-softmax; Mixtral's (softmax of the
     # top-k logits, the same as renormalising) is Megatron's default
@@ -123,7 +128,7 @@ def _window(d: dict, mt: str, L: int, src: str) -> dict:
     w = d.get("sliding_window")
     if not w or mt in ("llama", "deepseek_v2", "deepseek_v3", "gemma"):
         return {}
-    every = {"gemma2": 2, "gemma3_text": int(d.get("sliding_window_pattern") or 6)}.get(mt, 0)
+    every = {"gemma2": 2, "gemma3_text": int(d.get("sliding_window_pattern") or 6), "gpt_oss": 2}.get(mt, 0)
     types = d.get("layer_types")
     if isinstance(types, list) and len(types) == L:
         glob = [i for i, t in enumerate(types) if t == "full_attention"]
@@ -167,15 +172,19 @@ def _decoder(d: dict, mt: str, g, src: str) -> dict:
         L = int(L)
     if not isinstance(L, int) or isinstance(L, bool):   # build_model refuses it in one line
         return {"num_layers": L}
+    # attention_bias: Q, K, V and output projections (LlamaAttention and its kin); Qwen2's
+    # Q, K, V always, its output never
     qkv = mt in ("qwen2", "qwen2_moe") or bool(d.get("attention_bias"))
+    o_bias = bool(d.get("attention_bias")) and mt not in ("qwen2", "qwen2_moe") and not d.get("mlp_bias")
     dense_ffn = g("intermediate_size")
     moe = _moe(d, mt, L, src)
-    if mt == "mixtral":
+    if mt in ("mixtral", "gpt_oss"):
         moe["moe_ffn"] = dense_ffn
     out = {"num_layers": L, "kv_heads": g("num_key_value_heads"), "ffn": dense_ffn,
            "head_dim": g("head_dim"), "activation": _activation(d, mt, src),
            "qk_norm": mt in _QK_NORM or None, "sandwich_norms": mt in _SANDWICH or None,
            "linear_bias": bool(d.get("attention_bias") and d.get("mlp_bias")), "qkv_bias": qkv,
+           "attn_out_bias": o_bias or None, "attn_sinks": mt == "gpt_oss" or None,
            "rope_base": g("rope_theta", "rotary_emb_base"),
            "rotary_percent": d.get("partial_rotary_factor"),
            **moe, **_window(d, mt, L, src), **_rope(d, mt, src)}

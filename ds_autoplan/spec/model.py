@@ -106,7 +106,7 @@ FIELDS = {"name", "arch", "num_layers", "hidden", "heads", "kv_heads", "ffn", "v
           "head_dim", "activation", "qk_norm", "sandwich_norms", "sliding_window", "global_every",
           "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
           "num_experts", "moe_topk", "moe_ffn", "moe_shared_ffn", "moe_shared_gate",
-          "moe_router_bias", "moe_pattern",
+          "moe_router_bias", "moe_pattern", "moe_expert_bias", "attn_out_bias", "attn_sinks",
           # the router's arithmetic (no cost; carried to the Megatron flags)
           "moe_score", "moe_groups", "moe_group_topk", "moe_scale", "moe_pre_softmax",
           # read from Hugging Face configs; carried to the Megatron flags (emit/megatron.py)
@@ -192,14 +192,16 @@ def _shapes(d: dict, arch: str, s: int, src: str) -> list[BlockShape]:
     base = BlockShape(s=s, h=h, heads=heads, kv=heads if mla else kv, hd=hd, ffn=f, act=act, mla=mla,
                       qk_norm=bool(d.get("qk_norm")), norms=4 if d.get("sandwich_norms") else 2,
                       layernorm=arch != "llama", linear_bias=bool(d.get("linear_bias", False)),
-                      qkv_bias=bool(d.get("qkv_bias", False)),
+                      qkv_bias=bool(d.get("qkv_bias", False)), o_bias=bool(d.get("attn_out_bias")),
+                      sinks=bool(d.get("attn_sinks")),
                       flash=bool(d.get("flash_attention", arch in ("gpt", "llama"))),
                       dropout=bool(d.get("dropout", arch != "llama")))
     moe = BlockShape(**{**base.__dict__, "ffn": 0, "experts": E, "topk": k,
                         "expert_ffn": need(d, "moe_ffn", int, src, f),
                         "shared_ffn": _count(d, "moe_shared_ffn", src),
                         "shared_gate": bool(d.get("moe_shared_gate")),
-                        "router_bias": bool(d.get("moe_router_bias"))}) if E > 1 else base
+                        "router_bias": bool(d.get("moe_router_bias")),
+                        "expert_bias": bool(d.get("moe_expert_bias"))}) if E > 1 else base
     pattern = _moe_pattern(d, L, src) if E > 1 else [0] * L
     out = []
     for i in range(L):
