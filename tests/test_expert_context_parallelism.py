@@ -207,3 +207,17 @@ def test_expert_and_context_plans_emit_what_the_engines_accept(tmp_path):
     assert (out[0]["ep"], out[0]["etp"], out[0]["experts"], out[0]["dispatcher"]) == \
         (moe.ep, moe.etp, 64, "alltoall")
     assert (out[1]["cp"], out[1]["cp_comm"], out[1]["dp"]) == (cp.cp, ["p2p"], cp.dp)
+
+
+def test_plan_command_fix_expert_parallelism_writes_it_everywhere(tmp_path, capsys):
+    """`plan --fix ep=8,etp=1`: plan.json, the printed plan, the report and the Megatron flags
+    all carry the expert degrees; an old-style plan file without them still loads."""
+    from ds_autoplan.cli import main
+    out = tmp_path / "plan"
+    assert main(["plan", "--model", "olmoe-1b-7b", "--cluster", H100x64, "--global-batch", "1024",
+                 "--fix", "ep=8,etp=1", "--no-wide", "--quiet", "--out", str(out)]) == 0
+    assert "ep=8 etp=1" in capsys.readouterr().out
+    p = Plan.load(out / "plan.json")
+    assert (p.ep, p.etp, p.cp) == (8, 1, 1) and p.parallel.expert_dp == p.parallel.stage_ranks // 8
+    assert "Expert parallelism 8 (expert tensor parallelism 1" in (out / "report.md").read_text()
+    assert "--expert-model-parallel-size 8" in (out / "megatron_args.txt").read_text()

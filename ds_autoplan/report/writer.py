@@ -76,6 +76,11 @@ def report_files(res) -> dict:
     w("|---|---|---|---|---|---|---|---|---|")
     w(f"| {plan.pp} | {plan.tp} | {_sp(plan.sequence_parallel)} | {plan.dp} | {plan.zero_stage} | {plan.schedule} "
       f"{plan.schedule_options or ''} | {plan.micro_batch_size} | {plan.num_microbatches} | {plan.partitioner} |\n")
+    if plan.ep > 1 or plan.cp > 1:
+        w(f"Expert parallelism {plan.ep} (expert tensor parallelism {plan.etp}, expert data "
+          f"parallelism {plan.parallel.expert_dp}); context parallelism {plan.cp}"
+          + (f" ({'ring attention' if plan.cp_comm == 'p2p' else 'Ulysses all-to-all'})" if plan.cp > 1 else "")
+          + ".\n")
     w(f"Predicted iteration time **{pred['iteration_time_s']:.4g} s**, throughput "
       f"**{pred['throughput_tokens_per_s']:.6g} tokens/s** ({pred['samples_per_s']:.4g} samples/s), "
       f"MFU {pred['mfu']:.1%}.")
