@@ -170,5 +170,8 @@ def band_text(b: dict | None) -> str:
     """One line: the expected error band ``b`` of a prediction (:func:`error_band`)."""
     if not b:
         return "expected error: unknown (no cross-validated band stored)"
+    lean = b.get("median_signed", 0.0)
+    side = (f"; the runs took {100 * abs(lean):.0f}% {'longer' if lean > 0 else 'less'} than predicted, median"
+            if abs(lean) >= 0.02 else "")
     return (f"expected error +-{100 * b['median_abs']:.0f}% (median), up to +-{100 * b['max_abs']:.0f}% "
-            f"(leave-one-source-out over {b['rows']} published runs, {b['over']})")
+            f"(leave-one-source-out over {b['rows']} published runs, {b['over']}{side})")
