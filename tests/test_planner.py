@@ -398,7 +398,7 @@ def test_sequence_parallel_modes():
 def _time_balanced(ctx, name, v=2):
     """The time-balanced split of ``name`` and its stage-aware-recompute Eval (the p_t corner)."""
     from ds_autoplan.search.pipeline import num_stages, stage_aware_recompute, stage_figures, time_partition
-    S = num_stages(name, ctx.P, v)
+    S = num_stages(name, ctx.pp, v)
     sp = time_partition(ctx, S, lambda x: [0] * len(x.seq))
     sub = Context(ctx.cm, ctx.strategies, S, ctx.m, ctx.B_m, ctx.E, ctx.units)
     ck = [1 if ctx.cm.units[u].checkpointable else 0 for u in sub.seq]

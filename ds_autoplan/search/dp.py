@@ -21,12 +21,12 @@ class StagePlan:
 
 
 class Context:
-    """Everything fixed for one (P, m, B_m, strategy set): tables, discretised weights,
+    """Everything fixed for one (pp, m, B_m, strategy set): tables, discretised weights,
     DP prefix cache.  ``seq`` is the unit sequence pre, blocks..., post (type ids)."""
 
-    def __init__(self, cm: CostModel, strategies: list, P: int, m: int, B_m: int, budget: float,
+    def __init__(self, cm: CostModel, strategies: list, pp: int, m: int, B_m: int, budget: float,
                  units: int = 512, paper_mode: bool = False):
-        self.cm, self.P, self.m, self.B_m, self.E = cm, P, m, B_m, float(budget)
+        self.cm, self.pp, self.m, self.B_m, self.E = cm, pp, m, B_m, float(budget)
         self.tab: LayerTables = cm.tables(strategies, B_m)
         self.S = len(strategies)
         self.strategies = strategies
@@ -238,7 +238,7 @@ class Context:
         return out
 
     def K(self, i: int) -> int:
-        return min(self.P - i, self.m)            # 1F1B in-flight micro-batches (§6 #2)
+        return min(self.pp - i, self.m)            # 1F1B in-flight micro-batches (§6 #2)
 
     def search(self, parts: tuple):
         """Galvatron_Search: per-stage DP for a fixed partition; returns (T_iter, plan)."""

@@ -78,7 +78,7 @@ def _shape_terms(A: dict, pcn, pf, pm, run, L: int, objective: str, first: bool,
 
 def _stage_matrices(ctx: Context, plan: list, objective: str) -> StageSegs:
     A, pc, pcn, pf, pm, run = _seg_matrices(ctx, plan)
-    L, P = len(ctx.seq) - 2, ctx.P
+    L, P = len(ctx.seq) - 2, ctx.pp
     shapes = [(i == 0, i == P - 1) for i in range(P)]
     terms = {k: _shape_terms(A, pcn, pf, pm, run, L, objective, *k) for k in dict.fromkeys(shapes)}
     return StageSegs(terms, shapes, [ctx.K(i) - 1 for i in range(P)])
@@ -116,7 +116,7 @@ def minmax_partition(segs: StageSegs, stages=None, lo: int = 0, hi: int | None =
 def frugal_plan(ctx: Context) -> list:
     """Most memory-frugal allowed strategy per unit (BMW's fallback Strategy_Init, §4.4)."""
     t = ctx.tab
-    mem = np.where(t.allowed, ctx.P * t.f1 + t.ms, INF)
+    mem = np.where(t.allowed, ctx.pp * t.f1 + t.ms, INF)
     return [int(np.argmin(mem[u])) for u in ctx.seq]
 
 
@@ -151,11 +151,11 @@ def bmw(ctx: Context, max_iters: int | None = None, log: list | None = None):
     """Galvatron-BMW's bi-objective balancing loop for one (P, m) (Algorithm 2, §4.4).
     Returns (T_iter, parts, plan, base) where base is Galvatron-Base's even-split result."""
     L = len(ctx.seq) - 2
-    p0 = even_partition(L, ctx.P)
+    p0 = even_partition(L, ctx.pp)
     T0, plan0 = ctx.search(p0)
     base = (T0, p0, plan0)
     best = base
-    if ctx.P == 1:
+    if ctx.pp == 1:
         return best + (base,)
     S0 = plan0 if plan0 is not None else frugal_plan(ctx)
     p_m = minmax_partition(stage_matrices(ctx, S0, "mem"))
@@ -166,7 +166,7 @@ def bmw(ctx: Context, max_iters: int | None = None, log: list | None = None):
         T, plan = ctx.search(p)
         if T < best[0]:
             best = (T, p, plan)
-    iters, cap = 0, max_iters or L * ctx.P
+    iters, cap = 0, max_iters or L * ctx.pp
     while Q and iters < cap:
         p = Q.popleft()
         iters += 1
@@ -190,7 +190,7 @@ def dawnpiper(ctx: Context):
     each cut is searched between the compute-balanced and memory-balanced cuts, ordered from
     the compute-balanced one, stopping at the first cut needing no memory optimisation;
     memory optimisation = the stage DP's CKPT choice.  Returns (T_iter, parts, plan)."""
-    L, P = len(ctx.seq) - 2, ctx.P
+    L, P = len(ctx.seq) - 2, ctx.pp
     if P == 1:
         T, plan = ctx.search((L,))
         return T, (L,), plan
@@ -232,7 +232,7 @@ def merak(ctx: Context):
     """Merak's graph sharding at block granularity (partition-merak.md §4.4-4.5): close a
     shard as soon as its parameter count passes total/P; the stage gets the blocks up to
     that point (the pre/post parameters count on the first/last stage)."""
-    L, P = len(ctx.seq) - 2, ctx.P
+    L, P = len(ctx.seq) - 2, ctx.pp
     units = ctx.cm.units
     params = np.array([units[u].params for u in ctx.seq])
     thr = params.sum() / P

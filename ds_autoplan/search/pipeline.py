@@ -86,12 +86,12 @@ def stage_figures(ctx: Context, parts: tuple, plan_nock: list, plan_ck: list):
 
 
 def simulate_plan(ctx: Context, name: str, parts: tuple, rec: list, figs: list, keep_sim=False):
-    """Simulate schedule ``name`` on ctx.P ranks with per-stage costs; returns
+    """Simulate schedule ``name`` on ctx.pp ranks with per-stage costs; returns
     (iteration time, peak bytes per rank, bubble, sim tuple).  For many micro-batches the
     makespan is extrapolated from runs at 2P and 4P (P > 8: P and 2P) micro-batches (steady state: the time is
     affine in m and the peak constant) [decision]; ``keep_sim`` keeps the larger run for plots."""
     from ..schedule import Costs, simulate
-    P, m = ctx.P, ctx.m
+    P, m = ctx.pp, ctx.m
     opts = options_of(name, parts, P)
     S = len(parts)
     f = np.array([g["f"] for g in figs])
@@ -169,7 +169,7 @@ def simulate_layers(ctx: Context, parts: tuple, plan: list) -> Eval:
 def _placement(ctx: Context, name: str, parts: tuple) -> tuple | None:
     from ..schedule import ScheduleError
     try:
-        return _build(name, ctx.P, min(ctx.m, 2 * ctx.P), options_of(name, parts, ctx.P)).placement
+        return _build(name, ctx.pp, min(ctx.m, 2 * ctx.pp), options_of(name, parts, ctx.pp)).placement
     except ScheduleError:
         return None
 
@@ -198,7 +198,7 @@ def stage_aware_recompute(ctx: Context, name: str, parts: tuple, figs: list, rec
     if not ef.fits:
         return ef
     p0, pf = np.array(e0.peak), np.array(ef.peak)
-    for r in range(ctx.P):
+    for r in range(ctx.pp):
         if p0[r] <= ctx.E:
             continue
         a = (p0[r] - ctx.E) / max(p0[r] - pf[r], 1e-9)
@@ -279,7 +279,7 @@ def choose_schedule(ctx: Context, parts: tuple, plan: list, schedules, keep_sim=
     nock = lambda c: [0] * len(c.seq)   # noqa: E731  strategy 0 = no CKPT
     ck = lambda c: [1 if c.cm.units[u].checkpointable else 0 for u in c.seq]   # noqa: E731
     evals, adjust = [], []
-    P = ctx.P
+    P = ctx.pp
     for name in schedules:
         if name == "1f1b":
             figs = stage_figures(ctx, parts, nock(ctx), ck(ctx))
