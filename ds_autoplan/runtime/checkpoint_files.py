@@ -47,6 +47,7 @@ import secrets
 import shutil
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -315,6 +316,14 @@ def _digest(path, sync: bool = False) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
+def _digests(folder, rels: list[str], sync: bool = False) -> dict:
+    """``{rel: (size, sha256)}`` of files of ``folder``, hashed on a few threads (hashlib
+    releases the GIL while it hashes)."""
+    workers = max(1, min(8, os.cpu_count() or 1, len(rels)))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return dict(zip(rels, pool.map(lambda rel: _digest(os.path.join(folder, rel), sync), rels)))
+
+
 def _fsync_dir(path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -327,8 +336,7 @@ def _seal(folder) -> None:
     """Collective: fsync and hash the folder's files (rank r takes every world-th), then rank
     0 writes ``manifest.json`` and fsyncs the folder."""
     files = _files(folder)
-    mine = {rel: _digest(os.path.join(folder, rel), sync=True)
-            for rel in files[_rank()::_world()]}
+    mine = _digests(folder, files[_rank()::_world()], sync=True)
     rows = [json.loads(t) for t in _gather_text(json.dumps(mine))]
     if _rank() == 0:
         entries = {rel: {"size": s, "sha256": h} for part in rows for rel, (s, h) in part.items()}
@@ -373,7 +381,7 @@ def verify(folder, part: tuple[int, int] = (0, 1)) -> list[str]:
     for rel in sorted(set(_files(folder)) - set(files)):
         problems.append(f"{os.path.join(folder, rel)}: not listed in {MANIFEST}")
     names = sorted(files)
-    hashed = set(names[part[0]::part[1]])
+    whole = []
     for rel in names:
         path, want = os.path.join(folder, rel), files[rel]
         try:
@@ -384,8 +392,13 @@ def verify(folder, part: tuple[int, int] = (0, 1)) -> list[str]:
         if size != want["size"]:
             what = "truncated" if size < want["size"] else "larger than saved"
             problems.append(f"{path}: {what}: {size} bytes, {want['size']} when saved")
-        elif rel in hashed and _digest(path)[1] != want["sha256"]:
-            problems.append(f"{path}: checksum mismatch: its content changed after the save")
+        else:
+            whole.append(rel)
+    mine = set(names[part[0]::part[1]])
+    for rel, (_, digest) in _digests(folder, [r for r in whole if r in mine]).items():
+        if digest != files[rel]["sha256"]:
+            problems.append(f"{os.path.join(folder, rel)}: checksum mismatch: its content "
+                            "changed after the save")
     return problems
 
 
