@@ -267,8 +267,14 @@ class Planner:
                         yield from self._batch_splits(P, t, d, cp, ep, etp, zeros)
 
     def _batch_splits(self, P, t, d, cp, ep, etp, zeros):
+        """Configurations of one layout over ZeRO stages and micro-batches.  Engines: ring
+        attention is Megatron's, whose distributed optimizer is ZeRO-1 (so cp > 1 over p2p
+        takes ZeRO <= 1; DeepSpeed-Ulysses takes any stage); DeepSpeed's MoE layers do not
+        run under ZeRO-3 (ep > 1: ZeRO <= 2)."""
         for z in zeros or self.allow_zero:
             if (P > 1 and z > 1) or (d * cp == 1 and z > 0):
+                continue
+            if (cp > 1 and self.cp_comm == "p2p" and z > 1) or (ep > 1 and z > 2):
                 continue
             for b in divisors(self.B // d, upto=self.max_mbs):
                 if self.fix.get("mbs", b) != b:
