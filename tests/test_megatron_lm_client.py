@@ -209,32 +209,21 @@ num_experts: 4
 moe_topk: 2
 linear_bias: false
 """
-# dropless alltoall routing without the auxiliary loss: a token's loss depends on its own
-# routing only, so the V placement and Megatron's 1F1B compute the same thing
-MOE_RUN_FLAGS = ("--moe-token-dispatcher-type alltoall --moe-router-load-balancing-type none "
-                 "--moe-aux-loss-coeff 0")
+# without the auxiliary loss a token's loss depends on its own (dropless) routing only, so the
+# V placement and Megatron's 1F1B compute the same thing
+MOE_RUN_FLAGS = "--moe-router-load-balancing-type none --moe-aux-loss-coeff 0"
 
 
-def _moe_plan(tmp: pathlib.Path, schedule: str, ep: int) -> pathlib.Path:
-    """``ds-autoplan plan`` of the tiny MoE model on 4 CPU ranks (pp 2, dp 2), with the plan's
-    expert parallelism set to ``ep`` and ``--expert-model-parallel-size`` added to its
-    argument file when the emitter does not write it yet (the planner does not search ep)."""
-    from ds_autoplan.plan import Plan
+def _moe_plan(tmp: pathlib.Path, schedule: str) -> pathlib.Path:
+    """``ds-autoplan plan --fix ep=2`` of the tiny MoE model on 4 CPU ranks (pp 2, dp 2 = ep 2):
+    its ``megatron_args.txt`` holds every MoE / expert-parallel flag."""
     out = tmp / f"moe-{schedule}"
     (tmp / "moe-tiny.yaml").write_text(MOE_MODEL)
     r = subprocess.run([sys.executable, "-m", "ds_autoplan", "plan", "--model", str(tmp / "moe-tiny.yaml"),
                         "--cluster", "cpu-4", "--global-batch", "8", "--pp", "2", "--schedules", schedule,
-                        "--precision", "fp32", "--out", str(out)], capture_output=True, text=True,
-                       timeout=300)
+                        "--precision", "fp32", "--fix", "ep=2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    d = Plan.load(out / "plan.json").to_dict()
-    d["ep"] = ep
-    plan = Plan.from_dict(d)
-    plan.save(out / "plan.json")
-    args = (out / "megatron_args.txt").read_text().split("\n")
-    if not any(a.startswith("--expert-model-parallel-size") for a in args):
-        args.insert(0, f"--expert-model-parallel-size {plan.ep}")
-    (out / "megatron_args.txt").write_text("\n".join(args))
     return out
 
 
@@ -249,15 +238,15 @@ def _moe_command(out: pathlib.Path, ours: bool) -> str:
 @pytest.mark.multiproc
 @pytest.mark.timeout(1200)
 def test_pretrain_gpt_moe_expert_parallel_v_half(client):
-    """A 4-expert top-2 MoE GPT (--num-experts / --moe-router-topk / --disable-bias-linear as
-    the plan emits them) with expert parallelism 2 on 4 CPU ranks (pp 2 x ep 2): V-Half
-    through the patch (expert linear layers split for W) trains with the losses of Megatron's
-    own 1F1B on the same flags."""
+    """A 4-expert top-2 MoE GPT with expert parallelism 2 on 4 CPU ranks (pp 2 x ep 2), every
+    MoE / expert flag from ``ds-autoplan plan --fix ep=2``: V-Half through the patch (expert
+    linear layers split for W) trains with the losses of Megatron's own 1F1B on the same
+    flags."""
     tmp = client.parent
-    ours_dir, theirs_dir = _moe_plan(tmp, "v-half", 2), _moe_plan(tmp, "1f1b", 2)
+    ours_dir, theirs_dir = _moe_plan(tmp, "v-half"), _moe_plan(tmp, "1f1b")
     flags = (ours_dir / "megatron_args.txt").read_text()
     for f in ("--num-experts 4", "--moe-router-topk 2", "--disable-bias-linear",
-              "--expert-model-parallel-size 2"):
+              "--expert-model-parallel-size 2", "--moe-token-dispatcher-type alltoall"):
         assert f in flags, flags
     ours = _run(_moe_command(ours_dir, True), client, "moe-v-half", tmp)
     theirs = _run(_moe_command(theirs_dir, False), client, "moe-megatron-1f1b", tmp)
