@@ -174,3 +174,21 @@ def test_context_parallel_ulysses_pp2_sp2(tmp_path):
             assert r["max_grad_err"] <= 1e-6 and r["max_grad"] > 1e-3, r
             assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-6)
             assert r["train_batch_size"] == 2 * 4 * 2     # the engine counts dp x sp data ranks
+
+
+def test_context_parallel_ulysses_batch_size_counts_sequence_shards():
+    """The pipeline engine counts dp x cp data-axis ranks (DeepSpeed's config reads the grid's
+    data-parallel size): the config initialize runs has train_batch_size = global batch x cp,
+    whether it comes from the plan or from the emitted ds_config.json given as the config."""
+    from ds_autoplan.emit.deepspeed import ds_config
+    from ds_autoplan.plan import Plan
+    from ds_autoplan.runtime.deepspeed.api import config_from_plan
+    plan = Plan(pp=2, cp=2, dp=1, micro_batch_size=2, num_microbatches=4, precision="fp32",
+                layers_per_stage=[2, 2], recompute_per_stage=[0.0, 0.0])
+    for cfg in (config_from_plan(plan), config_from_plan(plan, ds_config(plan))):
+        assert cfg["train_batch_size"] == 2 * 4 * 1 * 2
+        assert cfg["train_batch_size"] == (cfg["train_micro_batch_size_per_gpu"]
+                                           * cfg["gradient_accumulation_steps"] * 2)
+    assert config_from_plan(Plan(pp=2, dp=2, micro_batch_size=2, num_microbatches=4,
+                                 layers_per_stage=[2, 2], recompute_per_stage=[0.0, 0.0])
+                            )["train_batch_size"] == 16

@@ -36,14 +36,15 @@ def config_from_plan(plan, config=None, defaults: bool = True) -> dict:
     plan`` writes to ds_config.json; ``defaults=False``: nothing of it) with the user's
     ``config`` keys merged over it; the plan stays at ``pipeline.autoplan`` and, when it
     recomputes, DeepSpeed's global checkpointing switch stays off (the runtime recomputes per
-    stage)."""
+    stage).  With context parallelism (cp > 1, run as Ulysses) the plan's global batch in
+    ``train_batch_size`` becomes global batch · cp: the pipeline engine counts its dp·cp
+    data-axis ranks, sequence shards included."""
     from ...emit.deepspeed import ds_config
-    base = ds_config(plan) if defaults else {}
-    if defaults and plan.cp > 1 and "train_batch_size" in base:
+    cfg = _merge(ds_config(plan) if defaults else {}, config or {})
+    if plan.cp > 1 and cfg.get("train_batch_size") == plan.global_batch_size:
         # Ulysses (runtime/deepspeed/ulysses.py): the pipeline engine's data axis holds dp·cp
         # ranks and DeepSpeed counts a micro-batch per data rank, sequence shards included
-        base["train_batch_size"] *= plan.cp
-    cfg = _merge(base, config or {})
+        cfg["train_batch_size"] = plan.global_batch_size * plan.cp
     cfg.setdefault("pipeline", {})["autoplan"] = plan.to_dict()
     if any(x > 0 for x in plan.recompute_per_stage):
         cfg["pipeline"]["activation_checkpoint_interval"] = 0
