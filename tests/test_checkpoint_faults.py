@@ -13,7 +13,6 @@ import pathlib
 import pickle
 import shutil
 import signal
-import sys
 import time
 
 import pytest
@@ -253,9 +252,9 @@ def test_megatron_dist_checkpointing_reads_run_no_code(tmp_path):
     """Inside ``no_code_on_load``: DCP's ``.metadata`` (a plain pickle torch reads with
     ``pickle.load``), Megatron's ``common.pt`` and DCP's non-tensor items (``torch.load(...,
     weights_only=False)`` in torch's DefaultLoadPlanner) are refused with the file named."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import FileSystemReader, filesystem
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    marker = tmp_path / "MARKER"
+    marker, torch_load = tmp_path / "MARKER", torch.load
     with open(tmp_path / ".metadata", "wb") as f:
         pickle.dump(Marker(marker), f, protocol=4)
     with pytest.raises(CheckpointError, match=r"\.metadata: refused: .*builtins\.open|io\.open"):
@@ -278,7 +277,7 @@ def test_megatron_dist_checkpointing_reads_run_no_code(tmp_path):
         with cf.no_code_on_load(tmp_path):
             planner.load_bytes(Item, buf)
     assert not marker.exists()
-    assert torch.load is cf._NoCodeLoad.__init__.__globals__["torch"].load   # put back
+    assert torch.load is torch_load and filesystem.pickle is pickle      # put back
 
 
 def test_real_dcp_metadata_passes_the_allow_list(tmp_path):
