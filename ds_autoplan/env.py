@@ -28,34 +28,29 @@ def env_str(name: str, default: str | None = None, env: Mapping | None = None) -
     return default if v is None else v
 
 
-def env_int(name: str, default: int | None = None, env: Mapping | None = None, *,
-            minimum: int = 1) -> int | None:
-    """A whole number >= ``minimum``, ``default`` when unset or empty."""
+def _number(name: str, default, env, cast, minimum, what: str):
     v = _raw(name, env)
     if v is None:
         return default
     try:
-        x = int(v)
+        x = cast(v)
     except ValueError:
-        raise EnvError(f"{name}={v!r} is not a whole number") from None
-    if x < minimum:
-        raise EnvError(f"{name}={v!r} must be at least {minimum}")
+        raise EnvError(f"{name}={v!r} is not {what}") from None
+    if not (math.isfinite(x) and x >= minimum):
+        raise EnvError(f"{name}={v!r} must be {what} of at least {minimum:g}")
     return x
+
+
+def env_int(name: str, default: int | None = None, env: Mapping | None = None, *,
+            minimum: int = 1) -> int | None:
+    """A whole number >= ``minimum``, ``default`` when unset or empty."""
+    return _number(name, default, env, int, minimum, "a whole number")
 
 
 def env_float(name: str, default: float | None = None, env: Mapping | None = None, *,
               minimum: float = 0.0) -> float | None:
     """A finite number >= ``minimum``, ``default`` when unset or empty."""
-    v = _raw(name, env)
-    if v is None:
-        return default
-    try:
-        x = float(v)
-    except ValueError:
-        raise EnvError(f"{name}={v!r} is not a number") from None
-    if not math.isfinite(x) or x < minimum:
-        raise EnvError(f"{name}={v!r} must be a finite number of at least {minimum:g}")
-    return x
+    return _number(name, default, env, float, minimum, "a finite number")
 
 
 def env_list(name: str, env: Mapping | None = None) -> list[str] | None:

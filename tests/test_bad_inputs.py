@@ -160,3 +160,38 @@ def test_simulate_a_file_declaring_absurd_microbatches(capsys, tmp_path):
 
 def test_simulate_absurd_microbatches_option(capsys):
     _one_line_error(capsys, ["simulate", "-n", "99999999999"], "n=99999999999")
+
+
+# -- runtime refusals (DeepSpeed runtime, 2 ranks) -----------------------------------------------
+REFUSALS = [
+    # a tp=2, world-4 plan on 2 ranks (it trained, without TP)
+    ({"plan": {"tp": 2}}, "ScheduleError: ds_autoplan.initialize: the plan needs tp*cp*pp*dp = "
+                          "2*1*2*1 = 4 processes, the world has 2"),
+    # tp=2 with the world it needs: DeepSpeed's pipeline grid has no TP axis (TP ranks -> DP)
+    ({"plan": {"tp": 2, "pp": 1, "layers_per_stage": [4], "recompute_per_stage": [0.0]}},
+     "the plan has tp=2 but the DeepSpeed pipeline's tensor-parallel (model) axis is 1"),
+    # data-parallel mismatch: a dp=2 plan on one replica
+    ({"plan": {"dp": 2, "global_batch_size": 16}}, "tp*cp*pp*dp = 1*1*2*2 = 4 processes"),
+    # DeepSpeed's batch assertion, explained
+    ({"config": {"train_batch_size": 999}}, "DeepSpeed's batch check failed"),
+    # an empty stage: the optimizer would get an empty parameter list on rank 0
+    ({"plan": {"layers_per_stage": [0, 4]}}, "PartitionError: pipeline rank 0 would hold stage(s) "
+                                             "[0] with no trainable parameter"),
+]
+
+
+def test_deepspeed_runtime_refuses_on_every_rank_before_training():
+    """Each case: every rank refuses in one line, before any collective (no rank hangs); the
+    last case (the plain plan) runs, so the refusals are the inputs' doing."""
+    pytest.importorskip("deepspeed")
+    from ds_autoplan.runtime.launch import launch
+    from harness import ENV
+    cases = [dict(c, fn="harness.hang_cases:refusal_case") for c, _ in REFUSALS] + \
+        [{"fn": "harness.hang_cases:refusal_case"}]
+    per_rank = launch(2, cases, timeout=240, env=ENV)
+    for rows in per_rank:
+        assert len(rows) == len(cases)
+        for row, (_, want) in zip(rows, REFUSALS):
+            assert row["error"] is not None and want in row["error"], (want, row)
+            assert "\n" not in row["error"]
+        assert rows[-1]["error"] is None

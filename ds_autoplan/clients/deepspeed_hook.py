@@ -183,7 +183,8 @@ def _shared_plan(model, user, training_data, collate_fn):
 
     from ..plan import Plan
     if not dist.is_initialized():          # as deepspeed.initialize would
-        deepspeed.init_distributed()
+        from ..runtime.watchdog import process_group_timeout
+        deepspeed.init_distributed(timeout=process_group_timeout())
     world = dist.get_world_size()
     box = [None]
     if dist.get_rank() == 0:

@@ -92,3 +92,23 @@ def mg_case(case) -> dict:
         fb(forward_step_func=forward_step, data_iterator=data_iter(step), model=chunks,
            num_microbatches=n, seq_length=SEQ, micro_batch_size=MBS)
     return {"rank": dist.get_rank()}
+
+
+def refusal_case(case) -> dict:
+    """``ds_autoplan.initialize`` with ``case["plan"]`` (over the 2-rank fp32 1F1B plan of
+    ``blocks`` transformer blocks only) and ``case["config"]``: the one-line refusal every
+    rank gives, as ``{"error": "Type: message"}`` (or ``{"error": None}`` when it ran)."""
+    import torch
+    import torch.nn.functional as F
+
+    from ds_autoplan.runtime.deepspeed import api
+    from ds_autoplan.runtime.deepspeed.dist import init_distributed
+    from harness.ds_pipeline import block_layers
+    init_distributed()
+    plan = {**_ds_plan(2, N), **case.get("plan", {})}
+    try:
+        api.initialize(block_layers(blocks=case.get("blocks", 4)), plan, loss_fn=F.mse_loss,
+                       config=case.get("config"), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    except Exception as e:            # noqa: BLE001 - the refusal is the result
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": None}

@@ -79,18 +79,15 @@ def from_env() -> Timeline | None:
     """This process's :class:`Timeline` when ``DS_AUTOPLAN_TRACE`` names a folder (made if
     missing; a path that is not a folder is refused), else None."""
     global _TIMELINE
-    folder = os.environ.get(ENV)
+    from ...env import env_int, env_str
+    folder = env_str(ENV)
     if not folder:
         return None
     if _TIMELINE is None or _TIMELINE.folder != folder:
         if os.path.exists(folder) and not os.path.isdir(folder):
             raise NotADirectoryError(f"{ENV}={folder!r} is not a folder")
         os.makedirs(folder, exist_ok=True)
-        try:
-            steps = int(os.environ.get(STEPS_ENV, "20"))
-        except ValueError:
-            raise ValueError(f"{STEPS_ENV} must be an integer, got "
-                             f"{os.environ[STEPS_ENV]!r}") from None
+        steps = env_int(STEPS_ENV, 20, minimum=0)
         _TIMELINE = Timeline(folder, max_steps=steps)
         atexit.register(flush)
     return _TIMELINE

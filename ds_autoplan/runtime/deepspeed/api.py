@@ -96,6 +96,26 @@ def check_layout(plan, world: int, pp: int, topology=None) -> None:
                             f"{pp}, num_mp={plan.tp}, num_dp={plan.dp})}} with TP-aware layers")
 
 
+@contextlib.contextmanager
+def _batch_explained(plan, module):
+    """DeepSpeed's batch assertion (train_batch_size = micro-batch x accumulation x
+    data-parallel ranks, runtime/config.py ``_batch_assertion``) raised with what the plan
+    and the pipeline say, instead of a bare AssertionError."""
+    try:
+        yield
+    except AssertionError as e:
+        if "batch" not in str(e):
+            raise
+        dp = module._topo.get_dim("data")
+        raise ScheduleError(
+            f"ds_autoplan.initialize: DeepSpeed's batch check failed ({e}); the plan trains "
+            f"global batch {plan.global_batch_size} = micro-batch {plan.micro_batch_size} x "
+            f"{plan.num_microbatches} micro-batches x dp {plan.dp}, and this pipeline has "
+            f"{dp} data-parallel rank(s): remove train_batch_size / "
+            f"train_micro_batch_size_per_gpu / gradient_accumulation_steps from your config "
+            f"(the plan sets them) or make them agree") from None
+
+
 def build_module(model_or_layers, plan, *, schedule: Schedule | None = None, loss_fn=None,
                  track_memory=False, world: int | None = None, **module_kwargs):
     """The :class:`AutoplanPipelineModule` for ``plan`` (must run after init_distributed);
@@ -154,7 +174,7 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
                               track_memory=track_memory,
                               world=torch.distributed.get_world_size(), **(module_kwargs or {}))
         ds_kwargs.setdefault("model_parameters", [p for p in module.parameters() if p.requires_grad])
-        with _engine_installed():
+        with _engine_installed(), _batch_explained(plan, module):
             out = deepspeed.initialize(model=module, config=cfg, **ds_kwargs)
     if swap:
         out[0].set_swap_policy(swap)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from itertools import accumulate
 
+import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from ...schedule.passes import recompute_counts, recompute_layers, with_recompute
@@ -94,11 +95,31 @@ class AutoplanPipelineModule(PipelineModule):
             saved, self.stage_id = self.stage_id, 0
             super()._partition_layers(method)
             self.stage_id = saved
+        self._check_no_empty_rank()
         rank = self.stage_id
         self.local_stages = [s for s, r in enumerate(self._ap_placement) if r == rank]
         self.chunk_bounds = [(self.parts[s], self.parts[s + 1]) for s in self.local_stages]
         self._set_recompute()
         self._set_bounds(*self.chunk_bounds[0])
+
+    def _check_no_empty_rank(self):
+        """Every pipeline rank must hold a trainable parameter, or its optimizer gets an empty
+        parameter list (torch's ValueError deep in deepspeed.initialize, on that rank only,
+        while the others wait).  Decided from the whole partition, so every rank refuses the
+        same plan; layers given as specs (built later) are taken to have parameters."""
+        def trainable(i):
+            spec = self._layer_specs[i]
+            if not isinstance(spec, torch.nn.Module):
+                return True
+            return any(p.requires_grad for p in spec.parameters())
+        counts = [b - a for a, b in zip(self.parts, self.parts[1:])]
+        for r in sorted(set(self._ap_placement)):
+            stages = [s for s, q in enumerate(self._ap_placement) if q == r]
+            if not any(trainable(i) for s in stages for i in range(self.parts[s], self.parts[s + 1])):
+                raise PartitionError(
+                    f"pipeline rank {r} would hold stage(s) {stages} with no trainable parameter "
+                    f"(module layers per stage {counts}): its optimizer would get an empty "
+                    f"parameter list; give every rank a layer with parameters")
 
     def _set_recompute(self):
         S, n = len(self._ap_placement), len(self._layer_specs)
