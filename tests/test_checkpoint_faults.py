@@ -366,6 +366,14 @@ def ds_kills(tmp_path_factory):
     return root, out
 
 
+def _refused_on_both_ranks(rows, name, marker) -> None:
+    """Case ``name`` stopped both ranks with one line refusing a file; no code ran."""
+    for r in range(2):
+        err = rows[(name, r)].get("error", "")
+        assert "refused" in err and "could run code" in err and "\n" not in err, rows[(name, r)]
+    assert not marker.exists()
+
+
 def _layer_file(folder, layer: int) -> str:
     """DeepSpeed's weights file of ``layer`` (``layer_XX-[model_YY-]model_states.pt``)."""
     (path,) = pathlib.Path(folder).glob(f"layer_{layer:02d}-*model_states.pt")
@@ -448,10 +456,7 @@ def test_deepspeed_crafted_pickle_in_any_checkpoint_file_is_refused(ds_loads, na
     DeepSpeed's per-layer weight files (manifest re-sealed to match): both ranks stop with one
     line naming the file (also the rank that does not read it), the marker never appears."""
     rows, marker = ds_loads
-    for r in range(2):
-        err = rows[(name, r)].get("error", "")
-        assert "refused" in err and "could run code" in err and "\n" not in err, rows[(name, r)]
-    assert not marker.exists()
+    _refused_on_both_ranks(rows, name, marker)
 
 
 @pytest.mark.multiproc
@@ -541,10 +546,7 @@ def test_megatron_crafted_pickle_in_any_checkpoint_file_is_refused(megatron_faul
     """DCP's ``.metadata`` (torch reads it with ``pickle.load``), Megatron's ``common.pt``, a
     rank state, the train state: refused naming the file on both ranks, the marker never made."""
     rows, _, marker, _ = megatron_faults
-    for r in range(2):
-        err = rows[(name, r)].get("error", "")
-        assert "refused" in err and "could run code" in err and "\n" not in err, rows[(name, r)]
-    assert not marker.exists()
+    _refused_on_both_ranks(rows, name, marker)
 
 
 @pytest.mark.multiproc
