@@ -49,16 +49,10 @@ def measure(out: str) -> None:
         x = x + F.dropout(m["proj"](a.transpose(1, 2).reshape(b, s, -1)), 0.1)
         return x + F.dropout(m["fc2"](F.gelu(m["fc1"](m["ln2"](x)))), 0.1)
 
-    def timed(fn, reps=20, warm=5):
-        for _ in range(warm):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(); fn(); b.record(); torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b) / 1e3)
-        return statistics.median(ts)
+    from gpu_kernels import bench         # CUDA-event timing, median of repeats (same folder)
+
+    def timed(fn):
+        return bench(fn, reps=20, warm=5)[0]
 
     rows = []
     from torch.nn.attention import SDPBackend, sdpa_kernel
