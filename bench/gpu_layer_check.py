@@ -8,11 +8,11 @@ timed with CUDA events (median of repeats after warm-up; inputs rotated among th
 random data).  The tensor-parallel collectives are not run: this checks compute only.
 
 ``compare FILE.json [...]`` (here): the cost model's ``block_times`` for the same shapes on the
-file's GPU kind, against the measurement.  The measurement is a burst (seconds, not minutes at
-the power limit), so the prediction uses the kind's measured burst GEMM efficiency (the
-``sustained`` prior of ``data/gpus.yaml`` divided by its sustained/burst factor 0.849) rather
-than the calibrated sustained figure; everything else is the model as shipped.  Prints one
-JSON line: per-case errors, median and max absolute error of forward+backward.
+file's GPU kind, against the measurement.  The prediction uses the kind's ``sustained`` prior of
+``data/gpus.yaml`` (the layer-GEMM rate measured on these GPUs, which layer shapes keep under a
+sustained load: bench/gpu_sustained.py), not the figure calibrated on published runs of older
+stacks; everything else is the model as shipped.  Prints one JSON line: per-case errors,
+median and max absolute error of forward+backward.
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ CASES = [  # (h, heads, s, b, t)
     (8192, 64, 2048, 1, 1), (8192, 64, 2048, 1, 2), (8192, 64, 2048, 1, 4), (8192, 64, 2048, 1, 8),
     (8192, 64, 4096, 1, 8), (12288, 96, 2048, 1, 4), (12288, 96, 2048, 1, 8),
 ]
-HOPPER_SUSTAINED_OVER_BURST = 0.849     # data/gpus.yaml: Bekman's H200 MSMF/MAMF
 
 
 def measure(out: str) -> None:
@@ -72,7 +71,6 @@ def measure(out: str) -> None:
         rows.append(dict(h=h, heads=heads, s=s, b=b, t=t, fwd=timed(f_only), fwd_bwd=timed(f_b)))
         print("h=%5d s=%5d b=%d t=%d fwd %.3f ms fwd+bwd %.3f ms" % (
             h, s, b, t, rows[-1]["fwd"] * 1e3, rows[-1]["fwd_bwd"] * 1e3), flush=True)
-        del m, xs, gs
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d"), "method": __doc__,
            "rows": rows}
@@ -84,19 +82,19 @@ KINDS = {"H100": "h100-sxm-80gb", "H200": "h200-141gb"}
 
 
 def compare(paths: list[str]) -> dict:
-    from dataclasses import replace
-    from ds_autoplan.cost.compute import Dims, block_times, get_gpu
+    from ds_autoplan.cost.compute import block_times, get_gpu
+    from ds_autoplan.spec.blocks import BlockShape
     out = {"cases": [], "files": paths}
     for path in paths:
         with open(path) as fh:
             data = json.load(fh)
         kind = next(v for k, v in KINDS.items() if k in data["device"])
         g = get_gpu(kind, calibrated=False)
-        g = replace(g, sustained=g.sustained / HOPPER_SUSTAINED_OVER_BURST)   # burst, as measured
         for r in data["rows"]:
-            d = Dims("gpt", r["s"], r["h"], r["heads"], r["heads"], 4 * r["h"], 50304, False,
-                     True, True, r["s"])
-            u = block_times(g, d, r["b"], r["t"], sp=False)
+            blk = BlockShape(s=r["s"], h=r["h"], heads=r["heads"], kv=r["heads"],
+                             hd=r["h"] // r["heads"], ffn=4 * r["h"], act="gelu", flash=True,
+                             dropout=True, linear_bias=True)      # the measured block
+            u = block_times(g, blk, r["b"], r["t"], sp=False)
             out["cases"].append({"gpu": kind, **{k: r[k] for k in ("h", "s", "b", "t")},
                                  "fwd_err": round(u.fwd / r["fwd"] - 1, 4),
                                  "fwd_bwd_err": round((u.fwd + u.bwd) / r["fwd_bwd"] - 1, 4)})
