@@ -130,8 +130,8 @@ def cost_model(r: dict, model, cluster, sustained: float | None = None) -> CostM
     """The row's cost model: its engine's execution model; ``sustained`` replaces the GPU
     kind's constant (None: the per-kind prior of data/gpus.yaml, uncalibrated)."""
     ex = get_execution(r.get("execution"), r.get("overlap"))
-    if r.get("grad_reduce_dtype") == "fp32":
-        ex = dataclasses.replace(ex, grad_bytes=4)
+    if r.get("grad_reduce_dtype"):          # the row's published gradient-reduction dtype
+        ex = dataclasses.replace(ex, grad_bytes={"fp32": 4, "bf16": 2, "fp16": 2}[r["grad_reduce_dtype"]])
     cm = CostModel(model, cluster, r["precision"], r.get("runtime", "any"), execution=ex)
     if cm.gpu is not None:
         prior = get_gpu(cluster.gpu, calibrated=False)
