@@ -73,6 +73,8 @@ def test_unknown_gpu_kind_is_a_clear_error():
 def test_state_bytes_per_runtime():
     assert sum(state_bytes("bf16", 0, 8, "megatron")) == 18                 # fp32 main grads
     assert sum(state_bytes("bf16", 1, 8, "megatron")) == pytest.approx(6 + 12 / 8)   # dist. optimizer
+    # a gradient reduction set to bf16 (--grad-reduce-in-bf16): Megatron's buffer is bf16 too
+    assert state_bytes("bf16", 1, 8, "megatron", 2)[1] == 2 and state_bytes("bf16", 1, 8, "deepspeed", 4)[1] == 2
     assert sum(state_bytes("bf16", 1, 8, "deepspeed")) == pytest.approx(4 + 12 / 8)
     assert sum(state_bytes("bf16", 2, 8, "deepspeed")) == pytest.approx(2 + 14 / 8)
     assert sum(state_bytes("bf16", 3, 8, "deepspeed")) == pytest.approx(16 / 8)

@@ -176,7 +176,7 @@ def test_measured_h100_prior_predicts_a_second_h100_stack():
     source nemotron4_dgxc2024: 128-2048 DGX H100 GPUs, TP 8 PP 8 VP 12, bf16 gradient sync)
     within issue 20's in-file bound (10%) with no calibration, under the megatron-core execution
     model (measured 2026-11-26: published 2.9-7.0% slower); the rows' published gradient-sync
-    dtype reaches the execution model."""
+    dtype reaches the execution model and the memory model's gradient buffer."""
     import os
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
@@ -188,6 +188,11 @@ def test_measured_h100_prior_predicts_a_second_h100_stack():
     assert len(rows) == 5
     model, cluster = pr.setup(rows[0])
     assert pr.cost_model(rows[0], model, cluster).execution.grad_bytes == 2
+    # ... and sizes Megatron's gradient buffer: the data-parallel-4 row fits the budget with the
+    # published bf16 buffer, not with fp32 main gradients
+    r256 = next(r for r in rows if r["gpus"] == 256)
+    assert pr.cost_published(r256)[0][1].fits
+    assert not pr.cost_published({**r256, "grad_reduce_dtype": "fp32"})[0][1].fits
     for r in rows:
         (cfg, c), _, n = pr.cost_published(r)
         assert n == 1 and (cfg.chunks, cfg.micro_batch, cfg.dp) == (12, 1, r["gpus"] // 64)

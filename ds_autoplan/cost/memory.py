@@ -47,20 +47,23 @@ def _deepspeed(precision: str, zero: int, d: int) -> tuple[float, float, float]:
     return p / d, g / d, o / d
 
 
-def _megatron(precision: str, zero: int, d: int) -> tuple[float, float, float]:
+def _megatron(precision: str, zero: int, d: int, grad: float | None = None) -> tuple[float, float, float]:
     if zero >= 2:                       # not executable in Megatron: DeepSpeed holds it
         return _deepspeed(precision, zero, d)
-    p, g, o = (4.0, 4.0, 8.0) if precision == "fp32" else (2.0, 4.0, 12.0)
+    p, g, o = (4.0, 4.0, 8.0) if precision == "fp32" else (2.0, grad or 4.0, 12.0)
     return p, g, (o / d if zero == 1 else o)
 
 
-def state_bytes(precision: str, zero: int, d: int, runtime: str = "any") -> tuple[float, float, float]:
-    """(parameter, gradient, optimizer) bytes per model parameter on one rank."""
+def state_bytes(precision: str, zero: int, d: int, runtime: str = "any",
+                grad_reduce_bytes: float | None = None) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer) bytes per model parameter on one rank.
+    ``grad_reduce_bytes``: a gradient-reduction dtype set explicitly (Execution.grad_bytes);
+    Megatron's gradient buffer has that dtype (see above), so it replaces the fp32 default."""
     if runtime not in RUNTIMES:
         from ..spec import SpecError
         raise SpecError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
     if runtime == "megatron":
-        return _megatron(precision, zero, d)
+        return _megatron(precision, zero, d, grad_reduce_bytes)
     if runtime == "deepspeed":
         return _deepspeed(precision, zero, d)
     m, s = _megatron(precision, zero, d), _deepspeed(precision, zero, d)
