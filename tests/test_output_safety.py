@@ -534,14 +534,15 @@ def test_a_reinstalled_deepspeed_is_detected(runner_copy, capsys):
     assert main(["patch", "deepspeed", "--revert"]) == 0 and runner_copy.read_bytes() == orig
 
 
-@pytest.mark.parametrize("kind", ["fifo", "file", "empty"])
+@pytest.mark.parametrize("kind", ["fifo", "file", "dangling"])
 def test_deepspeed_autoplan_bad_out_is_one_line(tmp_path, kind, capsys):
     """What the patched launcher calls (`deepspeed --autoplan` with DS_AUTOPLAN_OUT): a bad
-    target is one `ds-autoplan: error:` line and exit 2, before anything is written."""
+    target is one `ds-autoplan: error:` line and exit 2, before anything is written (an empty
+    DS_AUTOPLAN_OUT counts as unset, as every DS_AUTOPLAN_* variable: ds_autoplan.env)."""
     from ds_autoplan.cli import launch_cmd, patch_cmd
     assert "launch_cmd import autoplan_in_runner" in "".join(
         line for _, lines, _ in patch_cmd._EDITS for line in lines)
-    target = "" if kind == "empty" else str(WRONG_FOLDER[kind](tmp_path))
+    target = str(WRONG_FOLDER[kind](tmp_path))
     before = _snapshot(tmp_path)
     with pytest.raises(SystemExit) as e:
         launch_cmd.autoplan_in_runner(_launch_args(tmp_path), 2, {"DS_AUTOPLAN_OUT": target})
