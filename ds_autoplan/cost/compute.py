@@ -31,6 +31,9 @@ BWD_TRAFFIC = 1.5
 
 @dataclass(frozen=True)
 class GPU:
+    """One GPU kind of ``data/gpus.yaml``: dense bf16 peak, measured maximum achievable matmul rate
+    (MAMF) and the share of it a training step sustains (the one figure calibrated per kind),
+    SMs and GEMM tile, HBM bandwidth and its streaming efficiency, flash-attention rates."""
     name: str
     peak_tflops: float
     mamf_tflops: float
@@ -115,6 +118,8 @@ def calibration() -> dict:
 
 
 def get_gpu(name: str | None, calibrated: bool = True) -> GPU | None:
+    """The :class:`GPU` of kind ``name`` (calibrated on published runs, or the prior), None for no
+    name; an unknown kind is refused."""
     if not name:
         return None
     check_gpu(name)
@@ -148,6 +153,8 @@ class Dims:
 
     @classmethod
     def of(cls, model) -> "Dims | None":
+        """The shapes of ``model`` (a :class:`~ds_autoplan.spec.ModelSpec`), or None for a profiled
+        model whose measured times stand."""
         c = model.config
         if "num_layers" not in c:           # a profiled model: its measured times stand
             return None

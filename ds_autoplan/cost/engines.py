@@ -49,6 +49,9 @@ OVERLAPS = ("grad-reduce", "param-gather", "tp-comm")
 
 @dataclass(frozen=True)
 class Execution:
+    """What one engine overlaps and serialises in a step (gradient reduction, parameter gather, TP
+    communication, the wire dtype of gradients, ZeRO-1's reduction, p2p and tied-weight
+    handling): the execution model a plan records and ``cost --execution/--overlap`` set."""
     name: str
     grad_overlap: bool = False          # DP gradient reduction beside the last backward
     param_gather_overlap: bool = False  # ZeRO-1/2 parameter all-gather beside the next forward
@@ -75,6 +78,7 @@ class Execution:
         return replace(self, **kw)
 
     def label(self) -> str:
+        """Name and the overlaps switched on, for plan lines and reports."""
         on = [n for n, a in zip(OVERLAPS, ("grad_overlap", "param_gather_overlap", "tp_overlap"))
               if getattr(self, a)]
         return f"{self.name} (overlap: {', '.join(on) or 'none'})"

@@ -32,11 +32,15 @@ class Config(Parallel):
     recompute: str = "none"
 
     def strategy(self) -> Strategy:
+        """The per-layer :class:`Strategy` of this uniform configuration (full recompute ->
+        checkpointing, selective -> Korthikanti's selective recompute)."""
         return Strategy.of(self, ckpt=self.recompute == "full", sel=self.recompute == "selective")
 
 
 @dataclass
 class ConfigCost:
+    """The closed-form cost of one configuration: iteration time, peak bytes per pipeline rank,
+    whether it fits, and its parts (time per micro-batch, bubble, non-overlapped tail)."""
     time: float
     peak: list = field(default_factory=list)       # bytes per pipeline rank
     fits: bool = True

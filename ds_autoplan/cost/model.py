@@ -54,6 +54,7 @@ class Strategy(NamedTuple):
 
     @property
     def expert_tp(self) -> int:
+        """Tensor-parallel degree of the expert layers (Megatron's default: the dense TP)."""
         return self.etp or self.tp
 
     @property
@@ -63,9 +64,11 @@ class Strategy(NamedTuple):
 
     @property
     def sdp(self) -> bool:
+        """True when the data dimension shards parameters too (ZeRO-3 / SDP)."""
         return self.zero == 3
 
     def label(self) -> str:
+        """Short human label, e.g. ``TP4+DP2/Z1+CKPT``."""
         parts = []
         data = (f"SDP{self.dp}" if self.zero == 3 else f"DP{self.dp}" +
                 (f"/Z{self.zero}" if self.zero else "")) if self.dp > 1 else ""
@@ -78,9 +81,11 @@ class Strategy(NamedTuple):
                                                                  "+SEL" if self.sel else "")
 
     def tp_stride(self) -> int:
+        """Rank distance between members of a TP group (docs/planner.md §1.4)."""
         return self.dp if self.tp_outer else 1
 
     def dp_stride(self) -> int:
+        """Rank distance between members of a data-parallel group (docs/planner.md §1.4)."""
         return 1 if self.tp_outer else self.tp
 
     def data_index(self) -> np.ndarray:
@@ -106,10 +111,14 @@ class LayerTables:
 
     @property
     def c(self) -> np.ndarray:
+        """Per unit and strategy: forward + backward time of a micro-batch that synchronises
+        gradients."""
         return self.fwd + self.bwd
 
     @property
     def c_ns(self) -> np.ndarray:
+        """Per unit and strategy: forward + backward time of a micro-batch without gradient
+        synchronisation."""
         return self.fwd + self.bwd_ns
 
 
@@ -170,6 +179,8 @@ class CostModel:
         return np.maximum(x, y) + (self.gamma - 1) * np.minimum(x, y)
 
     def tables(self, strategies: list, B_m: int) -> LayerTables:
+        """Memory and time of every unit under each of ``strategies`` for micro-batch size ``B_m``
+        (memoised): the arrays the stage DP indexes."""
         key = (tuple(strategies), B_m)
         if key in self._cache:
             return self._cache[key]
@@ -385,6 +396,8 @@ class CostModel:
                                Strategy(s.tp, s.dp, tp_outer=s.tp_outer))
 
     def relayout(self, X: float, sp: Strategy, s: Strategy) -> float:
+        """Seconds to re-lay a boundary tensor of ``X`` bytes from strategy ``sp`` to ``s``
+        (docs/planner.md §2.5)."""
         frac, g = self.relayout_shape(sp, s)
         return self.net.all_gather(X * frac, g, 1)
 

@@ -20,16 +20,20 @@ from ..profile.profile import Profile
 
 @dataclass
 class Partition:
+    """DawnPiper's result: unit bounds and keep/recompute/swap policy per stage, and the bottleneck
+    time (inf if no cut fits)."""
     bounds: list[tuple[int, int]]      # [lo, hi) units per stage
     policies: list[StagePolicy]
     bottleneck_s: float                # max_x (T_x + T_x^moo), inf if infeasible
 
     @property
     def units_per_stage(self) -> list[int]:
+        """Profile units per stage."""
         return [hi - lo for lo, hi in self.bounds]
 
     @property
     def recompute_per_stage(self) -> list[float]:
+        """Per stage, the fraction of its units recomputed."""
         return [p.recompute_fraction for p in self.policies]
 
 

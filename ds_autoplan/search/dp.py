@@ -16,6 +16,7 @@ INF = float("inf")
 
 @dataclass
 class StagePlan:
+    """One stage's DP answer: a strategy index per unit and its Eq. 2 peak bytes."""
     strategies: list      # strategy index per unit of the stage
     E_all: float          # Eq. 2 peak bytes
 
@@ -238,6 +239,7 @@ class Context:
         return out
 
     def K(self, i: int) -> int:
+        """In-flight micro-batches of stage ``i`` under 1F1B: ``min(pp - i, m)``."""
         return min(self.pp - i, self.m)            # 1F1B in-flight micro-batches (§6 #2)
 
     def search(self, parts: tuple):

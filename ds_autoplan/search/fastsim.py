@@ -20,6 +20,8 @@ _KINDS = ("F", "B", "W", "BW")
 
 @dataclass(frozen=True)
 class Compiled:
+    """A schedule compiled once for :func:`run`: actions in topological order with their rank,
+    stage, kind, predecessors and rank predecessor."""
     order: tuple          # action indices, topological
     rank: np.ndarray      # [A] rank of each action
     stage: np.ndarray     # [A]
@@ -36,12 +38,14 @@ class Compiled:
 
 @dataclass
 class FastResult:
+    """What :func:`run` returns: makespan, per-rank peak memory and busy time."""
     makespan: float
     peak_memory: np.ndarray
     busy: np.ndarray
 
     @property
     def bubble_ratio(self) -> float:
+        """``1 - busy / (ranks * makespan)``, as :attr:`SimResult.bubble_ratio`."""
         return 1.0 - float(self.busy.sum()) / (len(self.busy) * self.makespan) if self.makespan > 0 else 0.0
 
 
@@ -103,6 +107,8 @@ def cached_build(name: str, d: int, n: int, opts: tuple):
 
 @lru_cache(maxsize=256)
 def compiled(name: str, d: int, n: int, opts: tuple) -> Compiled | None:
+    """The compiled DAG of the built schedule ``name`` (memoised through the builder cache), or
+    None."""
     return compile_schedule(cached_build(name, d, n, opts))
 
 

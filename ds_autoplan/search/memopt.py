@@ -35,6 +35,8 @@ KEEP, RECOMPUTE, SWAP = "keep", "recompute", "swap"
 
 @dataclass
 class StagePolicy:
+    """DawnPiper's memory optimisation of one stage: per unit keep / recompute / swap, the
+    activation copies in flight, peak bytes with and without it, and its time."""
     stage: int
     units: list[str]
     choice: dict[str, str]             # unit name -> keep | recompute | swap
@@ -51,10 +53,12 @@ class StagePolicy:
 
     @property
     def recompute(self) -> list[str]:
+        """Units whose activations are recomputed."""
         return [u for u in self.units if self.choice[u] == RECOMPUTE]
 
     @property
     def swap(self) -> list[str]:
+        """Units whose saved tensors are swapped to host memory."""
         return [u for u in self.units if self.choice[u] == SWAP]
 
     @property
@@ -76,6 +80,7 @@ class StagePolicy:
         return len(self.recompute) / len(self.units) if self.units else 0.0
 
     def to_dict(self) -> dict:
+        """JSON-able form, with the recompute fraction."""
         return {**asdict(self), "recompute_fraction": self.recompute_fraction}
 
 

@@ -121,6 +121,8 @@ def frugal_plan(ctx: Context) -> list:
 
 
 def stage_times(ctx: Context, parts, plan):
+    """Per-stage time without gradient synchronisation and peak memory of partition ``parts`` under
+    ``plan``."""
     C, Cns, Mem = ctx.stage_costs(parts, plan)
     return Cns, Mem
 

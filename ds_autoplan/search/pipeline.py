@@ -17,6 +17,7 @@ DEFAULT_SCHEDULES = ("1f1b", "interleaved", "v-half", "v-min", "v-zb")
 
 
 def available(names) -> list[str]:
+    """The names among ``names`` that are registered builders, in order."""
     from ..schedule import names as registered
     have = set(registered())
     return [s for s in names if s in have]
@@ -42,6 +43,7 @@ def options_of(name: str, parts: tuple, P: int) -> tuple:
 
 
 def num_stages(name: str, P: int, v: int = 2) -> int:
+    """Pipeline stages of schedule ``name`` on ``P`` ranks with ``v`` chunks where it takes them."""
     from ..schedule.builders import builder_info
     return builder_info(name).num_stages(P, **schedule_options(name, v))
 
@@ -63,6 +65,7 @@ class Eval:
 
     @property
     def ok(self) -> bool:
+        """True when the configuration fits and has a finite time."""
         return self.fits and math.isfinite(self.time)
 
 

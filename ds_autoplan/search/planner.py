@@ -56,22 +56,27 @@ class Candidate:
 
     @property
     def ok(self) -> bool:
+        """True when the candidate was costed to a finite time."""
         return math.isfinite(self.time)
 
     @property
     def pp(self) -> int:
+        """Pipeline degree (of the candidate's :class:`Parallel`)."""
         return self.par.pp
 
     @property
     def tp(self) -> int:
+        """Tensor-parallel degree."""
         return self.par.tp
 
     @property
     def dp(self) -> int:
+        """Data-parallel degree."""
         return self.par.dp
 
     @property
     def zero(self) -> int:
+        """ZeRO stage over the data-parallel group."""
         return self.par.zero
 
     @property
@@ -95,6 +100,7 @@ class Candidate:
         return bool(self.ctx is not None and self.ctx.strategies[0].sel)
 
     def summary(self, B: int, seq: int) -> dict:
+        """The candidate as a JSON-able row of the report (degrees, batch split, schedule, time)."""
         return {"name": self.name, "pp": self.pp, "tp": self.tp, "dp": self.dp, "zero_stage": self.zero,
                 "micro_batch_size": self.B_m // self.dp if self.dp else 0, "num_microbatches": self.m,
                 "ep": self.par.ep, "etp": self.par.etp, "cp": self.par.cp, "cp_comm": self.par.cp_comm,
@@ -110,6 +116,8 @@ class Candidate:
 
 @dataclass
 class SearchResult:
+    """What :func:`search` returns: the plan, the best candidate, the baselines, the wide
+    mode's result, the alternatives and partitioners tried."""
     plan: Plan
     best: Candidate
     baselines: dict
@@ -123,6 +131,9 @@ class SearchResult:
 
 
 class Planner:
+    """The planner of one (model, cluster, global batch): the executable space, the stage DPs,
+    partitioners and schedule choice by simulation (docs/planner.md §3-4), and the baselines;
+    options restrict the space (``fix``, ``pp``, ``tp``, ``runtime``, ...)."""
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                  precision: str = "bf16", budget_gb: float | None = None, units: int = 512,
                  schedules=None, partitioner: str = "bmw", max_tp: int | None = None,
@@ -242,6 +253,7 @@ class Planner:
 
     # -- contexts ---------------------------------------------------------------------
     def ctx(self, P, m, B_m, strats) -> Context:
+        """The DP :class:`Context` of one (pp, m, B_m, strategies), memoised."""
         key = (P, m, B_m, tuple(strats))
         if key not in self._ctx:
             self._ctx[key] = Context(self.cm, list(strats), P, m, B_m, self.E, self.units)
@@ -739,6 +751,8 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
 
 def to_plan(c: Candidate, model, cluster, B, precision, pl: Planner, bl: dict, wd: dict, tried,
             dt: float) -> Plan:
+    """The :class:`Plan` of candidate ``c`` with its predicted cost, baselines and wide-mode
+    comparison."""
     seq = model.seq_len
     nblk = list(c.parts)
     rec = [r / n if n else 0.0 for r, n in zip(c.recompute, nblk)] if c.recompute else [0.0] * len(nblk)
