@@ -108,6 +108,13 @@ class Plan:
         if S is not None and len(lps) > 1 and len(lps) != S:
             raise PlanError(f"plan: layers_per_stage has {len(lps)} entries but schedule "
                             f"{self.schedule!r} on pp={self.pp} has {S} stages")
+        if len(lps) > 1 and 0 in lps:
+            # a stage without layers still takes its slots in the schedule (a rank that only
+            # forwards what it receives): time the model was costed without, and memory idle
+            raise PlanError(f"plan: stage {lps.index(0)} of the {len(lps)} stages of "
+                            f"{self.schedule!r} on pp={self.pp} has no layers (layers_per_stage "
+                            f"{lps}): every stage needs at least one; use {len(lps)} or more layers "
+                            "or a schedule with fewer stages")
 
     def _registered_stages(self) -> int | None:
         """Stages of the plan's schedule from the builder registry (None: pp = 1 or a

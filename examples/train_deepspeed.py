@@ -16,14 +16,17 @@ Resume the DeepSpeed way, also under another plan (schedule, pp, dp, ZeRO 0/1):
 """
 import argparse
 import os
+import sys
 
 import torch
 
 from ds_autoplan.models.tiny_gpt import GPTConfig, TinyGPT, gpt_loss
+from ds_autoplan.errors import PlanError
 from ds_autoplan.plan import Plan
 from ds_autoplan.runtime.deepspeed import as_plan, initialize
 from ds_autoplan.runtime.deepspeed.dist import init_distributed
 from ds_autoplan.schedule import build
+from ds_autoplan.search.pipeline import schedule_options
 
 
 def parse():
@@ -33,7 +36,9 @@ def parse():
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
     p.add_argument("--mbs", type=int, default=2, help="micro-batch size")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--layers", type=int, default=None,
+                   help="transformer blocks (default: enough to fill every stage of the schedule "
+                        "on these ranks, at least 4)")
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--vocab", type=int, default=128)
@@ -48,13 +53,21 @@ def parse():
     return p.parse_args()
 
 
+def default_layers(stages: int) -> int:
+    """The fewest layers, at least 4, that give every stage the same number (at least one)."""
+    return stages * -(-4 // stages)
+
+
 def flag_plan(args, world):
-    opts = {"v": 2} if args.schedule == "interleaved" else {}
-    S = build(args.schedule, world, args.microbatches, **opts).num_stages
-    base, extra = divmod(args.layers, S)
+    """A pure-pipeline plan over ``world`` ranks from the flags; one rank trains unpipelined
+    (one stage: there is no pipeline for the schedule to order)."""
+    opts = schedule_options(args.schedule, 2)
+    S = 1 if world == 1 else build(args.schedule, world, args.microbatches, **opts).num_stages
+    layers = args.layers or default_layers(S)
+    base, extra = divmod(layers, S)
     return Plan(pp=world, dp=1, micro_batch_size=args.mbs, num_microbatches=args.microbatches,
                 global_batch_size=args.mbs * args.microbatches, precision="fp32", schedule=args.schedule,
-                schedule_options=opts, zero_stage=args.zero, num_layers=args.layers,
+                schedule_options=opts, zero_stage=args.zero, num_layers=layers,
                 seq_len=args.seq,
                 layers_per_stage=[base + (s < extra) for s in range(S)],
                 recompute_per_stage=[args.recompute] * S)
@@ -73,8 +86,14 @@ def main():
     init_distributed()
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     planned = args.plan or os.environ.get("DS_AUTOPLAN_PLAN")
-    plan = as_plan(planned) if planned else flag_plan(args, world)
-    cfg = GPTConfig(vocab_size=args.vocab, hidden=args.hidden, num_layers=plan.num_layers or args.layers,
+    try:
+        plan = as_plan(planned) if planned else flag_plan(args, world)
+    except PlanError as e:
+        if rank == 0:
+            print(f"train_deepspeed.py: error: {e}", file=sys.stderr, flush=True)
+        torch.distributed.destroy_process_group()
+        sys.exit(2)
+    cfg = GPTConfig(vocab_size=args.vocab, hidden=args.hidden, num_layers=plan.num_layers or args.layers or 4,
                     num_heads=4, seq_len=plan.seq_len or args.seq)
     torch.manual_seed(0)
     model = TinyGPT(cfg)
@@ -87,7 +106,8 @@ def main():
     engine, *_ = initialize(model.layers(), plan, loss_fn=gpt_loss, config=ds_cfg)
     dp_rank = engine.grid.data_parallel_id
     if rank == 0:
-        print(f"plan: pp={plan.pp} dp={plan.dp} schedule={plan.schedule} "
+        what = plan.schedule if plan.pp > 1 else "no pipeline (1 rank)"
+        print(f"plan: pp={plan.pp} dp={plan.dp} schedule={what} layers={cfg.num_layers} "
               f"layers_per_stage={plan.layers_per_stage} recompute={plan.recompute_per_stage}",
               flush=True)
     if args.load:

@@ -24,6 +24,7 @@ from ds_autoplan.runtime.megatron import (cpu_shim, get_forward_backward_func, i
                                   split_backward_spec)
 from ds_autoplan.plan import Plan
 from ds_autoplan.schedule import build
+from ds_autoplan.search.pipeline import schedule_options
 
 
 def parse():
@@ -32,7 +33,9 @@ def parse():
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
     p.add_argument("--mbs", type=int, default=2, help="micro-batch size")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--layers", type=int, default=4, help="transformer layers")
+    p.add_argument("--layers", type=int, default=None,
+                   help="transformer layers (default: enough to fill every stage of the schedule "
+                        "on these ranks, at least 4)")
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=16)
@@ -45,15 +48,17 @@ def parse():
 
 
 def flag_plan(args, world: int) -> Plan:
-    opts = {"v": 2} if args.schedule == "interleaved" else {}
-    S = build(args.schedule, world, args.microbatches, **opts).num_stages
-    if args.layers % S:
-        raise SystemExit(f"--layers {args.layers} must be a multiple of the {S} stages of "
+    """A pure-pipeline plan over ``world`` ranks from the flags; one rank trains unpipelined."""
+    opts = schedule_options(args.schedule, 2)
+    S = 1 if world == 1 else build(args.schedule, world, args.microbatches, **opts).num_stages
+    layers = args.layers or S * -(-4 // S)     # the fewest, at least 4, filling every stage evenly
+    if layers % S:
+        raise SystemExit(f"--layers {layers} must be a multiple of the {S} stages of "
                          f"{args.schedule!r} on {world} ranks")
     return Plan(pp=world, micro_batch_size=args.mbs, num_microbatches=args.microbatches,
                 global_batch_size=args.mbs * args.microbatches, precision="fp32", schedule=args.schedule,
-                schedule_options=opts, layers_per_stage=[args.layers // S] * S,
-                recompute_per_stage=[args.recompute] * S, num_layers=args.layers)
+                schedule_options=opts, layers_per_stage=[layers // S] * S,
+                recompute_per_stage=[args.recompute] * S, num_layers=layers)
 
 
 def main():

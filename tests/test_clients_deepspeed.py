@@ -23,11 +23,12 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from ds_autoplan.cli import patch_cmd  # noqa: E402
-from ds_autoplan.runtime.launch import free_port, prebuild_ops  # noqa: E402
+from harness import CLIENTS_SKIP, clients_dir  # noqa: E402
+from ds_autoplan.runtime.launch import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CLIENT = Path("/work/shared/clients") if Path("/work/shared/clients").is_dir() else ROOT.parent / "shared" / "clients"
-CLIENT = CLIENT / "deepspeedexamples-pipeline_parallelism" / "training" / "pipeline_parallelism"
+CLIENT = (clients_dir() or ROOT.parent / "shared" / "clients") / "deepspeedexamples-pipeline_parallelism" \
+    / "training" / "pipeline_parallelism"
 SHIM = Path(__file__).with_name("deepspeedexamples_shim")
 BIN = Path(sys.executable).parent
 ARGS = ["--deepspeed_config=ds_config.json", "-p", "2", "--steps=2", "--backend", "gloo"]   # the README's
@@ -35,14 +36,13 @@ ALEXNET = ["Conv2d", "ReLU", "MaxPool2d", "Conv2d", "ReLU", "MaxPool2d", "Conv2d
            "ReLU", "Conv2d", "ReLU", "MaxPool2d", "AdaptiveAvgPool2d", "<lambda>", "Dropout", "Linear",
            "ReLU", "Dropout", "Linear", "ReLU", "Linear"]
 
-pytestmark = pytest.mark.skipif(not CLIENT.is_dir(), reason="../shared/clients is not here")
+pytestmark = pytest.mark.skipif(not CLIENT.is_dir(), reason=f"{CLIENTS_SKIP} ({CLIENT} not found)")
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    # the script's "Adam" loads DeepSpeed's JIT-built fused_adam op: build it here, once and
-    # outside the runs' kill timeout (a rank killed mid-build leaves a lock later runs hang on)
-    prebuild_ops(_env(), adam=True)
+    # the script's "Adam" loads DeepSpeed's JIT-built fused_adam op: built once per session,
+    # before any test's clock (conftest.py)
     d = tmp_path_factory.mktemp("pipeline_parallelism")
     for f in CLIENT.iterdir():
         shutil.copy(f, d / f.name)
@@ -82,21 +82,26 @@ def _readme_commands() -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def autoplan_1f1b(client):
-    """The README's `deepspeed --autoplan` line (the launcher patched for the run, then restored
-    byte for byte)."""
+def _run_patched(argv, cwd, env):
+    """``deepspeed --autoplan ...``: the launcher patched for the run, then restored byte for
+    byte."""
     path = Path(patch_cmd.runner_file()[0])
     before = path.read_bytes()
-    env, argv = _readme_commands()["deepspeed"]
     try:
         if patch_cmd.MARK not in before.decode():
             path.write_text(patch_cmd.patched(before.decode()))
-        res = _run(argv, client, _env(**env))
+        res = _run(argv, cwd, env)
     finally:
         path.write_bytes(before)
     assert hashlib.sha256(path.read_bytes()).digest() == hashlib.sha256(before).digest()
     return res
+
+
+@pytest.fixture(scope="module")
+def autoplan_1f1b(client):
+    """The README's `deepspeed --autoplan` line."""
+    env, argv = _readme_commands()["deepspeed"]
+    return _run_patched(argv, client, _env(**env))
 
 
 def test_plan_is_for_the_scripts_alexnet_and_keeps_its_config(client, autoplan_1f1b):
@@ -149,6 +154,64 @@ def test_v_zb_trains_through_ds_autoplan_launch(client):
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
 
 
+# -- no restriction: the planner chooses, whatever engine runs it -------------------------------
+def _unrestricted(form: str, world: int, client: Path, out: str):
+    """The README's example without --pp / --schedules (DS_AUTOPLAN_PP, _SCHEDULES): ``form``
+    'deepspeed' (``deepspeed --autoplan``, options from the environment) or 'launch'
+    (``ds-autoplan launch``, flags); global batch 32 keeps the CPU run short."""
+    port = ["--master_port", str(free_port())]
+    if form == "deepspeed":
+        argv = [str(BIN / "deepspeed"), "--autoplan", "--num_gpus", str(world), *port, "train.py", *ARGS]
+        return _run_patched(argv, client, _env(DS_AUTOPLAN_GLOBAL_BATCH="32", DS_AUTOPLAN_OUT=out))
+    argv = [sys.executable, "-m", "ds_autoplan", "launch", "--global-batch", "32", "--out", out,
+            "--num_gpus", str(world), *port, "train.py", *ARGS]
+    return _run(argv, client, _env())
+
+
+def _reference_losses(out: str, gas: int, world: int) -> list[float]:
+    """Per step, DeepSpeed's own engine's loss on the script's non-pipelined path: the mean
+    over the step's micro-batches and over the ranks (what train_batch returns)."""
+    per_rank = {}
+    for ln in out.splitlines():
+        if ln.startswith("SHIM_MICRO_LOSS "):
+            _, r, v = ln.split()
+            per_rank.setdefault(int(r), []).append(float(v))
+    assert sorted(per_rank) == list(range(world)), out[-4000:]
+    steps = len(per_rank[0]) // gas
+    return [sum(sum(xs[i * gas:(i + 1) * gas]) for xs in per_rank.values()) / (gas * world)
+            for i in range(steps)]
+
+
+@pytest.mark.parametrize("form,world", [("deepspeed", 2), ("launch", 4), ("launch", 2), ("deepspeed", 4)])
+def test_unrestricted_plan_trains_the_unchanged_script(client, form, world):
+    """Without restrictions the planner picks ZeRO-2 without a pipeline on these CPU ranks (the
+    AlexNet fits every rank; no pipeline bubble); the script's pipeline layers train in
+    DeepSpeed's plain engine through its ``train_batch`` calls, with the losses of DeepSpeed's
+    own engine on the script's non-pipelined path (-p 0) under the merged config (1e-6)."""
+    out_dir = f"out-{form}-{world}"
+    rc, out, ours = _unrestricted(form, world, client, out_dir)
+    assert rc == 0, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    assert len(ours) == 2 and all(math.isfinite(x) for x in ours), out[-4000:]
+    plan = json.loads((client / out_dir / "plan.json").read_text())
+    assert (plan["pp"], plan["dp"], plan["world_size"]) == (1, world, world), plan
+    assert plan["zero_stage"] >= 2, plan
+    assert "in DeepSpeed's engine (no pipeline)" in out
+    hint = "--pp 2" if form == "launch" else "DS_AUTOPLAN_PP=2"
+    assert f"the script asked for 2 pipeline stages; the plan uses pp=1 (restrict it with {hint})" in out
+    if (form, world) != ("deepspeed", 2):
+        return
+    cfg = client / out_dir / "ds_config.autoplan.json"
+    args = [f"--deepspeed_config={cfg}", "-p", "0", "--steps=2", "--backend", "gloo"]
+    rc, ref_out, _ = _run([str(BIN / "deepspeed"), "--num_gpus", str(world), "--master_port",
+                           str(free_port()), "train.py", *args], client, _env())
+    assert rc == 0, ref_out[-4000:]
+    ref = _reference_losses(ref_out, json.loads(cfg.read_text())["gradient_accumulation_steps"], world)
+    err = max(abs(a - b) / abs(b) for a, b in zip(ours, ref))
+    print(json.dumps({"test": "alexnet_zero2_vs_deepspeed", "ours": ours, "deepspeed": ref, "rel_err": err}))
+    assert len(ref) == 2 and err <= 1e-6, (ours, ref)
+
+
 def _launcher(*extra, args=ARGS):
     return [sys.executable, "-m", "ds_autoplan", "launch", *extra, "--num_gpus", "2",
             "--master_port", str(free_port()), "train.py", *args]
@@ -198,6 +261,24 @@ def test_launch_runs_the_script_through_the_bootstrap(tmp_path):
     got, inserted, argv = split_argv(["--local_rank=1", *a.user_args])
     assert got == opts == json.loads(base64.urlsafe_b64decode(a.user_args[0].split("=", 1)[1]))
     assert argv == ["train.py", "--local_rank=1", "--steps", "3"]
+
+
+def test_refusals_name_the_plan_and_the_restriction_in_the_users_form():
+    from ds_autoplan.clients.deepspeed_hook import AutoplanRefused, _check_executable, option
+    from ds_autoplan.plan import Plan
+    assert option({"via": "launch"}, "pp", 2) == "--pp 2"
+    assert option({}, "pp", 2) == "DS_AUTOPLAN_PP=2"
+    assert option({"via": "env"}, "schedules", ["1f1b", "v-zb"]) == "DS_AUTOPLAN_SCHEDULES=1f1b,v-zb"
+    plan = Plan(pp=2, dp=2, zero_stage=2, micro_batch_size=1, num_microbatches=8, precision="fp32",
+                layers_per_stage=[10, 12], recompute_per_stage=[0, 0])
+    for via, hint in (("launch", "--pp 1"), ("env", "DS_AUTOPLAN_PP=1")):
+        with pytest.raises(AutoplanRefused) as e:
+            _check_executable(plan, {"via": via})
+        assert str(e.value) == (
+            "the plan (pp=2 dp=2 ZeRO-2 schedule=1f1b micro-batch 1 x 8, layers per stage [10, 12]) "
+            f"uses ZeRO-2 with a pipeline, which DeepSpeed's pipeline engine cannot run; plan it "
+            f"without a pipeline ({hint})")
+    _check_executable(Plan(pp=1, dp=4, zero_stage=3, precision="fp32", layers_per_stage=[22]), {})
 
 
 NO_DATA_SCRIPT = """

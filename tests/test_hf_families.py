@@ -13,6 +13,7 @@ import pytest
 
 from ds_autoplan.spec import SpecError
 from ds_autoplan.spec.model import load_model
+from harness import CLIENTS_SKIP
 from harness.megatron_args import CLIENT, argcheck
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "hf")
@@ -159,7 +160,7 @@ def _flags(name):
     return m, megatron_args(Plan(**PLAN), m)
 
 
-@pytest.mark.skipif(not CLIENT, reason="Megatron-LM client copy not available")
+@pytest.mark.skipif(not CLIENT, reason=f"{CLIENTS_SKIP} (megatron-lm-core_v0.16.1)")
 def test_model_flags_build_the_same_model_in_megatron(tmp_path):
     """Every family Megatron-LM can express: its own parser and megatron-core's
     TransformerConfig / MLATransformerConfig accept the flags, and what Megatron parsed is our

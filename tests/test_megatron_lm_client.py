@@ -20,6 +20,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from harness import CLIENTS_SKIP, clients_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHIM = ROOT / "tests" / "megatron_lm_cpu.py"
@@ -34,12 +35,9 @@ SCHEDULES = ["1f1b", "interleaved", "zb-h1", "v-half", "v-min", "v-zb"]
 
 
 def _client() -> pathlib.Path | None:
-    env = os.environ.get("DS_AUTOPLAN_CLIENTS")
-    cands = [pathlib.Path(env)] if env else [p / "shared" / "clients" for p in ROOT.parents]
-    for c in cands:
-        if (c / "megatron-lm-core_v0.16.1" / "pretrain_gpt.py").is_file():
-            return c / "megatron-lm-core_v0.16.1"
-    return None
+    c = clients_dir()
+    return c / "megatron-lm-core_v0.16.1" if c and (c / "megatron-lm-core_v0.16.1" / "pretrain_gpt.py").is_file() \
+        else None
 
 
 def readme_commands() -> tuple[str, str]:
@@ -81,7 +79,7 @@ def _run(cmd: str, cwd: pathlib.Path, tag: str, tmp: pathlib.Path, **env) -> Sim
 def client(tmp_path_factory):
     src = _client()
     if src is None:
-        pytest.skip("../shared/clients/megatron-lm-core_v0.16.1 is not here (set DS_AUTOPLAN_CLIENTS)")
+        pytest.skip(f"{CLIENTS_SKIP} (megatron-lm-core_v0.16.1/pretrain_gpt.py)")
     tmp = tmp_path_factory.mktemp("mlm")
     dst = tmp / "Megatron-LM"
     shutil.copytree(src, dst)
@@ -150,6 +148,10 @@ def test_pretrain_gpt_trains_every_schedule(runs, schedule, ref, tol):
     assert max(abs(a - b) for a, b in zip(ours.losses, theirs.losses)) <= tol, (ours.losses, theirs.losses)
     assert {r["forward_backward_func"] for r in ours.report} == {"_LossesToLastRank"}
     assert {r["forward_backward_func"] for r in theirs.report} == {"function"}
+    # Megatron-LM's log says once (rank 0) which ds_autoplan schedule runs
+    said = [ln for ln in ours.out.splitlines() if ln.startswith("ds_autoplan: plan ")]
+    assert len(said) == 1 and f"; schedule {schedule}" in said[0] and "layers per chunk" in said[0], said
+    assert not any(ln.startswith("ds_autoplan: plan ") for ln in theirs.out.splitlines())
     # schedules with W get split-aware linear layers (qkv, proj, fc1, fc2 of 4 layers per rank)
     split = 16 if ours.has_w else 0
     assert [r["split_linears"] for r in ours.report] == [split, split]

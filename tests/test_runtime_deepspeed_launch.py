@@ -71,11 +71,51 @@ def test_launch_bad_input_is_one_clear_error(tmp_path):
     assert "training script not found" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("world,schedule", [(4, "v-half")])
-def test_example_trains_with_a_pipeline_schedule(world, schedule):
+@pytest.mark.parametrize("world,schedule,lps", [(4, "v-half", [1] * 8), (1, "v-half", [4])])
+def test_example_trains_with_a_pipeline_schedule(world, schedule, lps):
+    """V-Half on 4 ranks: the default layer count fills its 8 stages; on 1 rank no pipeline."""
     from ds_autoplan.runtime.launch import spawn
     outs = spawn([str(ROOT / "examples" / "train_deepspeed.py"), "--schedule", schedule,
                   "--steps", "3", "--recompute", "1"], world, timeout=240)
     assert all(rc == 0 for rc, _ in outs), outs[0][1][-3000:]
+    assert f"layers={sum(lps)} layers_per_stage={lps}" in outs[0][1], outs[0][1][-3000:]
     losses = [float(ln.split()[-1]) for ln in outs[0][1].splitlines() if ln.startswith("step ")]
     assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def _example(name):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_example_default_layers_fill_every_stage_of_every_schedule(world):
+    from argparse import Namespace
+
+    from ds_autoplan.schedule import names
+    ex = _example("train_deepspeed")
+    for schedule in names():
+        if schedule in ("adaptive", "dynapipe"):           # built per step / under a memory cap
+            continue
+        args = Namespace(schedule=schedule, microbatches=8, mbs=1, layers=None, seq=16, zero=0,
+                         recompute=0.0)
+        plan = ex.flag_plan(args, world)
+        S = 1 if world == 1 else plan.build_schedule().num_stages
+        assert len(plan.layers_per_stage) == S and min(plan.layers_per_stage) >= 1, (schedule, plan)
+        assert plan.num_layers == sum(plan.layers_per_stage) >= 4
+
+
+def test_a_plan_with_an_empty_stage_is_refused():
+    from argparse import Namespace
+
+    from ds_autoplan.errors import PlanError
+    ex = _example("train_deepspeed")
+    args = Namespace(schedule="v-half", microbatches=8, mbs=1, layers=4, seq=16, zero=0, recompute=0.0)
+    with pytest.raises(PlanError) as e:
+        ex.flag_plan(args, 4)
+    assert str(e.value) == ("plan: stage 4 of the 8 stages of 'v-half' on pp=4 has no layers "
+                            "(layers_per_stage [1, 1, 1, 1, 0, 0, 0, 0]): every stage needs at "
+                            "least one; use 8 or more layers or a schedule with fewer stages")

@@ -252,6 +252,19 @@ def test_example_trains_on_two_ranks():
     assert p.returncode == 0 and len(steps) == 3, p.stdout[-2000:] + p.stderr[-2000:]
     losses = [float(ln.rsplit(" ", 1)[1]) for ln in steps]
     assert losses[-1] < losses[0]
+    said = [ln for ln in p.stdout.splitlines() if ln.startswith("ds_autoplan: plan ")]
+    assert len(said) == 1 and "layers per chunk (per pp rank)" in said[0], p.stdout[-2000:]
+
+
+def test_start_line_names_plan_schedule_placement_and_layers_per_chunk():
+    from ds_autoplan.plan import Plan
+    from ds_autoplan.runtime.megatron.setup import start_line
+    from ds_autoplan.schedule.passes import plan_schedule
+    plan = Plan(pp=2, num_microbatches=4, schedule="v-half", layers_per_stage=[1, 2, 2, 3],
+                recompute_per_stage=[0, 0, 0, 0], micro_batch_size=2, precision="fp32", model="gpt-tiny")
+    assert start_line(plan, plan_schedule(plan)) == (
+        "ds_autoplan: plan gpt-tiny tp=1 pp=2 dp=1 micro-batch 2 x 4; schedule v-half (4 stages); "
+        "placement v stage->pp rank [0, 1, 1, 0]; layers per chunk (per pp rank) [[1, 3], [2, 2]]")
 
 
 def test_chunk_without_decoder_has_no_layers_to_recompute():

@@ -68,10 +68,13 @@ def _plan_model_now(model, cluster, global_batch, pp, schedules, world, out) -> 
 
 
 def apply_autoplan(args, world: int, env, model=None, cluster=None, global_batch=None, out=None,
-                   pp=None, schedules=None) -> dict:
+                   pp=None, schedules=None, via: str = "env") -> dict:
     """Rewrite the parsed launcher ``args`` so every rank runs the script through the
     bootstrap with the planner options (``--ds-autoplan=`` base64 JSON, shell-safe for
-    multi-node launchers); with a ``model`` description, plan it now.  Returns the options."""
+    multi-node launchers); with a ``model`` description, plan it now.  ``via``: how the user
+    gave the options ("env": ``deepspeed --autoplan`` with DS_AUTOPLAN_* variables, "launch":
+    ``ds-autoplan launch`` flags), so refusals name the restriction in that form.  Returns the
+    options."""
     o = _planner_options(env)
     if getattr(args, "no_python", False):
         raise UserError("--autoplan runs the script in Python ranks; drop --no_python")
@@ -81,7 +84,7 @@ def apply_autoplan(args, world: int, env, model=None, cluster=None, global_batch
     out = resolve_folder(out, create=False)[0]
     opts = {"cluster": cluster or o["cluster"], "global_batch": global_batch or o["global_batch"],
             "pp": pp or o["pp"], "schedules": schedules or o["schedules"], "out": out,
-            "module": bool(args.module)}
+            "module": bool(args.module), "via": via}
     model = model or o["model"]
     if model:
         opts["plan"] = env[PLAN_ENV] = _plan_model_now(
@@ -164,7 +167,7 @@ def run(args) -> int:
     scheds = _known_schedules([x.strip() for x in own.schedules.split(",") if x.strip()]
                               if own.schedules else None, "--schedules")
     apply_autoplan(a, launch_world(a), os.environ, own.model, own.cluster, own.global_batch,
-                   own.out, own.pp, scheds)
+                   own.out, own.pp, scheds, via="launch")
     runner.main(argv[:cut] + ["--module", a.user_script] + a.user_args)
     return 0
 

@@ -52,7 +52,8 @@ def autoplan_initialize(args=None, model=None, optimizer=None, model_parameters=
 
     from ..runtime.deepspeed.api import initialize
     from ..runtime.deepspeed.module import AutoplanPipelineModule
-    if isinstance(model, AutoplanPipelineModule):         # ds_autoplan.initialize, already planned
+    from ..runtime.deepspeed.plain import StageModule
+    if isinstance(model, (AutoplanPipelineModule, StageModule)):   # ds_autoplan.initialize, planned
         return _STATE["original"](args=args, model=model, optimizer=optimizer,
                                   model_parameters=model_parameters, training_data=training_data,
                                   lr_scheduler=lr_scheduler, collate_fn=collate_fn, config=config,
@@ -160,13 +161,41 @@ def plan_pipeline_module(model, user: dict, training_data, collate_fn, world: in
                      schedules=options.get("schedules"), wide=False, baselines=False,
                      keep_sim=False, world_size=world)
     except SpecError as e:
-        raise AutoplanRefused(f"planning the script's {len(prof.units)} layers failed: {e}") from None
+        given = [option(options, k, options[k]) for k in ("pp", "schedules") if options.get(k)]
+        raise AutoplanRefused(f"planning the script's {len(prof.units)} layers failed: {e}"
+                              + (f" (restricted by {', '.join(given)})" if given else "")) from None
     plan = res.plan
-    if plan.zero_stage > 1:
-        raise AutoplanRefused(f"the plan uses ZeRO-{plan.zero_stage}, which DeepSpeed's pipeline "
-                              "engine cannot run; restrict it with --pp 2 (or more)")
+    _check_executable(plan, options)
     plan.notes.append("profiled layers: " + ", ".join(u.name for u in prof.units))
     return plan
+
+
+def option(options: dict, name: str, value) -> str:
+    """How the user restricts the search by ``name`` in the form they launched with: a flag of
+    ``ds-autoplan launch`` (``--pp 2``) or, for ``deepspeed --autoplan``, which takes no flags
+    of ours, the environment variable (``DS_AUTOPLAN_PP=2``)."""
+    if isinstance(value, (list, tuple)):
+        value = ",".join(map(str, value))
+    if options.get("via") == "launch":
+        return f"--{name.replace('_', '-')} {value}"
+    return f"DS_AUTOPLAN_{name.upper()}={value}"
+
+
+def describe(plan) -> str:
+    """One line naming a plan: its parallelism, batch split, schedule and partition."""
+    return (f"pp={plan.pp} dp={plan.dp} ZeRO-{plan.zero_stage} schedule={plan.schedule} "
+            f"micro-batch {plan.micro_batch_size} x {plan.num_microbatches}, layers per stage "
+            f"{plan.layers_per_stage}")
+
+
+def _check_executable(plan, options: dict) -> None:
+    """Refuse, naming the plan and the restriction in the user's form, what no DeepSpeed engine
+    runs: ZeRO-2/3 with a pipeline (PipelineEngine asserts ZeRO < 2; without a pipeline the
+    plain engine runs them, runtime/deepspeed/plain.py)."""
+    if plan.pp > 1 and plan.zero_stage > 1:
+        raise AutoplanRefused(f"the plan ({describe(plan)}) uses ZeRO-{plan.zero_stage} with a "
+                              "pipeline, which DeepSpeed's pipeline engine cannot run; plan it "
+                              f"without a pipeline ({option(options, 'pp', 1)})")
 
 
 def _default_cluster(world: int) -> str:
@@ -199,9 +228,13 @@ def _shared_plan(model, user, training_data, collate_fn):
     plan = Plan.from_dict(box[0])
     n = len(model._layer_specs)
     if sum(plan.layers_per_stage) not in (n, n - 2):
-        raise AutoplanRefused(f"the plan ({plan.model}) partitions {sum(plan.layers_per_stage)} layers, "
-                              f"the script's PipelineModule has {n}: plan this script's model "
-                              "(launch without --model) or give a matching model")
+        unset = "without --model" if _STATE["options"].get("via") == "launch" else \
+            "without DS_AUTOPLAN_MODEL"
+        raise AutoplanRefused(f"the plan ({plan.model}: {describe(plan)}) partitions "
+                              f"{sum(plan.layers_per_stage)} layers, the script's PipelineModule "
+                              f"has {n}: plan this script's model (launch {unset}) or give a "
+                              "matching model")
+    _check_executable(plan, _STATE["options"])
     return plan
 
 
@@ -218,12 +251,13 @@ def _report(plan, cfg: dict, changes: list, model) -> None:
                      complete=False)                 # is a warning, not a crash of rank 0 alone
     except UserError as e:
         print(f"ds-autoplan: warning: {e}; training goes on without writing them", flush=True)
-    print(f"ds-autoplan: {plan.model} on {plan.cluster}: pp={plan.pp} dp={plan.dp} "
-          f"ZeRO-{plan.zero_stage} schedule={plan.schedule} micro-batch "
-          f"{plan.micro_batch_size} x {plan.num_microbatches}, layers per stage "
-          f"{plan.layers_per_stage} -> {os.path.abspath(out)}/plan.json, {MERGED_CONFIG}", flush=True)
+    from ..runtime.deepspeed.api import runs_plain
+    engine = "DeepSpeed's engine (no pipeline)" if runs_plain(plan) else "ds_autoplan's pipeline engine"
+    print(f"ds-autoplan: {plan.model} on {plan.cluster}: {describe(plan)}, in {engine} -> "
+          f"{os.path.abspath(out)}/plan.json, {MERGED_CONFIG}", flush=True)
     if model.num_stages != plan.pp:
         print(f"ds-autoplan: the script asked for {model.num_stages} pipeline stages; the plan uses "
-              f"pp={plan.pp}", flush=True)
+              f"pp={plan.pp} (restrict it with {option(_STATE['options'], 'pp', model.num_stages)})",
+              flush=True)
     for line in changes:
         print(f"ds-autoplan: ds_config {line}", flush=True)

@@ -94,7 +94,7 @@ def install_megatron_lm(plan) -> Schedule | None:
             wrap=lambda fb: _LossesToLastRank(fb, sched.placement[sched.num_stages - 1]))
     if not sched.round_robin:
         _placement_predicates(sched)
-    _hook_get_model(mt, sched)
+    _hook_get_model(mt, plan, sched)
     if any(a.kind == Kind.W for r in sched.ranks for a in r):
         _split_local_spec()
     return sched
@@ -257,11 +257,13 @@ def _placement_predicates(sched: Schedule) -> None:
     ps.is_pipeline_first_stage, ps.is_pipeline_last_stage = is_first, is_last
 
 
-def _hook_get_model(mt, sched: Schedule) -> None:
+def _hook_get_model(mt, plan, sched: Schedule) -> None:
     """Megatron-LM's ``get_model`` with chunk ``c`` of pp rank ``r`` built as the plan's stage
     ``sched.stages_of(r)[c]``: for a V placement ``model_provider`` gets that stage's
     ``pre_process``/``post_process``; then every chunk's full-layer recompute is turned off
-    (:func:`_full_recompute_off`)."""
+    (:func:`_full_recompute_off`) and rank 0 logs the plan, schedule, placement and layers per
+    chunk that run (``runtime.megatron.setup.start_line``)."""
+    from ..runtime.megatron.setup import announce
     v, last_stage = not sched.round_robin, sched.num_stages - 1
     get_model = mt.get_model
 
@@ -274,6 +276,7 @@ def _hook_get_model(mt, sched: Schedule) -> None:
                                        vp_stage=vp_stage, **kw)
         model = get_model(provider, *args, **kwargs)
         _full_recompute_off(model)
+        announce(plan, sched)
         return model
     mt.get_model = get_model_planned
 

@@ -1,6 +1,8 @@
 """Test-side CPU shim for DeepSpeedExamples' pipeline_parallelism/train.py, on the PYTHONPATH of
 its ranks (never an edit of the client): ``torch.cuda.set_device`` is a no-op on CPU ranks;
-rank 0 prints every ``train_batch`` loss (``SHIM_LOSS``); with ``SHIM_PARTS`` (layer
+rank 0 prints every ``train_batch`` loss (``SHIM_LOSS``; DeepSpeed's pipeline engine and
+ds_autoplan's plain one), and DeepSpeed's own plain engine every rank's micro-step loss
+(``SHIM_MICRO_LOSS rank loss``); with ``SHIM_PARTS`` (layer
 boundaries, e.g. "0,10,22") DeepSpeed's own PipelineModule uses that partition, so a
 reference run can cut the layers where a plan did."""
 import os
@@ -10,17 +12,36 @@ import torch
 torch.cuda.set_device = lambda *a, **k: None
 
 
-def _patch_deepspeed():
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-    from deepspeed.runtime.pipe.module import PipelineModule
-    train_batch = PipelineEngine.train_batch
+def _logged(cls):
+    train_batch = cls.train_batch
 
     def logged(self, *a, **k):
         loss = train_batch(self, *a, **k)
         if torch.distributed.get_rank() == 0:
             print(f"SHIM_LOSS {float(loss):.10e}", flush=True)
         return loss
-    PipelineEngine.train_batch = logged
+    cls.train_batch = logged
+
+
+def _patch_deepspeed():
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.runtime.pipe.module import PipelineModule
+    _logged(PipelineEngine)
+    try:          # ds_autoplan's plain engine (plans without a pipeline), when it is importable
+        from ds_autoplan.runtime.deepspeed.plain import DataParallelEngine
+    except ImportError:
+        pass
+    else:
+        _logged(DataParallelEngine)
+    # the script's non-pipelined path (-p 0) in DeepSpeed's own engine: every micro-step's loss
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    backward = DeepSpeedEngine.backward
+
+    def logged_backward(self, loss, *a, **k):
+        if type(self) is DeepSpeedEngine:
+            print(f"SHIM_MICRO_LOSS {torch.distributed.get_rank()} {float(loss):.10e}", flush=True)
+        return backward(self, loss, *a, **k)
+    DeepSpeedEngine.backward = logged_backward
     parts = os.environ.get("SHIM_PARTS")
     if parts:
         partition = PipelineModule._partition_layers

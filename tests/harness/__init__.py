@@ -21,3 +21,21 @@ def registered(exclude=()) -> list[str]:
     unknown = (set(RUNTIME_EXCLUDED) | set(exclude)) - set(names())
     assert not unknown, f"excluded schedule builders that are not registered: {sorted(unknown)}"
     return [n for n in names() if n not in RUNTIME_EXCLUDED and n not in exclude]
+
+
+def clients_dir():
+    """The real client code the client tests copy and run (never edit it): ``$DS_AUTOPLAN_CLIENTS``
+    when set, else ``shared/clients`` beside the repository (``<repo>/../shared/clients``, as CI
+    lays a clean clone out beside a copy of ``shared/``), else in a folder above it (a worktree
+    one level deeper).  ``None`` when there is none (the client tests skip, saying so)."""
+    from pathlib import Path
+    env = os.environ.get("DS_AUTOPLAN_CLIENTS")
+    root = Path(TESTS).parent
+    for c in [Path(env)] if env else [p / "shared" / "clients" for p in root.parents]:
+        if c.is_dir():
+            return c
+    return None
+
+
+CLIENTS_SKIP = ("no client code: ../shared/clients (beside the repository) is missing; set "
+                "DS_AUTOPLAN_CLIENTS to its folder")

@@ -8,17 +8,13 @@ import shutil
 import subprocess
 import sys
 
-from . import TESTS
+from . import TESTS, clients_dir
 
 
-def _client(rel="shared/clients/megatron-lm-core_v0.16.1") -> str:
-    """../shared/clients beside the checkout (a worktree sits one level deeper); '' if absent."""
-    d = TESTS
-    while d != os.path.dirname(d):
-        d = os.path.dirname(d)
-        if os.path.isdir(os.path.join(d, rel)):
-            return os.path.join(d, rel)
-    return ""
+def _client() -> str:
+    """megatron-lm-core_v0.16.1 in the client folder (:func:`harness.clients_dir`); '' if absent."""
+    c = clients_dir()
+    return str(c / "megatron-lm-core_v0.16.1") if c and (c / "megatron-lm-core_v0.16.1").is_dir() else ""
 
 
 CLIENT = _client()

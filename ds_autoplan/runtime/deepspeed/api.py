@@ -67,18 +67,30 @@ def _layers_of(model_or_layers):
     return list(model_or_layers), None
 
 
+def runs_plain(plan) -> bool:
+    """Whether ``plan`` runs in DeepSpeed's plain engine: ZeRO-2/3 without a pipeline
+    (``PipelineEngine`` asserts ZeRO < 2)."""
+    return plan.pp == 1 and plan.zero_stage > 1
+
+
 @contextlib.contextmanager
-def _engine_installed():
-    """``deepspeed.initialize`` picks ``deepspeed.PipelineEngine`` for any PipelineModule
-    (deepspeed/__init__.py, 0.19.8): rebind it to ours for the call."""
+def _engine_installed(plain: bool):
+    """``deepspeed.initialize`` picks ``deepspeed.PipelineEngine`` for any PipelineModule and
+    ``deepspeed.DeepSpeedEngine`` otherwise (deepspeed/__init__.py, 0.19.8): rebind the one it
+    takes to ours for the call."""
     import deepspeed
-    from .engine import AutoplanEngine
-    saved = deepspeed.PipelineEngine
-    deepspeed.PipelineEngine = AutoplanEngine
+    if plain:
+        from .plain import DataParallelEngine as ours
+        name = "DeepSpeedEngine"
+    else:
+        from .engine import AutoplanEngine as ours
+        name = "PipelineEngine"
+    saved = getattr(deepspeed, name)
+    setattr(deepspeed, name, ours)
     try:
         yield
     finally:
-        deepspeed.PipelineEngine = saved
+        setattr(deepspeed, name, saved)
 
 
 def check_layout(plan, world: int, pp: int, topology=None) -> None:
@@ -155,6 +167,10 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
     config keeps DeepSpeed's defaults for what it leaves out.
     ``swap``: per-stage swap policies (``search.memopt.stage_memory_options(...)["swap"]``), see
     :meth:`AutoplanEngine.set_swap_policy`.
+
+    A plan with ZeRO-2/3 and no pipeline (:func:`runs_plain`) runs in DeepSpeed's plain engine:
+    the layers as one module (``plain.StageModule``) in ``plain.DataParallelEngine``, which has
+    ``train_batch`` / ``eval_batch`` as ``PipelineEngine`` does.
     """
     import deepspeed
     plan = as_plan(plan)
@@ -173,8 +189,15 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
         module = build_module(model_or_layers, plan, schedule=schedule, loss_fn=loss_fn,
                               track_memory=track_memory,
                               world=torch.distributed.get_world_size(), **(module_kwargs or {}))
+        pipe, plain = module, runs_plain(plan)
+        if plain:
+            if swap:
+                raise ValueError("swap policies run in the pipeline engine; this plan (ZeRO-"
+                                 f"{plan.zero_stage}, pp=1) runs in DeepSpeed's plain engine")
+            from .plain import StageModule
+            module = StageModule(module)
         ds_kwargs.setdefault("model_parameters", [p for p in module.parameters() if p.requires_grad])
-        with _engine_installed(), _batch_explained(plan, module):
+        with _engine_installed(plain), _batch_explained(plan, pipe):
             out = deepspeed.initialize(model=module, config=cfg, **ds_kwargs)
     if swap:
         out[0].set_swap_policy(swap)

@@ -172,6 +172,24 @@ def plan_overrides(plan, schedule: Schedule | None = None) -> tuple[dict, list, 
     return over, recompute_layers(sched, lps), layout
 
 
+def start_line(plan, sched: Schedule) -> str:
+    """What the Megatron runtime prints once at start (rank 0): the plan, its schedule, the
+    stage -> pp rank placement and the layers of each pp rank's model chunks."""
+    opts = "".join(f" {k}={v}" for k, v in sorted(plan.schedule_options.items()))
+    chunks = [[int(plan.layers_per_stage[s]) for s in sched.stages_of(r)] for r in range(sched.num_ranks)]
+    return (f"ds_autoplan: plan {plan.model or '(unnamed)'} tp={plan.tp} pp={plan.pp} dp={plan.dp} "
+            f"micro-batch {plan.micro_batch_size} x {plan.num_microbatches}; schedule "
+            f"{plan.schedule}{opts} ({sched.num_stages} stages); placement {sched.placement_kind} "
+            f"stage->pp rank {list(sched.placement)}; layers per chunk (per pp rank) {chunks}")
+
+
+def announce(plan, sched: Schedule) -> None:
+    """Print :func:`start_line` on global rank 0 (every rank when no process group exists)."""
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(start_line(plan, sched), flush=True)
+
+
 def initialize(plan, schedule: Schedule | None = None, **model_parallel_kwargs) -> MegatronSetup:
     """``parallel_state.initialize_model_parallel`` with the plan's sizes (torch.distributed
     must be initialised; world = tp·cp·pp·dp, ep·etp dividing tp·cp·dp), and the
@@ -209,6 +227,7 @@ def initialize(plan, schedule: Schedule | None = None, **model_parallel_kwargs) 
             "virtual_pipeline_model_parallel_size": over["virtual_pipeline_model_parallel_size"],
             "context_parallel_size": plan.cp, "expert_model_parallel_size": plan.ep,
             "expert_tensor_parallel_size": plan.etp, **model_parallel_kwargs})
+    announce(plan, sched)
     rank = parallel_state.get_pipeline_model_parallel_rank()
     return MegatronSetup(sched, rank, over, sched.stages_of(rank), rec_layers, layout,
                          bool(plan.selective_recompute))
