@@ -17,8 +17,8 @@ def parse_fix(text: str | dict | None) -> dict:
     """``'tp=8,pp=8,mbs=1,zero=1,schedule=interleaved,v=3,recompute=full,sp=on'`` -> dict;
     also ``ep`` (expert parallelism), ``etp`` (expert TP), ``cp`` (context parallelism) and
     ``cp_comm`` (p2p: ring attention; a2a: Ulysses).
-    recompute: auto (the planner's per-stage choice), none, full (every block, even split,
-    1F1B as Megatron's --recompute-granularity full), selective (the attention core of every
+    recompute: auto (the planner's per-stage choice), none, full (every block, even split into
+    the schedule's stages, as Megatron's --recompute-granularity full), selective (the attention core of every
     layer, Megatron's --recompute-granularity selective)."""
     if not text:
         return {}
@@ -49,9 +49,6 @@ def parse_fix(text: str | dict | None) -> dict:
             out[k] = SP[v]
         else:
             out[k] = v
-    if out.get("recompute") == "full" and out.get("schedule", "1f1b") != "1f1b":
-        raise SpecError("--fix: recompute=full is costed with 1F1B (Megatron's uniform full "
-                        "recompute); use recompute=auto with other schedules")
     if "v" in out and not _takes_chunks(out.get("schedule")):
         raise SpecError("--fix: v (chunks per rank) needs a schedule that takes it as an option "
                         "(schedule=interleaved)")

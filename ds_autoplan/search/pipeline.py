@@ -11,7 +11,7 @@ import numpy as np
 from . import fastsim
 from .fastsim import cached_build as _build
 from .dp import INF, Context
-from .partition import minmax_partition, stage_matrices
+from .partition import even_partition, minmax_partition, stage_matrices
 
 DEFAULT_SCHEDULES = ("1f1b", "interleaved", "v-half", "v-min", "v-zb")
 
@@ -40,6 +40,39 @@ def chunks_per_rank(name: str, parts, P: int) -> int | None:
 def options_of(name: str, parts: tuple, P: int) -> tuple:
     """Builder options of a costed partition (interleaved: v = stages / P), as a sorted tuple."""
     return tuple(sorted(schedule_options(name, max(1, len(parts) // P)).items()))
+
+
+def chunk_counts(name: str, L: int, P: int, chunks: int | None = None) -> list[int]:
+    """The chunks per rank to cost for ``name`` on ``P`` ranks and ``L`` blocks: ``chunks``
+    when given (any count that leaves every stage a block: uneven splits too), else for a
+    builder that takes them as an option (interleaved) every v >= 2 that divides the blocks
+    of a rank (the even splits Megatron's own interleaving needs); else the placement's own
+    ([2], unused)."""
+    if not schedule_options(name):
+        return [2]
+    return [chunks] if chunks else [v for v in range(2, L // P + 1) if (L // P) % v == 0]
+
+
+def full_recompute_evals(ctx: Context, schedules, keep_sim=False, chunks: int | None = None) -> list:
+    """Megatron's uniform full recompute (--recompute-granularity full, every block of every
+    stage) under each schedule: the blocks split evenly into the schedule's stages (uneven
+    by one where they do not divide), all recomputed; ``ctx`` has the strategies without and
+    with CKPT.  Sorted, best first."""
+    P, L = ctx.pp, len(ctx.seq) - 2
+    nock = [0] * len(ctx.seq)
+    ck = [1 if ctx.cm.units[u].checkpointable else 0 for u in ctx.seq]
+    evals = []
+    for name in schedules:
+        for v in chunk_counts(name, L, P, chunks):
+            S = num_stages(name, P, v)
+            if S > L:
+                break
+            parts = even_partition(L, S)
+            sub = Context(ctx.cm, ctx.strategies, S, ctx.m, ctx.B_m, ctx.E, ctx.units)
+            figs = stage_figures(sub, parts, nock, ck)
+            evals.append(stage_aware_recompute(ctx, name, parts, figs, [g["nblk"] for g in figs],
+                                               keep_sim, max_rounds=0))
+    return sorted(evals, key=lambda e: (not e.ok, e.time))
 
 
 def num_stages(name: str, P: int, v: int = 2) -> int:
@@ -292,20 +325,17 @@ def choose_schedule(ctx: Context, parts: tuple, plan: list, schedules, keep_sim=
             evals.append(stage_aware_recompute(ctx, name, parts, figs, dp_rec, keep_sim, bound=bound))
             evals.append(stage_aware_recompute(ctx, name, parts, figs, None, keep_sim, bound=bound))
             continue
-        # interleaved: v = 2, 3, ... chunks per rank while each chunk keeps a block and the
-        # time improves (the bubble shrinks as 1/v, Narayanan et al. 2021 §2.2, while p2p grows)
-        vs = range(2, (len(ctx.seq) - 2) // P + 1) if schedule_options(name) and not chunks \
-            else (chunks or 2,)
-        for v in vs:
+        # interleaved: every v = 2, 3, ... chunks per rank that leaves each chunk a block (the
+        # bubble shrinks as 1/v, Narayanan et al. 2021 §2.2, while p2p grows: the time is not
+        # monotone in v, so none is skipped; ``chunks`` fixes one), uneven splits included
+        for v in chunk_counts(name, len(ctx.seq) - 2, P, chunks):
             sp = time_partition(ctx, num_stages(name, P, v), nock)
             if sp is None:
                 break
             sub = Context(ctx.cm, ctx.strategies, len(sp), ctx.m, ctx.B_m, ctx.E, ctx.units)
             figs_of = lambda q, sub=sub: stage_figures(sub, q, nock(sub), ck(sub))   # noqa: E731
-            e = stage_aware_recompute(ctx, name, sp, figs_of(sp), None, keep_sim, bound=bound)
-            if v > 2 and not (e.ok and e.time < (evals[-1].time if evals[-1].ok else INF)):
-                break
-            evals.append(e)
+            best = min([bound] + [e.time for e in evals if e.ok])
+            evals.append(stage_aware_recompute(ctx, name, sp, figs_of(sp), None, keep_sim, bound=best))
             adjust.append((len(evals) - 1, figs_of))
     # BMW per rank (rank_balance), bounded by the best time so far: it only pays where the
     # recompute overhead of a time-balanced split is what separates it from the best

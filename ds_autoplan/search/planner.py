@@ -23,7 +23,7 @@ from ..spec.parallel import Parallel
 from . import partition as part
 from .dp import INF, Context
 from .pipeline import DEFAULT_SCHEDULES, Eval, available, choose_schedule, chunks_per_rank, \
-    schedule_options, simulate_layers, stage_aware_recompute, stage_figures
+    full_recompute_evals, schedule_options, simulate_layers, stage_figures
 from .fix import RECOMPUTE, parse_fix
 from .space import divisors, strategies as wide_strategies
 
@@ -371,11 +371,18 @@ class Planner:
                 C, Cns, Mem = full.stage_costs(parts, plan)
                 T = full.pipeline_time(parts, plan) if Mem.max() <= self.E else INF
                 return cand(T, "1f1b", parts, [L], list(Mem), "even", full, plan)
-            figs = stage_figures(full, parts, [0] * len(full.seq), plan)
-            e = stage_aware_recompute(full, "1f1b", parts, figs, [f["nblk"] for f in figs], keep_sim,
-                                      max_rounds=0)
-            return cand(e.time if e.fits else INF, "1f1b", parts, e.recompute, e.peak, "even", full,
-                        plan, e.sim, bubble=e.bubble)
+            # every schedule with every block recomputed (Megatron runs full recompute with its
+            # interleaving too), blocks split evenly into the schedule's stages
+            evs = full_recompute_evals(full, schedules or self.schedules, keep_sim, self.chunks)
+            if not evs or not evs[0].ok:
+                e = evs[0] if evs else None
+                return cand(INF, "1f1b", parts, e.recompute if e else [], e.peak if e else [], "even",
+                            full, plan)
+            e = evs[0]
+            out = cand(e.time, e.schedule, e.parts, e.recompute, e.peak, "even", full, plan, e.sim,
+                       bubble=e.bubble)
+            out.alts = evs
+            return out
         if pname == "bmw":
             T, parts, plan, base = part.bmw(ctx)
         elif pname == "even":
@@ -461,8 +468,15 @@ class Planner:
         ranked = scored
         fit = sorted((r for r in ranked if math.isfinite(r[0])), key=lambda r: r[0])
         oom = sorted((r for r in ranked if not math.isfinite(r[0])), key=lambda r: r[1])
+        # Eq. 9 is 1F1B's time: its fill and drain, (P-1) of its m+P-1 steady steps, is what
+        # the V and zero-bubble schedules nearly remove (Qi et al. 2024), so the best configs
+        # by Eq. 9 without that term are simulated too (by Eq. 9 alone a deeper pipeline with
+        # few micro-batches ranked behind configs it beats: Llama 3 405B on 8192 H100s)
+        steady = sorted(fit, key=lambda r: r[0] * r[2].num_microbatches
+                        / (r[2].num_microbatches + r[2].pp - 1))
+        picked = list({id(r): r for r in fit[:top] + steady[:top]}.values())
         # configs that fit first (by lower bound), then the probes, bounded by the best so far
-        todo = sorted(fit[:top], key=lambda r: r[1]) + oom[:oom_probe]
+        todo = sorted(picked, key=lambda r: r[1]) + oom[:oom_probe]
         best, tried = None, []
         for est, lb, c in todo:
             if best is not None and lb >= best.time:
@@ -501,7 +515,7 @@ class Planner:
         out["pure DP"] = self.best_of("pure DP", self.combos([1], [1], [0], **plain), **p1)
         out["ZeRO-3"] = self.best_of("ZeRO-3", self.combos([1], [1], [3], **plain), **p1)
         mg = None
-        for kw in (dict(ckpt="full"), dict(ckpt="none", partitioner="even", schedules=["1f1b"])):
+        for kw in (dict(ckpt="full", schedules=["1f1b"]), dict(ckpt="none", partitioner="even", schedules=["1f1b"])):
             c = self.best_of("Megatron 3D", self.combos(zeros=[0]), **kw)
             if c and (mg is None or c.time < mg.time):
                 mg = c
@@ -604,14 +618,18 @@ class Planner:
         return self.ckpt == "dp" or list(c.recompute) == list(c.parts)
 
     def min_memory(self) -> float:
-        """Least per-device memory of any executable config (max pipeline stage, all CKPT,
-        memory-balanced split, micro-batch 1) for the 'cannot fit' message."""
+        """Least per-device memory of any configuration of the (restricted) space, for the
+        'cannot fit' message: its smallest micro-batch, a memory-balanced split, every block
+        recomputed unless the recompute mode rules that out (max pipeline stage)."""
+        combos = list(self.combos())
+        mb = min((c.micro_batch for c in combos), default=None)
         best = INF
-        for c in self.combos():
-            if c.micro_batch != 1:
+        for c in combos:
+            if c.micro_batch != mb:
                 continue
-            ctx = self.ctx_of(c, self.exec_strats(c))
-            plan = [1 if self.cm.units[u].checkpointable else 0 for u in ctx.seq]
+            strats = self.mode_strats(c, self.ckpt)
+            ctx = self.ctx_of(c, strats)
+            plan = [1 if len(strats) > 1 and self.cm.units[u].checkpointable else 0 for u in ctx.seq]
             parts = part.minmax_partition(part.stage_matrices(ctx, plan, "mem")) if c.pp > 1 else (self.L,)
             if parts is None:
                 continue
@@ -723,8 +741,10 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
     if best is None or not best.ok:
         need = pl.min_memory()
         E = pl.E / GB
+        what = f"model {model.name}" if not pl.fix else \
+            f"model {model.name} with --fix " + ",".join(f"{k}={v}" for k, v in pl.fix.items())
         if math.isfinite(need):
-            raise SpecError(f"model {model.name} cannot fit on {cluster.name} with global batch "
+            raise SpecError(f"{what} cannot fit on {cluster.name} with global batch "
                             f"{global_batch}: needs at least {need / GB:.1f} GB per device, budget is "
                             f"{E:.1f} GB (short by {need / GB - E:.1f} GB)")
         raise SpecError(f"model {model.name} cannot fit on {cluster.name} at any setting "
