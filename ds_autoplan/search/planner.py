@@ -33,6 +33,7 @@ SP_MODES = ("auto", "on", "off")
 # [decision: below 8K tokens per rank TP + SP already split the activations and CP's ring
 # steps only add latency; 128K tokens: cp up to 16]
 CP_MIN_TOKENS = 8192
+EXHAUSTIVE = 32       # at most this many configurations left after the rankings: cost them all
 
 
 @dataclass
@@ -477,8 +478,15 @@ class Planner:
         picked = list({id(r): r for r in fit[:top] + steady[:top]}.values())
         # configs that fit first (by lower bound), then the probes, bounded by the best so far
         todo = sorted(picked, key=lambda r: r[1]) + oom[:oom_probe]
+        # where few configurations are left that the no-bubble bound cannot rule out, they are
+        # all costed (the search is then exhaustive on the cost model); above that the two
+        # rankings decide [decision: EXHAUSTIVE keeps GPT-3 175B on 64 GPUs, 108 such
+        # configurations, at its search-time goal]
+        left = [r for r in fit if all(r is not x for x in todo)]
+        if len(left) > EXHAUSTIVE:
+            left = []
         best, tried = None, []
-        for est, lb, c in todo:
+        for est, lb, c in todo + sorted(left, key=lambda r: r[1]):
             if best is not None and lb >= best.time:
                 continue
             cand = self.evaluate(c, bound=best.time if best is not None else INF, ckpt=ckpt)
