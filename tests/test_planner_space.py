@@ -16,6 +16,7 @@ from ds_autoplan.schedule import Costs, build, names, simulate
 from ds_autoplan.schedule.builders import builder_info
 from ds_autoplan.search import fastsim, search
 from ds_autoplan.search.fix import parse_fix
+from ds_autoplan.search.pipeline import schedule_options
 from ds_autoplan.search.planner import Planner
 from ds_autoplan.spec import SpecError, load_cluster, load_model
 from harness import CLIENTS_SKIP
@@ -251,3 +252,46 @@ def test_selective_recompute_searched_and_emitted():
                            pipeline_dtype=torch.bfloat16, bf16=True,
                            recompute_granularity=c["recompute_granularity"])
     assert tc.recompute_granularity == "selective"
+
+
+def _cost_configs(pl, L):
+    """Every configuration `ds-autoplan cost` accepts on ``pl``'s space, as --fix dicts: each
+    layout and micro-batch, schedule (interleaving with every chunk count), recompute mode."""
+    for c in pl.combos():
+        for s in (["1f1b"] if c.pp == 1 else pl.schedules):
+            for v in (range(2, L // c.pp + 1) if schedule_options(s) else [None]):
+                for rec in ("auto", "none", "full"):
+                    fx = dict(tp=c.tp, pp=c.pp, dp=c.dp, mbs=c.micro_batch, zero=c.zero, schedule=s,
+                              recompute=rec)
+                    yield fx if v is None else dict(fx, v=v)
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_no_configuration_cost_accepts_beats_the_plan(case):
+    """Random small and medium cases (fixed draws): the plan is no slower (0.1%) than any
+    configuration `cost` accepts, and `cost` of the plan's own configuration gives its figure."""
+    import random
+    rng = random.Random(3)
+    draws = [(rng.randint(2, 8), rng.choice([512, 1024, 2048]), rng.choice([512, 1024, 2048]),
+              rng.choice([2, 4]), rng.choice([1, 2]), rng.choice([8, 16, 24]), rng.uniform(2, 30))
+             for _ in range(10)]
+    L, hidden, seq, gpn, nodes, B, budget = draws[case]
+    model = dict(name="m", arch="gpt", num_layers=L, hidden=hidden, heads=8, vocab=32000, seq_len=seq)
+    cluster = dict(C24, name="c", num_nodes=nodes, gpus_per_node=gpn)
+    try:
+        free = search(model, cluster, B, budget_gb=budget, wide=False, keep_sim=False)
+    except SpecError:
+        return                                   # nothing fits: nothing to compare
+    b = free.best
+    own = dict(tp=b.tp, pp=b.pp, dp=b.dp, mbs=b.par.micro_batch, zero=b.zero, schedule=b.schedule)
+    if schedule_options(b.schedule):
+        own["v"] = len(b.parts) // b.pp
+    mine = search(model, cluster, B, budget_gb=budget, wide=False, keep_sim=False, fix=own)
+    assert mine.best.time == pytest.approx(b.time, rel=1e-9)
+    pl = Planner(load_model(model), load_cluster(cluster), B, budget_gb=budget)
+    for fx in _cost_configs(pl, L):
+        try:
+            r = search(model, cluster, B, budget_gb=budget, wide=False, keep_sim=False, fix=fx)
+        except SpecError:
+            continue                             # does not fit / not in this space
+        assert r.best.time >= b.time * (1 - 1e-3), (fx, r.best.time, b.time)
