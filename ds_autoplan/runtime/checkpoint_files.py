@@ -50,9 +50,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-import torch.distributed as dist
 
 from ..errors import UserError
+from .common.collectives import broadcast_text, gather_text
+from .common.collectives import rank as _rank, world as _world
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -67,47 +68,13 @@ class CheckpointError(UserError):
     or another model."""
 
 
-# -- ranks ------------------------------------------------------------------------------------
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _device() -> torch.device:
-    """Where the default group's collectives take tensors: the current GPU for a NCCL-only
-    group, else the CPU (gloo, or a group with a CPU backend beside NCCL)."""
-    backend = str(dist.get_backend())
-    if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _gather_text(text: str) -> list[str]:
-    """Every rank's ``text`` (UTF-8 bytes in a padded uint8 tensor: no pickling)."""
-    if _world() == 1:
-        return [text]
-    dev = _device()
-    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=dev)
-    n = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
-    sizes = [torch.zeros_like(n) for _ in range(_world())]
-    dist.all_gather(sizes, n)
-    width = max(int(s) for s in sizes) or 1
-    buf = torch.zeros(width, dtype=torch.uint8, device=dev)
-    buf[:data.numel()] = data
-    bufs = [torch.zeros_like(buf) for _ in range(_world())]
-    dist.all_gather(bufs, buf)
-    return [bytes(b[:int(s)].cpu().tolist()).decode() for b, s in zip(bufs, sizes)]
-
+# -- agreement between ranks ------------------------------------------------------------------
 
 def first_error(exc: BaseException | str | None) -> tuple[int, str] | None:
     """Collective: ``(rank, message)`` of the lowest rank that reports a problem (an exception
     or a message), None when no rank does."""
     own = "" if exc is None else (exc if isinstance(exc, str) else _one_line(exc))
-    return next(((r, msg) for r, msg in enumerate(_gather_text(own)) if msg), None)
+    return next(((r, msg) for r, msg in enumerate(gather_text(own)) if msg), None)
 
 
 def agree(exc: BaseException | None, what: str) -> None:
@@ -337,7 +304,7 @@ def _seal(folder) -> None:
     0 writes ``manifest.json`` and fsyncs the folder."""
     files = _files(folder)
     mine = _digests(folder, files[_rank()::_world()], sync=True)
-    rows = [json.loads(t) for t in _gather_text(json.dumps(mine))]
+    rows = [json.loads(t) for t in gather_text(json.dumps(mine))]
     if _rank() == 0:
         entries = {rel: {"size": s, "sha256": h} for part in rows for rel, (s, h) in part.items()}
         with open(os.path.join(folder, MANIFEST), "w") as f:
@@ -558,7 +525,7 @@ def save_atomically(final, write) -> None:
             exc = e
     try:
         agree(exc, f"cannot save {final}")
-        staging = _gather_text(staging)[0]
+        staging = broadcast_text(staging)
         fault_point("staged")
         try:
             write(staging)
