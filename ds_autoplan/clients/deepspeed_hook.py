@@ -19,6 +19,7 @@ example input to profile, no batch size, a plan for another layer count.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 
@@ -214,18 +215,19 @@ def _shared_plan(model, user, training_data, collate_fn):
     if not dist.is_initialized():          # as deepspeed.initialize would
         from ..runtime.watchdog import process_group_timeout
         deepspeed.init_distributed(timeout=process_group_timeout())
+    from ..runtime.common.collectives import broadcast_text
     world = dist.get_world_size()
-    box = [None]
+    mine = ""
     if dist.get_rank() == 0:
         try:
-            box[0] = plan_pipeline_module(model, user, training_data, collate_fn, world,
-                                          _STATE["options"]).to_dict()
+            mine = json.dumps(plan_pipeline_module(model, user, training_data, collate_fn, world,
+                                                   _STATE["options"]).to_dict())
         except UserError as e:
-            box[0] = {"error": str(e)}
-    dist.broadcast_object_list(box, src=0)
-    if "error" in box[0]:
-        raise AutoplanRefused(box[0]["error"])
-    plan = Plan.from_dict(box[0])
+            mine = json.dumps({"error": str(e)})
+    shared = json.loads(broadcast_text(mine))       # JSON text, not a pickle, between ranks
+    if "error" in shared:
+        raise AutoplanRefused(shared["error"])
+    plan = Plan.from_dict(shared)
     n = len(model._layer_specs)
     if sum(plan.layers_per_stage) not in (n, n - 2):
         unset = "without --model" if _STATE["options"].get("via") == "launch" else \

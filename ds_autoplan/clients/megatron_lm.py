@@ -30,12 +30,14 @@ four points, all reached through Megatron's own code path (``pretrain`` -> ``val
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 import torch
 
 from ..errors import UserError
+from ..runtime.common.collectives import broadcast_text
 from ..schedule import Kind, Schedule
 from ..schedule.passes import plan_schedule
 
@@ -224,14 +226,16 @@ class _LossesToLastRank:
         if self.loss_rank == last:
             return losses
         me = group.rank()
-        box = [[{k: v.detach().cpu() for k, v in x.items()} for x in losses]
-               if me == self.loss_rank else None]
-        torch.distributed.broadcast_object_list(
-            box, src=torch.distributed.get_global_rank(group, self.loss_rank), group=group)
+        # JSON (dtype, shape, values: exact for every float and int dtype), not a pickle
+        mine = json.dumps([{k: [str(v.dtype).removeprefix("torch."), list(v.shape),
+                                v.detach().reshape(-1).tolist()] for k, v in x.items()}
+                           for x in losses]) if me == self.loss_rank else ""
+        rows = json.loads(broadcast_text(mine, src=self.loss_rank, group=group))
         if me != last:
             return losses
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        return [{k: v.to(dev) for k, v in x.items()} for x in box[0]]
+        return [{k: torch.tensor(vals, dtype=getattr(torch, dt), device=dev).reshape(shape)
+                 for k, (dt, shape, vals) in x.items()} for x in rows]
 
 
 def _stage(sched: Schedule, vp_stage) -> int:

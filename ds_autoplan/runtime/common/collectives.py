@@ -27,23 +27,27 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def gather_text(text: str) -> list[str]:
-    """Every rank's ``text``, in rank order (a padded uint8 all-gather)."""
-    if world() == 1:
+def gather_text(text: str, group=None) -> list[str]:
+    """Every rank's ``text``, in rank order of ``group`` (default: the default group), by a
+    padded uint8 all-gather."""
+    size = world() if group is None else group.size()
+    if size == 1:
         return [text]
     dev = device()
     data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=dev)
     n = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
-    sizes = [torch.zeros_like(n) for _ in range(world())]
-    dist.all_gather(sizes, n)
+    sizes = [torch.zeros_like(n) for _ in range(size)]
+    dist.all_gather(sizes, n, group=group)
     width = max(int(s) for s in sizes) or 1
     buf = torch.zeros(width, dtype=torch.uint8, device=dev)
     buf[:data.numel()] = data
-    bufs = [torch.zeros_like(buf) for _ in range(world())]
-    dist.all_gather(bufs, buf)
+    bufs = [torch.zeros_like(buf) for _ in range(size)]
+    dist.all_gather(bufs, buf, group=group)
     return [bytes(b[:int(s)].cpu().tolist()).decode() for b, s in zip(bufs, sizes)]
 
 
-def broadcast_text(text: str, src: int = 0) -> str:
-    """Rank ``src``'s ``text`` on every rank (the others' arguments are ignored)."""
-    return gather_text(text if rank() == src else "")[src]
+def broadcast_text(text: str, src: int = 0, group=None) -> str:
+    """The ``text`` of rank ``src`` (its rank within ``group``) on every rank of the group;
+    the others' arguments are ignored."""
+    me = rank() if group is None else group.rank()
+    return gather_text(text if me == src else "", group)[src]
