@@ -1,4 +1,4 @@
-"""The measurement helper every benchmark uses (issue 14).
+"""The measurement helper every benchmark uses.
 
 * :func:`plan_iters`: warm-up, then at least 5 timed iterations (3 with ``--quick``).
 * :func:`figure` / :func:`ratio`: the median of the samples and their min-max spread; a

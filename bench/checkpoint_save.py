@@ -1,4 +1,4 @@
-"""What crash-safe checkpoints cost (issue 17, item 3): one process saves the same tensors as
+"""What crash-safe checkpoints cost: one process saves the same tensors as
 a new tag each round (a) as a plain ``torch.save`` per file into a new folder (what the
 runtimes did before: no fsync, no manifest), (b) the same followed by an fsync of each file
 (the least a durable save costs), (c) through ``save_atomically`` (staging folder, fsync and

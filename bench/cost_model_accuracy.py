@@ -76,7 +76,7 @@ def configs(quick: bool) -> list[dict]:
 def predict(cfg: dict, profs: list) -> dict:
     """Simulator prediction; stage s is timed with the profile taken on its rank.  Stage-aware
     recomputation as the adapter runs it: the first ``round(x * layers)`` layers of a stage
-    keep only their input and are re-run by an early R action (partition-merak.md §5.2, §6)."""
+    keep only their input and are re-run by an early R action (docs/merak.md §5.2, §6)."""
     from ds_autoplan.schedule import Costs, build, lower, simulate
     from ds_autoplan.schedule.passes import add_recompute
     sched = build(cfg["schedule"], WORLD, cfg["n"], **cfg["options"])

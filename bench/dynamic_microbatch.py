@@ -1,4 +1,4 @@
-"""Dynamic micro-batching benchmark (issue 6, DynaPipe).
+"""Dynamic micro-batching benchmark (DynaPipe).
 
 For global batches drawn from the shipped real length distribution
 (ds_autoplan/data/text_lengths.tsv) it compares, per iteration:

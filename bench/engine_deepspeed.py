@@ -2,11 +2,11 @@
 DeepSpeed's TrainSchedule (1F1B) and DualPipeVSchedule and of ds_autoplan's V-Min, V-Half,
 V-ZB and adaptive (with a memory cap) run in DeepSpeed's PipelineEngine, on 4 CPU ranks
 with calibrated-sleep layers (F:B:W = 1:1:1 and 1:1.2:0.8), next to the simulator's
-predictions (issue 4).  Ratios are to TrainSchedule, per round of the same run: every
+predictions.  Ratios are to TrainSchedule, per round of the same run: every
 round times one iteration of every schedule (after a warm-up round), figures are medians
 with their min-max spread (``bench/_measure.py``).
 
-The simulator gets the runtime's own overheads (issue 14), measured once per runtime in
+The simulator gets the runtime's own overheads, measured once per runtime in
 every round, so they see the same load as the timed steps: the one-way p2p time of an
 activation, the once-per-iteration work (gradient reduction and optimizer step, timed inside
 the engine) and the dispatch time per compute action, fitted so that null-model iterations

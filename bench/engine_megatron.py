@@ -3,10 +3,10 @@ V-Half, V-Min and V-ZB run through ``ds_autoplan.runtime.megatron.get_forward_ba
 CPU ranks (gloo) with calibrated-sleep layers (``models.sleep``, F:B:W = 1:1:1 per layer), in one
 process group.  Reports the iteration time (median of the timed iterations after a warm-up,
 with its min-max spread, ``bench/_measure.py``) and the peak saved-activation bytes per rank,
-as ratios to Megatron's 1F1B from the same run, next to the simulator's predictions (issue 5).
+as ratios to Megatron's 1F1B from the same run, next to the simulator's predictions.
 
 The simulator gets each runtime's own overheads, measured once per runtime before the timed
-cases (issue 14): the one-way p2p time of an activation, and the dispatch time per compute
+cases: the one-way p2p time of an activation, and the dispatch time per compute
 action fitted so that null-model iterations (zero-sleep layers) of the runtime's reference
 schedules are reproduced -- 1F1B for Megatron's schedules, 1F1B (fused backward) and V-ZB
 (split B/W) for ds_autoplan's executor.  No optimizer

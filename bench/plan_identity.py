@@ -1,4 +1,4 @@
-"""Plans before and after a refactor (issue 21, item 2): every case of bench/planner.py,
+"""Plans before and after a refactor: every case of bench/planner.py,
 bench/published_runs.py (the published configurations costed, and the planner's free choice
 up to 64 GPUs) and the README's plan/cost examples, each written as its plan.to_dict() (the
 search timings removed), its ds_config and its Megatron-LM flags.

@@ -1,4 +1,4 @@
-"""Planner benchmark (issue 3): search time and plan quality against the baselines.
+"""Planner benchmark: search time and plan quality against the baselines.
 
 For each case the full search runs (executable space with schedule choice by simulation,
 the five baselines on the same cost model, the partitioner comparison and the wide
@@ -15,7 +15,7 @@ report and plots; median of 3 runs), their process CPU seconds (steadier on a sh
 machine), the 1-minute load average while measuring, and "min_ratio_vs_best_baseline" (plan
 throughput / best baseline throughput, minimum over the cases), and
 "search_time_s_moe64_64gpu" (OLMoE-1B-7B, 64 experts, on 64 H100, expert parallelism
-searched).  Goals (issue 11, issue 18): search <= 2 s, MoE search <= 5 s, command <= 6 s,
+searched).  Goals: search <= 2 s, MoE search <= 5 s, command <= 6 s,
 ratio >= 1.
 """
 from __future__ import annotations

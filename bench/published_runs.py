@@ -1,4 +1,4 @@
-"""Validation against published training runs (issues 11 and 20).
+"""Validation against published training runs.
 
 For every row of bench/data/published_runs.yaml (three stacks: Megatron-LM on Selene --
 Narayanan et al. 2021, Korthikanti et al. 2022; DeepSpeed's pipeline engine with Megatron

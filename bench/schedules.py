@@ -1,4 +1,4 @@
-"""Benchmark of the schedule builders against 1F1B (shared/design/schedules.md §2.6, §3.4).
+"""Benchmark of the schedule builders against 1F1B (docs/schedules.md §2.6, §3.4).
 
 For d in {4, 8, 16} and n in {2d, 4d}: makespan ratio and peak-activation ratio of every
 schedule vs 1F1B under the unit model (F = B = W = 1 per 1/d of the model, i.e. per 1F1B

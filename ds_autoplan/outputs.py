@@ -1,4 +1,4 @@
-"""Output files: a command owns only what it writes (issue 17, docs/reliability.md "Output
+"""Output files: a command owns only what it writes (docs/reliability.md "Output
 files").
 
 Every output file is written to a temporary file in its own folder (``.NAME.PID-XXXX.

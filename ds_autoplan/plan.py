@@ -1,6 +1,6 @@
 """The Plan: what the planner decided, in a form the runtimes execute unchanged.
 
-Contract (COMMON brief): ``pp, tp, dp, zero_stage, micro_batch_size, num_microbatches,
+Contract (what both runtimes read): ``pp, tp, dp, zero_stage, micro_batch_size, num_microbatches,
 global_batch_size, precision, schedule, schedule_options, layers_per_stage,
 recompute_per_stage`` and :meth:`Plan.build_schedule`.  The degrees are those of one
 :class:`~ds_autoplan.spec.parallel.Parallel` (:attr:`Plan.parallel`; a plan is built from one

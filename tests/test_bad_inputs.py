@@ -1,4 +1,4 @@
-"""Bad inputs (issue 17, items 5-6): each is refused with one ``ds-autoplan ...: error:`` line
+"""Bad inputs: each is refused with one ``ds-autoplan ...: error:`` line
 and a non-zero exit, never a traceback, a silently ignored value or an unbounded search."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 18 item 1/4: per-layer parameters, FLOPs and activation bytes of the new block kinds
+"""Per-layer parameters, FLOPs and activation bytes of the new block kinds
 (spec/blocks.py) against hand formulas from the papers' shapes, and the kernel costs
 (cost/compute.py) that follow them, at expert parallelism 1."""
 from dataclasses import replace

@@ -1,4 +1,4 @@
-"""The builder registry describes every builder (issue 13): its placement, stages per rank,
+"""The builder registry describes every builder: its placement, stages per rank,
 options and fewest ranks / micro-batches agree with the schedules it builds, and callers
 (search, dynamic planner) ask it instead of switching on names."""
 import pytest

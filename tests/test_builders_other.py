@@ -123,7 +123,7 @@ def test_merak_scp_beats_1f1b_with_recompute(s_):
         scp = simulate(build("merak-scp", s_, m), c(build("merak-scp", s_, m)))
         plain = build("merak-scp", s_, m, shifted=False, recompute=[1] * s_)
         early = simulate(plain, c(plain))
-        assert scp.makespan == 4 * m + 3 * (s_ - 2)      # partition-merak.md §5.5
+        assert scp.makespan == 4 * m + 3 * (s_ - 2)      # docs/merak.md §5.5
         assert early.makespan == 4 * m + 3 * (s_ - 1)    # 1F1B + early recompute
         same = build("merak-scp", s_, m, shifted=False)  # same recompute flags, no shift
         assert scp.makespan < simulate(same, c(same)).makespan
@@ -145,7 +145,7 @@ def test_merak_recompute_flags_memory_and_errors():
 
 
 # ----------------------------------------------------------------------------- adaptive
-# schedules.md §4.1: bubble (unit slots) of the appendix-A search by cap (in m)
+# docs/schedules.md §4.1: bubble (unit slots) of the appendix-A search by cap (in m)
 TABLE_41 = {4: {4: 11, 5: 8, 6: 5, 7: 4, 8: 3},
             8: {8: 23, 9: 20, 10: 17, 11: 14, 12: 11, 13: 10, 14: 9, 15: 8, 16: 7}}
 

@@ -1,4 +1,4 @@
-"""V-Min / V-Half / V-ZB builders against the exact numbers of shared/design/schedules.md
+"""V-Min / V-Half / V-ZB builders against the exact numbers of docs/schedules.md
 (§2.3 blocks, §2.5 peaks, §2.6 bubbles, §2.7 real-cost growth, §3.4 table, §3.5 orders)."""
 import math
 

@@ -1,4 +1,4 @@
-"""Fault injection for checkpoints (issue 17, items 1, 3 and 7): SIGKILL at every point of a
+"""Fault injection for checkpoints (3 and 7): SIGKILL at every point of a
 save (one process, and the DeepSpeed runtime on 2 ranks, and Megatron-core's), truncated,
 deleted, changed and unlisted files, crafted pickles in every kind of checkpoint file, and
 concurrent writers.  What must hold: the previous checkpoint stays loadable and ``latest``

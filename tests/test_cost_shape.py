@@ -1,4 +1,4 @@
-"""Issue 11 cost side: compute from the work's shape, memory as the engines hold it, optimizer
+"""Cost side: compute from the work's shape, memory as the engines hold it, optimizer
 step and ZeRO gather, hierarchical collectives, and the published-runs validation."""
 from __future__ import annotations
 

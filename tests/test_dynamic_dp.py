@@ -1,4 +1,4 @@
-"""DynaPipe micro-batch construction (issue 6): the DP against brute force, the baselines,
+"""DynaPipe micro-batch construction: the DP against brute force, the baselines,
 the cost model and the shipped length distribution."""
 import json
 
@@ -11,7 +11,7 @@ from ds_autoplan.dynamic.microbatch import (dynapipe_split, fixed_split, packing
                                             sample_order, split, token_split)
 
 WORKED = [1000, 950, 620, 600, 580, 300, 280, 260, 250, 120, 110, 100, 64, 60, 40, 32]
-# schedules.md §5.4: t(M) = 1 + |M|·(0.002·L + 4e-6·L²), L = roundup8(max)
+# docs/schedules.md §5.4: t(M) = 1 + |M|·(0.002·L + 4e-6·L²), L = roundup8(max)
 WORKED_COST = CostModel(overhead=1.0, lin=0.002, quad=4e-6, bw_ratio=0.0)
 
 
@@ -176,7 +176,7 @@ def test_length_data_is_real_and_varied(tmp_path):
 @pytest.mark.parametrize("encdec", [False, True])
 @pytest.mark.parametrize("cap", [None, 2e9, 4e8])
 def test_slice_table_is_every_slice_costed_directly(encdec, cap):
-    # the vectorised table (issue 14) against t(M) and mem(M) of each slice, one at a time
+    # the vectorised table against t(M) and mem(M) of each slice, one at a time
     from ds_autoplan.dynamic.microbatch import slice_table
     cost = CostModel.gpt(2048, 16, 24, 4, encdec=encdec)
     a = LengthSampler("encdec" if encdec else "decoder", 4096, 3)(40)

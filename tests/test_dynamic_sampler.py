@@ -1,4 +1,4 @@
-"""Sampler / data-loader wrapper and background planning for DynaPipe (issue 6)."""
+"""Sampler / data-loader wrapper and background planning for DynaPipe."""
 import json
 import threading
 import time

@@ -1,4 +1,4 @@
-"""DynaPipe's adaptive cyclic schedule (issue 6, schedules.md §5.5) on the schedule core."""
+"""DynaPipe's adaptive cyclic schedule (docs/schedules.md §5.5) on the schedule core."""
 import json
 
 import numpy as np

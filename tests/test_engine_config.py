@@ -1,4 +1,4 @@
-"""One Plan -> engine-config path (issue 13): a Plan validates itself (constructed or read
+"""One Plan -> engine-config path: a Plan validates itself (constructed or read
 from JSON); the emitted ds_config.json is exactly the config DeepSpeed's engine runs; the
 emitted Megatron config and the Megatron runtime's overrides agree."""
 import json

@@ -141,7 +141,7 @@ def test_flash_attention_rate_follows_the_measured_table_by_length():
 
 def test_shipped_calibration_is_the_benchs_and_loso_holds_where_a_kind_has_two_sources():
     """data/calibration.json is what bench/published_runs.py computes from the data file (no
-    stale constant ships).  Leave-one-source-out error within issue 20's bounds (median <= 7%,
+    stale constant ships).  Leave-one-source-out error within the published-runs bounds (median <= 7%,
     max <= 15%) for the rows whose GPU kind another source also covers; a kind with a single
     source is predicted from its measured prior when that source is left out (H100: MPT's 2023
     stack ran 22-29% slower than today's measured kernels predict -- reported by the bench,
@@ -174,7 +174,7 @@ def test_measured_h100_prior_predicts_a_second_h100_stack():
     """The H100 per-kind prior (data/gpus.yaml, measured on a lent H100, never fitted to a
     training run) predicts NVIDIA's published NeMo Nemotron-4 340B step times (bench data,
     source nemotron4_dgxc2024: 128-2048 DGX H100 GPUs, TP 8 PP 8 VP 12, bf16 gradient sync)
-    within issue 20's in-file bound (10%) with no calibration, under the megatron-core execution
+    within the in-file bound (10%) with no calibration, under the megatron-core execution
     model (measured 2026-11-26: published 2.9-7.0% slower); the rows' published gradient-sync
     dtype reaches the execution model and the memory model's gradient buffer."""
     import os

@@ -1,4 +1,4 @@
-"""The executor contract (runtime/common, issue 13): one hand-written action list with R,
+"""The executor contract (runtime/common): one hand-written action list with R,
 split B/W and a V placement runs in the DeepSpeed and in the Megatron adapter, each with
 gradients equal to a non-pipelined run of the same weights and a measured peak of
 saved-activation bytes equal to the simulator's; R means the same in both (a prefix of the

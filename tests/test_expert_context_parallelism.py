@@ -1,5 +1,5 @@
 """Expert parallelism (EP, expert TP) and context parallelism (ring attention, Ulysses) in the
-cost model, the search, --fix / cost and the emitters (issue 18, items 2 and 3)."""
+cost model, the search, --fix / cost and the emitters."""
 from __future__ import annotations
 
 import json

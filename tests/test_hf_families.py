@@ -1,6 +1,6 @@
-"""Issue 18 item 1: current Hugging Face families (configs/hf/*/config.json: published
+"""Current Hugging Face families (configs/hf/*/config.json: published
 config.json values, no weights) counted within 0.1% of their official parameter figures, MoE
-active parameters, and the silently-wrong config cases of issue 17 refused in one line.
+active parameters, and the silently-wrong config cases refused in one line.
 
 REFERENCES: exact counts are the Hugging Face Hub's safetensors metadata ("total", the sum of
 the checkpoint's tensor sizes) for the bf16 checkpoints, as also listed by public projects
@@ -142,7 +142,7 @@ SMALL = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_
     ({"model_type": "qwen2", "num_experts": 8}, "qwen2 is a mixture-of-experts model"),
 ])
 def test_silently_wrong_configs_are_refused(tmp_path, change, message):
-    """Issue 17: these were planned as something else (--num-query-groups 3, 8 layers, no
+    """These were planned as something else (--num-query-groups 3, 8 layers, no
     RoPE scaling); now one line each."""
     with pytest.raises(SpecError) as e:
         load_model(_write(tmp_path, {**SMALL, **change}))

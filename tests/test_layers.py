@@ -1,4 +1,4 @@
-"""The package's import direction (issue 13): every import of a ds_autoplan module, also the
+"""The package's import direction: every import of a ds_autoplan module, also the
 lazy ones inside functions, goes down the layer order below or stays inside its own
 subpackage, and no two modules import each other, directly or around a circle."""
 from __future__ import annotations

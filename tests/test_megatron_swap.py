@@ -1,4 +1,4 @@
-"""Swap in the Megatron runtime (issue 7): a stage's MLP saved tensors offloaded to host
+"""Swap in the Megatron runtime: a stage's MLP saved tensors offloaded to host
 during its forwards give bit-identical gradients and fewer device-resident saved bytes
 (2 CPU ranks, gloo, 1F1B)."""
 from __future__ import annotations

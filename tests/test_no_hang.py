@@ -1,4 +1,4 @@
-"""No silent hang (issue 17, item 5): both runtimes refuse an action list the simulator proves
+"""No silent hang: both runtimes refuse an action list the simulator proves
 deadlocking (it used to hang), and a rank that stops in the middle of a step (SIGSTOP) makes
 every other rank exit within the step watchdog, naming the action and the peer it waits for.
 Every multi-rank run is bounded by the launcher's kill timeout: a hang fails the test."""

@@ -1,4 +1,4 @@
-"""Fault injection for every command that writes files (issue 17, docs/reliability.md "Output
+"""Fault injection for every command that writes files (docs/reliability.md "Output
 files" and "patch deepspeed"): the user's files next to the outputs stay untouched, targets of
 the wrong kind (FIFO, device node, socket, file, dangling symlink, a parent that is a file) are
 refused before anything is written, symlinks are written through, a SIGKILL during a write

@@ -269,7 +269,7 @@ def test_hf_config_parsing(tmp_path):
 
 @pytest.mark.parametrize("budget,m,B_m", [(6, 4, 16), (8, 2, 32), (12, 8, 8)])
 def test_dawnpiper_two_stages_matches_brute_force(budget, m, B_m):
-    """Theorem 4.1 (partition-dawnpiper.md §4.2): for two stages the cut searched between the
+    """Theorem 4.1 (docs/dawnpiper.md §4.2): for two stages the cut searched between the
     compute- and memory-balanced cuts is optimal for the bottleneck stage time."""
     mdl = load_model("bert-huge")
     c = load_cluster("8xtitan-24gb").with_budget(budget)

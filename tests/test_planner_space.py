@@ -1,4 +1,4 @@
-"""The executable search space (issue 11 item 4): any world size, pipeline degree and
+"""The executable search space: any world size, pipeline degree and
 micro-batch size, interleaved chunks searched, `--fix` / `ds-autoplan cost`, and the
 planner's fast simulation path against the simulator."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DawnPiper's keep / recompute / swap choice (partition-dawnpiper.md §3, §7) on synthetic
+"""DawnPiper's keep / recompute / swap choice (docs/dawnpiper.md §3, §7) on synthetic
 profiles with known numbers, and in-flight copies from the simulator."""
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def test_prefix_only_recompute_is_what_the_runtimes_execute():
         assert pol.recompute_fraction == k / 6
 
 
-# ---- per saved tensor (partition-dawnpiper.md §2.3, §7) ------------------------------------
+# ---- per saved tensor (docs/dawnpiper.md §2.3, §7) ------------------------------------
 
 def tsynth(n=3, big=(8, 2, 2), small=(1, 1, 1), fwd=(1, 1, 1), inp=(1, 1, 1),
            in0_saved=True) -> Profile:

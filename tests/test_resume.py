@@ -1,4 +1,4 @@
-"""Re-plan and resume (issue 13, item 6): a checkpoint saved under plan A loads under plan B
+"""Re-plan and resume: a checkpoint saved under plan A loads under plan B
 (other schedule, partition, pp, dp, ZeRO stage) and training continues exactly as the
 uninterrupted run under A (fp32, Adam: the optimizer state must travel too).  Per framework
 one 2-rank and one 4-rank process group; the 4-rank group also loads a checkpoint the 2-rank

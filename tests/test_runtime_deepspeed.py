@@ -125,7 +125,7 @@ def test_deepspeed_uniform_checkpointing_baseline(deepspeed_uniform_checkpointin
 
 @pytest.mark.parametrize("name,ratio", [("v-min", 0.5), ("v-half", 0.75)])
 def test_four_ranks_v_memory_vs_trainschedule(four_ranks, name, ratio):
-    # issue 4: floor((d+4)/3)/d = 0.5 and floor((d+2)/2)/d = 0.75 of TrainSchedule's peak, d = 4
+    # docs/schedules.md §2.5: floor((d+4)/3)/d = 0.5 and floor((d+2)/2)/d = 0.75 of TrainSchedule's peak, d = 4
     base = max(d["peak"] for d in _ranks(four_ranks, "ds-train", 4))
     ours = max(d["peak"] for d in _ranks(four_ranks, name, 4))
     assert abs(ours / base - ratio) <= 0.1 * ratio, (ours, base)

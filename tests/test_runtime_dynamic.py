@@ -1,4 +1,4 @@
-"""DynaPipe's dynamic micro-batches in the DeepSpeed runtime (issue 6): per-iteration plans
+"""DynaPipe's dynamic micro-batches in the DeepSpeed runtime: per-iteration plans
 with different micro-batch counts and padded lengths train exactly like the unpipelined
 model on the same samples, with the plan's shapes (no shape handshake), ZeRO-0/1, DP."""
 import json

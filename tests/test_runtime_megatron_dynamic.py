@@ -1,4 +1,4 @@
-"""DynaPipe iteration plans in our Megatron forward_backward_func (issue 6): per-step schedule,
+"""DynaPipe iteration plans in our Megatron forward_backward_func: per-step schedule,
 per-micro-batch shapes without a handshake, token-weighted losses; gradients, losses and
 parameters equal to the unpipelined model on the same samples (2 CPU ranks, gloo)."""
 from __future__ import annotations

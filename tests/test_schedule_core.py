@@ -1,4 +1,4 @@
-"""Schedule IR, validator, simulator and lowering (issue 2)."""
+"""Schedule IR, validator, simulator and lowering."""
 import json
 
 import pytest
@@ -195,8 +195,8 @@ def test_cli_simulate_json_and_errors(tmp_path, capsys):
 
 @pytest.mark.parametrize("d,n", [(2, 2), (4, 8), (3, 7)])
 def test_runtime_overheads_follow_the_1f1b_formula(d, n):
-    # issue 14: dispatch per compute action, step once per iteration; 1F1B's makespan is
-    # (n + d - 1)(F + BW) (schedules.md §3.4) with F -> F + δ and BW -> B + W + δ, plus step
+    # runtime overheads: dispatch per compute action, step once per iteration; 1F1B's makespan is
+    # (n + d - 1)(F + BW) (docs/schedules.md §3.4) with F -> F + δ and BW -> B + W + δ, plus step
     from ds_autoplan.schedule import Overheads
     s = build("1f1b", d, n)
     ov = Overheads(dispatch=0.25, step=3.0)
@@ -225,8 +225,8 @@ def test_dispatch_is_paid_per_action_so_split_schedules_pay_more():
 
 
 def test_backward_transient_raises_the_peak_while_the_backward_runs():
-    # d=2, n=2, per stage F allocates 1 and BW frees it (schedules.md §0); a backward that
-    # also holds 0.5 from its start (a deferred W's output gradient, issue 14) peaks 0.5
+    # d=2, n=2, per stage F allocates 1 and BW frees it (docs/schedules.md §0); a backward that
+    # also holds 0.5 from its start (a deferred W's output gradient) peaks 0.5
     # higher on both ranks: rank 0 holds two micro-batches when BW0.0 starts, rank 1 one
     s = build("1f1b", 2, 2)
     c = Costs.per_stage(2, 2, 1.0, 1.0, 0.0, mem_f=1.0, mem_b=-1.0, mem_w=0.0)

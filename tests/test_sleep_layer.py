@@ -1,4 +1,4 @@
-"""The benchmarks' calibrated sleep layer (ds_autoplan.models.sleep, issue 14): exact
+"""The benchmarks' calibrated sleep layer (ds_autoplan.models.sleep): exact
 gradients, fused or split into B and W, and the activation-memory model it stands for."""
 import pytest
 import torch

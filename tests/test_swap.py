@@ -1,4 +1,4 @@
-"""DawnPiper's swap at run time (partition-dawnpiper.md §7.5, seed 002 §C.2): the tensors a
+"""DawnPiper's swap at run time (docs/dawnpiper.md §7.5, seed 002 §C.2): the tensors a
 per-tensor policy (memopt.tensor_mem_opt on a real profile) chooses really leave the device,
 gradients stay bit-identical, and the per-tensor recompute choice is what the runtimes'
 ``recompute_per_stage`` executes.  Also run as a worker: ``python tests/test_swap.py --worker

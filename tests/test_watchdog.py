@@ -1,4 +1,4 @@
-"""Start-up watchdog (issue 13, item 7): a rank stuck at start-up says where it waits and exits
+"""Start-up watchdog: a rank stuck at start-up says where it waits and exits
 non-zero; a live extension build is never interrupted.  Every lock lives in a TEMPORARY
 TORCH_EXTENSIONS_DIR (the real ~/.cache/torch_extensions is never touched)."""
 import os

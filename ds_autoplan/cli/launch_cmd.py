@@ -1,7 +1,7 @@
 """`ds-autoplan launch [planner options] [deepspeed launcher options] train.py [args]`: run
 DeepSpeed's own launcher with every rank going through ``ds_autoplan.clients.bootstrap``,
 which plans the model the unchanged script builds when it calls ``deepspeed.initialize``
-(integration.md §1.8) and merges the plan into the script's own DeepSpeed config.  With
+(docs/runtimes.md §1.8) and merges the plan into the script's own DeepSpeed config.  With
 ``--model`` (a preset, YAML or HF config.json) the plan is made here, before launch, and
 ``DS_AUTOPLAN_PLAN`` points every rank to it.  ``deepspeed --autoplan`` (after ``ds-autoplan
 patch deepspeed``) calls :func:`apply_autoplan`.

@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="small hardware benchmark")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
     g = p.add_argument_group("DawnPiper partition and memory policy of the profile "
-                             "(partition-dawnpiper.md §6-7)")
+                             "(docs/dawnpiper.md §6-7)")
     g.add_argument("--stages", type=int, default=0,
                    help="cut the profiled units into this many pipeline stages")
     g.add_argument("--mem-cap", type=float, default=None, metavar="GB",

@@ -1,4 +1,4 @@
-"""``deepspeed.initialize`` for an unchanged ``PipelineModule`` script, planned (integration.md
+"""``deepspeed.initialize`` for an unchanged ``PipelineModule`` script, planned (docs/runtimes.md
 §1.8, the bootstrap mode).
 
 When the script calls ``deepspeed.initialize(model=PipelineModule(...), ...)``, the hook:

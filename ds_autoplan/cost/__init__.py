@@ -1,5 +1,5 @@
 """Cost model: memory and time of every layer under every intra-stage strategy
-(planner-galvatron.md §2), collectives (§2.3) and the re-layout cost (§2.5)."""
+(docs/planner.md §2), collectives (§2.3) and the re-layout cost (§2.5)."""
 from .collectives import Network
 from .model import CostModel, LayerTables, Strategy
 

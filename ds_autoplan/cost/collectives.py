@@ -1,4 +1,4 @@
-"""Collective time primitives (planner-galvatron.md §2.3) over a node-major rank layout (§1.4)."""
+"""Collective time primitives (docs/planner.md §2.3) over a node-major rank layout (§1.4)."""
 from __future__ import annotations
 
 from functools import lru_cache

@@ -1,4 +1,4 @@
-"""Compute time from the work's shape, per GPU kind (issue 11, item 1).
+"""Compute time from the work's shape, per GPU kind.
 
 A block's forward and backward are costed kernel by kernel on the TP-split shapes the engines
 run (Megatron's column/row-parallel linears, Narayanan et al. 2021 §2.3; sequence parallelism

@@ -1,4 +1,4 @@
-"""What each engine overlaps and what it serialises (issue 20, item 1): one execution model per
+"""What each engine overlaps and what it serialises: one execution model per
 engine, read from the installed libraries, that the cost model (cost/model.py) and the closed
 form (cost/iteration.py) apply.
 

@@ -1,4 +1,4 @@
-"""Model-state bytes as the engines hold them (issue 11, item 2), per runtime and precision.
+"""Model-state bytes as the engines hold them, per runtime and precision.
 
 Bytes per parameter on one rank of a data-parallel group of ``d`` (ZeRO stage ``zero``):
 

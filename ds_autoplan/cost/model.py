@@ -1,4 +1,4 @@
-"""Per-layer, per-strategy memory and time (planner-galvatron.md §2.2, §2.4, §2.5).
+"""Per-layer, per-strategy memory and time (docs/planner.md §2.2, §2.4, §2.5).
 
 Everything is vectorised over (layer type, strategy): the DP and BMW only index arrays.
 """
@@ -354,7 +354,7 @@ class CostModel:
         """Compute seconds of unit ``u`` for ``b`` samples at TP ``t`` (experts at ``ep`` x
         ``etp``): from the work's shape on a known GPU kind (cost/compute.py); otherwise
         (profiled models, GPU kinds without data) FLOPs at the cluster's constant rate with a
-        2x backward (planner-galvatron.md §2.1).  Memoised: strategies that differ only in
+        2x backward (docs/planner.md §2.1).  Memoised: strategies that differ only in
         ZeRO stage or recompute share the kernels."""
         etp = t if etp is None else etp
         key = (u, b, t, sp, ep, etp) if u.expert_params else (u, b, t, sp)

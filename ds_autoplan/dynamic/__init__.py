@@ -1,4 +1,4 @@
-"""Dynamic micro-batching for variable-length data (DynaPipe, seed 004; schedules.md §5).
+"""Dynamic micro-batching for variable-length data (DynaPipe, seed 004; docs/schedules.md §5).
 
 * :mod:`.cost`       -- t(M) and mem(M) of a padded micro-batch (attention's quadratic term,
   encoder-decoder lengths).

@@ -1,6 +1,6 @@
 """Time t(M) and memory mem(M) of one padded micro-batch on one pipeline stage.
 
-schedules.md §5.3: a micro-batch M of ``mbs`` samples is padded to ``L = roundup(max len,
+docs/schedules.md §5.3: a micro-batch M of ``mbs`` samples is padded to ``L = roundup(max len,
 pad_to)`` (encoder-decoder: ``(L_enc, L_dec)``); per stage
 
     t_fwd(M) = layers · (overhead + lin · mbs·L + quad · mbs·L²)     t_bwd = bw_ratio · t_fwd
@@ -20,7 +20,7 @@ import numpy as np
 
 
 def pad_len(x, pad_to: int = 8):
-    """Round lengths up to a multiple of ``pad_to`` (schedules.md §5.3: roundup8)."""
+    """Round lengths up to a multiple of ``pad_to`` (docs/schedules.md §5.3: roundup8)."""
     x = np.asarray(x)
     return (x + pad_to - 1) // pad_to * pad_to if pad_to > 1 else x
 

@@ -1,4 +1,4 @@
-"""Real sequence-length distribution for variable-length training data (issue 6).
+"""Real sequence-length distribution for variable-length training data.
 
 The shipped file ``ds_autoplan/data/text_lengths.tsv`` holds token counts of real text
 that is available offline on any Debian/Ubuntu machine with CPython 3.11, arranged as

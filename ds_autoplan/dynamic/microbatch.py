@@ -1,6 +1,6 @@
 """Splitting a global batch of variable-length samples into micro-batches.
 
-* :func:`dynapipe_split` -- DynaPipe's dynamic program (schedules.md §5.4, seed 004).
+* :func:`dynapipe_split` -- DynaPipe's dynamic program (docs/schedules.md §5.4, seed 004).
 * Baselines in the same vocabulary: :func:`fixed_split` (fixed micro-batch size, padded to
   the longest sample of each micro-batch), :func:`token_split` (token budget per
   micro-batch over length-sorted samples) and :func:`packing_split` (concatenate samples
@@ -111,7 +111,7 @@ def sample_order(a: np.ndarray) -> np.ndarray:
 def slice_table(a_sorted: np.ndarray, cost: CostModel, mem_cap: float | None = None) -> np.ndarray:
     """``T[i, j]`` = t(M[i..j-1]) for the ordered samples, ``inf`` where j <= i or the slice
     breaks the memory cap (memory grows with j, so row i stops at the first violation).
-    One vectorised pass over the [N, N] upper triangle (issue 14): the padded length of
+    One vectorised pass over the [N, N] upper triangle: the padded length of
     every slice is a running maximum along the row."""
     N = len(a_sorted)
     i, j = np.arange(N)[:, None], np.arange(N)[None, :]       # slice i..j (inclusive)
@@ -201,7 +201,7 @@ def _cuts(arg, c: int, N: int) -> list[tuple[int, int]]:
 def dynapipe_split(lengths, cost: CostModel, stages: int, *, mem_cap: float | None = None,
                    tmax_step: float = 0.0, max_candidates: int = 256,
                    num_microbatches: int | None = None) -> MicroBatchPlan:
-    """DynaPipe's micro-batch construction (schedules.md §5.4, seed 004 "DP algorithm").
+    """DynaPipe's micro-batch construction (docs/schedules.md §5.4, seed 004 "DP algorithm").
 
     Samples are ordered (:func:`sample_order`) and split into contiguous runs minimising
 

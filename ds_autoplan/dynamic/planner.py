@@ -1,4 +1,4 @@
-"""Per-iteration planning (schedules.md §5.1) and the background worker that hides it.
+"""Per-iteration planning (docs/schedules.md §5.1) and the background worker that hides it.
 
 ``IterationPlanner(lengths)`` → :class:`IterationPlan`: split the global batch into
 micro-batches (DP or a baseline), build the pipeline schedule for those unequal

@@ -1,4 +1,4 @@
-"""Plan -> ds_config.json (integration.md §3), validated by DeepSpeed's own config classes.
+"""Plan -> ds_config.json (docs/runtimes.md §3), validated by DeepSpeed's own config classes.
 
 ``ds_config(plan)`` is the one Plan -> DeepSpeed config path: ``ds-autoplan plan`` writes it
 and ``ds_autoplan.initialize`` runs it (merged with the user's own keys, if any)."""
@@ -93,7 +93,7 @@ def user_config(plan: Plan, user: dict) -> tuple[dict, list[str]]:
 
 
 class _FakeMPU:
-    """Just enough of an mpu for DeepSpeedConfig's batch-size check (integration.md §3)."""
+    """Just enough of an mpu for DeepSpeedConfig's batch-size check (docs/runtimes.md §3)."""
 
     def __init__(self, dp: int):
         self.dp = dp

@@ -1,6 +1,6 @@
 """Plan -> megatron.json (TransformerConfig / parallel sizes) and megatron_args.txt (flags of
 Megatron-LM's pretrain_gpt.py).  Uneven stage layer counts use megatron-core 0.16's
-``pipeline_model_parallel_layout`` (integration.md §4.3; 'E' embedding, 't' decoder layer,
+``pipeline_model_parallel_layout`` (docs/runtimes.md §4.3; 'E' embedding, 't' decoder layer,
 'L' loss, '|' between stages, ordered vpp0pp0, vpp0pp1, ...)."""
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def megatron_config(plan: Plan, model=None) -> dict:
     # value is global in the args, so emit the largest per-stage count (memory-safe, for
     # Megatron's own schedules) and the per-stage counts.  ds_autoplan's executor (runtime,
     # patched pretrain_gpt.py) runs the per-stage counts as R actions instead and turns the
-    # full recompute off (docs/megatron.md "Recomputation"; integration.md §4.3).
+    # full recompute off (docs/megatron.md "Recomputation"; docs/runtimes.md §4.3).
     per_stage = [round(r * n) for r, n in zip(plan.recompute_per_stage, plan.layers_per_stage)]
     if getattr(plan, "selective_recompute", False):     # Korthikanti et al. 2022 §5
         cfg.update({"recompute_granularity": "selective", "recompute_method": None,

@@ -1,4 +1,4 @@
-"""Calibrated sleep: the one stand-in for compute in every benchmark (issue 14).
+"""Calibrated sleep: the one stand-in for compute in every benchmark.
 
 On a shared CPU machine a benchmark of *schedules* must not measure CPU contention, so each
 layer's forward, input-gradient (B) and weight-gradient (W) pass sleeps a set time instead

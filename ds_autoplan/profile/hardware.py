@@ -42,7 +42,7 @@ def matmul_flops(n: int = 512, device: str | torch.device = "cpu", dtype=torch.f
 
 def host_link_GBps(device: str | torch.device = "cpu", nbytes: int = 1 << 24,
                    repeats: int = 5) -> dict:
-    """Swap link bandwidth (partition-dawnpiper.md §7.2 ``BW_pcie``, D2H and H2D separately):
+    """Swap link bandwidth (docs/dawnpiper.md §7.2 ``BW_pcie``, D2H and H2D separately):
     pinned host <-> device copies on CUDA; on a CPU a host-to-host copy of the buffer (the
     "host" of a CPU rank is the same memory).  Median of ``repeats`` after one warm-up."""
     device = torch.device(device)

@@ -1,6 +1,6 @@
 """Profile a pipeline's own layer list (a ``PipelineModule``'s layers: modules, ``LayerSpec`` or
 plain functions) with one unit per layer, so the planner's partition is over exactly the
-layers the script built (DawnPiper's measured per-node costs, partition-dawnpiper.md §2.3, at
+layers the script built (DawnPiper's measured per-node costs, docs/dawnpiper.md §2.3, at
 the granularity DeepSpeed partitions).  Profiling leaves the training untouched: the random
 number streams are forked and module buffers (e.g. BatchNorm statistics) restored."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Measure a traced chain on the actual device: per unit parameters, forward/backward time,
-activation bytes kept for backward, boundary bytes (partition-dawnpiper.md §2.3).
+activation bytes kept for backward, boundary bytes (docs/dawnpiper.md §2.3).
 
 Times (after warm-up, median of ``repeats``): by default inside whole-model steps, from module
 and tensor hooks (:func:`time_in_chain`; ``perf_counter``, with a CUDA synchronise per event on
@@ -123,7 +123,7 @@ def measure_saved(chain: Chain, inputs: tuple, loss_fn=None,
                   tensors: list | None = None) -> tuple[list[dict], dict | None]:
     """Saved-for-backward storages per unit on one grad-enabled forward of the whole chain.
     With ``tensors`` (a list) one record per saved storage is appended to it (DawnPiper's
-    per-node saved-tensor lists, partition-dawnpiper.md §2.3): ``unit`` (first unit saving
+    per-node saved-tensor lists, docs/dawnpiper.md §2.3): ``unit`` (first unit saving
     it; the loss counts as the last unit), ``index`` (its order among that unit's new saved
     storages: how a runtime recognises it), ``bytes``, ``shape``, ``dtype``, ``users`` (units
     saving it), ``producer`` (unit that computed it: a unit whose output it is, else the first
@@ -248,7 +248,7 @@ def time_units(fns: list, args: list, device: torch.device, repeats: int, warmup
 def time_in_chain(chain: Chain, inputs: tuple, device: torch.device, repeats: int,
                   warmup: int, loss_fn=None, inflight: int = 1) -> list[dict]:
     """Per-unit times inside whole-model iterations (DawnPiper's timing hooks at the start and
-    end of every node's forward and backward, partition-dawnpiper.md §2.3): forward from the
+    end of every node's forward and backward, docs/dawnpiper.md §2.3): forward from the
     unit's pre/post hooks; backward of unit i from the arrival of the gradient of its input
     (tensor hooks) to that of unit i+1's input.  Units then see the caches and allocator
     state of a real step rather than a tight loop over one unit.  ``inflight`` iterations are

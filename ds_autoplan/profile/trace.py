@@ -1,11 +1,11 @@
 """torch.fx tracing with leaf "proxy" modules and the ordered chain of partition units.
 
-Merak (partition-merak.md §2, §4; seed 001 §4): modules that must not be split are leaves of
+Merak (docs/merak.md §2, §4; seed 001 §4): modules that must not be split are leaves of
 the tracer, so each is one ``call_module`` node; the traced DAG is then cut into an ordered chain
 of subgraphs at points where few tensors cross (``common`` nodes such as a mask used by every
 layer are forwarded and do not count).  Granularity ``"block"`` (default) merges the pieces
 between blocks so the chain is ``[pre, block_0 .. block_{L-1}, post]`` (a layer list);
-``"node"`` keeps every cut (DawnPiper's fine-grained graph, partition-dawnpiper.md §2).
+``"node"`` keeps every cut (DawnPiper's fine-grained graph, docs/dawnpiper.md §2).
 """
 from __future__ import annotations
 

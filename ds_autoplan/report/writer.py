@@ -119,7 +119,7 @@ def report_files(res) -> dict:
     if wide.get("bmw"):
         wb, ws = wide["bmw"], wide.get("base")
         w("\n## Wide Galvatron-BMW mode\n")
-        w("Per-layer TP/DP/SDP/ZeRO-1/2 mixtures (planner-galvatron.md §1; mixtures run in neither "
+        w("Per-layer TP/DP/SDP/ZeRO-1/2 mixtures (docs/planner.md §1; mixtures run in neither "
           "DeepSpeed nor Megatron-core), costed like the executable plans (1F1B simulated); the "
           "executable space is part of it, so it is never slower:\n")
         w(f"* Galvatron-BMW ({wb.get('source', 'per-layer search')}): pp={wb['pp']}, "

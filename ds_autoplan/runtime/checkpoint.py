@@ -1,5 +1,5 @@
 """Plan-independent checkpoints: what both runtimes write next to their weights so that a run
-saved under one plan resumes under another (issue 13, item 6).
+saved under one plan resumes under another.
 
 A checkpoint is a folder.  Parameters and optimizer state are keyed by the model's *global
 layer index* (and the parameter's name inside its layer), never by rank, stage or position

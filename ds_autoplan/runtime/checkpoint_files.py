@@ -1,5 +1,5 @@
 """The files of a checkpoint: read without running code, written crash-safe, verified by a
-manifest (issue 17, items 1 and 3).  Both runtimes' checkpoints go through here.
+manifest.  Both runtimes' checkpoints go through here.
 
 Reading.  Every file is read with ``torch.load(weights_only=True)`` (:func:`safe_load`):
 tensors, numbers, strings, ``None`` and containers of them; a file that needs any other object

@@ -5,7 +5,7 @@ saved_tensors_hooks``) plus tensors a runtime holds explicitly for a later pass 
 checkpoints, the deferred weight-gradient stash of :mod:`splitgrad`).  Tensors are
 deduplicated by storage: a storage counts once, with its full size, while at least one
 saved or held reference to it is alive.  Parameters (and views of them) are excluded, so the
-number is the activation memory the schedule simulator models (schedules.md §0 ``a_F``).
+number is the activation memory the schedule simulator models (docs/schedules.md §0 ``a_F``).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Deferred weight gradients: the B/W split of zero-bubble schedules (schedules.md §6.3).
+"""Deferred weight gradients: the B/W split of zero-bubble schedules (docs/schedules.md §6.3).
 
 ``install(modules)`` routes every ``nn.Linear`` through :class:`_SplitLinear`.  Its backward
 always returns the input gradient; the weight/bias gradient GEMMs run either at once (fused

@@ -1,6 +1,6 @@
 """Swap chosen saved-for-backward tensors to host memory during a stage's forward and bring
 them back when the backward reads them (DawnPiper's swap, seed 002 §C.2;
-partition-dawnpiper.md §7.5).
+docs/dawnpiper.md §7.5).
 
 torch >= 2 needs no storage patch: ``torch.autograd.graph.saved_tensors_hooks`` packs a saved
 tensor into a host copy (pinned, copied on a side stream on CUDA) and unpacks it on demand.
@@ -40,7 +40,7 @@ from .memtrack import MemTracker
 @dataclass
 class SwapPolicy:
     """``units``: unit (module) name -> indices of its saved storages to offload, or None for
-    all of them; ``min_bytes``: only storages at least this large (θ, partition-dawnpiper.md
+    all of them; ``min_bytes``: only storages at least this large (θ, docs/dawnpiper.md
     §7.3)."""
     units: dict = field(default_factory=dict)
     min_bytes: int = 0

@@ -1,5 +1,5 @@
 """Start-up watchdog: a rank that has not finished initialising within a bounded time says
-where it waits and exits non-zero, instead of hanging silently (issue 13, item 7).
+where it waits and exits non-zero, instead of hanging silently.
 
 The usual culprit: DeepSpeed JIT-builds a C++ op (e.g. its CPU shared-memory comm op) with
 ``torch.utils.cpp_extension.load``, which serialises builds with a ``lock`` file in the op's
@@ -14,7 +14,7 @@ launchers, see :func:`build_in_progress`).
 
 ``DS_AUTOPLAN_INIT_TIMEOUT`` (seconds, default 900; 0 disables) bounds the wait.
 
-After start-up, :class:`StepWatchdog` bounds every training step (issue 17): both runtimes
+After start-up, :class:`StepWatchdog` bounds every training step: both runtimes
 tell it the action they execute and the pipeline rank that action waits for; a step that
 has not ended within ``DS_AUTOPLAN_STEP_TIMEOUT`` seconds (default :func:`step_timeout`: a
 generous multiple of the plan's predicted step time, never under ten minutes) prints, on

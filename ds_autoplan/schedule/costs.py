@@ -1,6 +1,6 @@
 """Per-(stage, micro-batch) durations and activation-memory deltas fed to the simulator.
 
-Memory model (schedules.md §0, §8 decision 2): F allocates ``mem_f``; B changes memory by
+Memory model (docs/schedules.md §0, §8 decision 2): F allocates ``mem_f``; B changes memory by
 ``mem_b`` (<= 0) and W by ``mem_w`` (<= 0), with mem_f + mem_b + mem_w = 0; a fused BW
 frees ``mem_b + mem_w``.  The paper's analysis uses (1, 0, -1)·m: everything is held until W.
 With recomputation (an R action for that stage/mb), F keeps only ``keep_ckpt`` (the
@@ -9,12 +9,12 @@ allocates the rest again.  ``b_transient``: bytes a backward holds from its star
 net change until its end (a split layer's B stashes its output gradient for W while the
 saved inputs are still held); one value, or one per stage / per (stage, micro-batch).
 
-Runtime overheads (issue 14): a real engine also spends time the per-layer costs leave out.
+Runtime overheads: a real engine also spends time the per-layer costs leave out.
 :class:`Overheads` holds what one runtime measured once (``bench/_measure.py``): ``dispatch``
 per compute action (instruction launch, bookkeeping, autograd entry), ``p2p`` latency and
 ``send`` (the sender's time) per message, and ``step`` once per iteration (gradient
 reduction and optimizer step after the last action).  ``Costs.with_overheads`` adds them;
-all default to 0, which is the schedules.md §3 model unchanged.
+all default to 0, which is the docs/schedules.md §3 model unchanged.
 """
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ class Costs:
     p2p: float = 0.0            # latency of one cross-rank transfer
     send: float = 0.0           # time a rank spends issuing a SEND (lowered lists only)
     num_ranks: int | None = None  # for the "units of 1/d of the model" scale
-    dispatch: float = 0.0       # a runtime's own time per compute action (issue 14)
-    step: float = 0.0           # once per iteration after the last action (issue 14)
+    dispatch: float = 0.0       # a runtime's own time per compute action
+    step: float = 0.0           # once per iteration after the last action
     b_transient: float | np.ndarray = 0.0   # bytes a backward (B, BW) holds from its start
                                 # on, beyond its net change, until its end (e.g. the output
                                 # gradient a deferred W keeps while the layer's internals are
@@ -91,7 +91,7 @@ class Costs:
         """Uniform model.  ``per='slice'``: f, b, w, act are for one micro-batch over 1/d of
         the model (one 1F1B stage), so a schedule with S stages gets d/S of each per stage
         and all schedules on d ranks are compared on the same model.  ``per='stage'``: the
-        values are per stage as given (the unit model of schedules.md §3.4)."""
+        values are per stage as given (the unit model of docs/schedules.md §3.4)."""
         S, d, n = sched.num_stages, sched.num_ranks, sched.num_microbatches
         scale = d / S if per == "slice" else 1.0
         if per not in ("slice", "stage"):

@@ -3,9 +3,9 @@
 A schedule is one ordered list of :class:`Action` per rank plus a placement that maps
 every pipeline *stage* (a contiguous slice of layers; called a model chunk when a rank
 holds several) to the rank that owns it.  Builders only produce lists; runtimes only
-execute them (shared/design/schedules.md §0).
+execute them (docs/schedules.md §0).
 
-Dependencies, for any placement (schedules.md §0):
+Dependencies, for any placement (docs/schedules.md §0):
   F(s,mb) after F(s-1,mb); B(s,mb) after B(s+1,mb) (or after F(S-1,mb) for the last stage,
   which computes the loss); W(s,mb) after B(s,mb); BW behaves like B and has no W;
   R(s,mb) (recompute-forward) after F(s,mb) and before B/BW(s,mb).
@@ -113,7 +113,7 @@ def interleaved_placement(d: int, v: int) -> tuple[int, ...]:
 
 
 def v_placement(d: int) -> tuple[int, ...]:
-    """2d stages; stage i and stage 2d-1-i on rank i (schedules.md §2.1)."""
+    """2d stages; stage i and stage 2d-1-i on rank i (docs/schedules.md §2.1)."""
     return tuple(list(range(d)) + list(range(d - 1, -1, -1)))
 
 
@@ -355,7 +355,7 @@ def cross_stage_pred(a: Action, dep: DependencyIndex) -> tuple[Kind, int, int] |
 def validate(sched: Schedule) -> None:
     """Raise :class:`ScheduleError` unless the schedule is complete and locally ordered.
 
-    Checks (schedules.md §3.3, checks 1, 6 and the same-rank half of 2): every micro-batch
+    Checks (docs/schedules.md §3.3, checks 1, 6 and the same-rank half of 2): every micro-batch
     gets exactly one F and either one BW or one B and one W on every stage, on the owning
     rank; at most one R, after F and before the backward; no duplicates; on each rank the
     order respects the dependencies between its own actions; SEND/RECV pairs match per
@@ -449,4 +449,4 @@ def _validate_comm(sched: Schedule, seen: dict) -> None:
     for pair in set(sends) | set(recvs):
         if sends.get(pair, []) != recvs.get(pair, []):
             raise ScheduleError(f"sends from rank {pair[0]} to rank {pair[1]} do not match the "
-                                f"receives posted there (check 6 of schedules.md §3.3)")
+                                f"receives posted there (check 6 of docs/schedules.md §3.3)")

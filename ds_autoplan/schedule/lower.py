@@ -1,4 +1,4 @@
-"""Lowering: compute-only lists → lists with SEND/RECV (schedules.md §6.4, §5.6).
+"""Lowering: compute-only lists → lists with SEND/RECV (docs/schedules.md §6.4, §5.6).
 
 The compute lists are timed with the simulator; every cross-rank edge becomes a transfer
 at the producer's end time.  A SEND goes right after its producer; the RECV (which only

@@ -11,7 +11,7 @@ stage).  Which (stage, micro-batch) pairs are recomputed is decided by the actio
 alone: a runtime never recomputes without an R and never skips one.
 
 This is Merak's stage-aware recomputation, the first layers of a stage (seed 001 §5.2,
-partition-merak.md §6.3 [decision]) and DawnPiper's prefix mode (partition-dawnpiper.md
+docs/merak.md §6.3 [decision]) and DawnPiper's prefix mode (docs/dawnpiper.md
 §7); the simulator's memory model (``Costs.mem_delta``): F keeps ``keep_ckpt`` (input +
 the layers after the prefix), R allocates ``mem_f - keep_ckpt``.
 """
@@ -37,7 +37,7 @@ def add_recompute(sched: Schedule, layers: Sequence[int]) -> Schedule:
     insert ``R(s, mb)`` right before each backward of that stage that has none and record
     the counts in ``meta["recompute_layers"]``.  Communication actions are dropped (lower the
     result again).  A RECV only posts the receive, so after lowering R runs while the output
-    gradient is in flight (Merak's early recompute, partition-merak.md §5.2 step 1) and at
+    gradient is in flight (Merak's early recompute, docs/merak.md §5.2 step 1) and at
     most one recomputed micro-batch per rank is materialised at a time."""
     layers = [int(k) for k in layers]
     if len(layers) != sched.num_stages:

@@ -1,4 +1,4 @@
-"""Discrete-event simulator: the test oracle for every schedule (schedules.md §3).
+"""Discrete-event simulator: the test oracle for every schedule (docs/schedules.md §3).
 
 Each rank executes its list in order; an action starts when the rank is free and all its
 predecessors have ended (plus the p2p latency across ranks).  On compute-only lists the
@@ -49,7 +49,7 @@ class SimResult:
 
     @property
     def bubble_ratio(self) -> float:
-        """1 − (mean work per rank)/makespan (schedules.md §8 decision 6)."""
+        """1 − (mean work per rank)/makespan (docs/schedules.md §8 decision 6)."""
         if self.makespan <= 0:
             return 0.0
         return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)

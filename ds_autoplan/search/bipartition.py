@@ -1,4 +1,4 @@
-"""DawnPiper's binary pipeline partitioning (seed 002, Algorithm 1; partition-dawnpiper.md
+"""DawnPiper's binary pipeline partitioning (seed 002, Algorithm 1; docs/dawnpiper.md
 §6.1-6.2), over any stage cost: the profile-level search (``search.dawnpiper``, cuts at fx
 units, memory optimisation = keep/recompute/swap) and the block-level planner partitioner
 (``search.partition.dawnpiper``, memory optimisation = the stage DP's checkpointing) both

@@ -1,5 +1,5 @@
 """DawnPiper's binary pipeline partitioning over the fine-grained chain of a profile
-(partition-dawnpiper.md §4-6; seed 002 §4, Algorithm 1), with :func:`memopt.mem_opt` as the
+(docs/dawnpiper.md §4-6; seed 002 §4, Algorithm 1), with :func:`memopt.mem_opt` as the
 per-stage memory optimisation.  The walk itself is :func:`bipartition.binary_partition`,
 shared with the planner's block-level ``ds_autoplan.search.partition.dawnpiper``; this one
 cuts at profile units (fx nodes).

@@ -1,4 +1,4 @@
-"""Galvatron's per-stage dynamic programme (planner-galvatron.md §3) and the pipeline cost
+"""Galvatron's per-stage dynamic programme (docs/planner.md §3) and the pipeline cost
 of a full plan (Eq. 9), vectorised with numpy and memoised on stage prefixes."""
 from __future__ import annotations
 

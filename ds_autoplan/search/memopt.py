@@ -1,5 +1,5 @@
 """DawnPiper's per-tensor memory optimisation under a stage memory cap
-(partition-dawnpiper.md §3.3, §7; seed 002 §3-4, costs after Capuchin).
+(docs/dawnpiper.md §3.3, §7; seed 002 §3-4, costs after Capuchin).
 
 Candidates are the profile's units (nodes of the fine-grained graph, or layers): each one's
 saved-for-backward bytes ``b`` are kept, recomputed (a run of consecutive recomputed units is
@@ -216,7 +216,7 @@ def mem_opt(prof: Profile, lo: int, hi: int, cap: float, copies: int, *, stage: 
 
 
 class _TensorStage(_Stage):
-    """Per saved tensor quantities of one stage (partition-dawnpiper.md §2.3, §7.2): tensor
+    """Per saved tensor quantities of one stage (docs/dawnpiper.md §2.3, §7.2): tensor
     ``j`` of ``b[j]`` bytes is saved first by unit ``unit[j]``, last used (earliest in the
     backward) by ``last[j]``, computed by unit ``prod[j]`` (None: produced outside the stage,
     so it can only be kept or swapped).  [decision] The loss's tensors (``swappable`` False)
@@ -299,7 +299,7 @@ def tensor_mem_opt(prof: Profile, lo: int, hi: int, cap: float, copies: int, *,
                    min_bytes: int = 0, exact_limit: int = 0,
                    prefix_only: bool = False) -> StagePolicy:
     """keep / recompute / swap per saved tensor of units ``[lo, hi)`` so that ``mem_x <= cap``
-    (DawnPiper §4 with Capuchin's cost model, partition-dawnpiper.md §7.1-7.4).  Candidates are
+    (DawnPiper §4 with Capuchin's cost model, docs/dawnpiper.md §7.1-7.4).  Candidates are
     the tensors of ``prof.tensors`` with at least ``min_bytes`` (θ, §7.3).  Recomputing a
     tensor re-runs its producing unit's forward once per micro-batch (shared by every tensor of
     that unit); the unit's inputs that no kept/swapped tensor holds become checkpoints.

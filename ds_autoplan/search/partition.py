@@ -1,7 +1,7 @@
 """Pipeline partitioners over transformer blocks: even (Galvatron-Base), min-max time /
-memory (p_t, p_m), Galvatron-BMW's bi-objective walk (planner-galvatron.md §4), DawnPiper's
-binary partition (partition-dawnpiper.md §6) and Merak's parameter-balanced sharding
-(partition-merak.md §4.4, at layer granularity).  A partition is a tuple of block counts."""
+memory (p_t, p_m), Galvatron-BMW's bi-objective walk (docs/planner.md §4), DawnPiper's
+binary partition (docs/dawnpiper.md §6) and Merak's parameter-balanced sharding
+(docs/merak.md §4.4, at layer granularity).  A partition is a tuple of block counts."""
 from __future__ import annotations
 
 import math
@@ -188,7 +188,7 @@ def bmw(ctx: Context, max_iters: int | None = None, log: list | None = None):
 
 
 def dawnpiper(ctx: Context):
-    """DawnPiper binary partitioning at block granularity (partition-dawnpiper.md §6.1-6.2):
+    """DawnPiper binary partitioning at block granularity (docs/dawnpiper.md §6.1-6.2):
     each cut is searched between the compute-balanced and memory-balanced cuts, ordered from
     the compute-balanced one, stopping at the first cut needing no memory optimisation;
     memory optimisation = the stage DP's CKPT choice.  Returns (T_iter, parts, plan)."""
@@ -231,7 +231,7 @@ def dawnpiper(ctx: Context):
 
 
 def merak(ctx: Context):
-    """Merak's graph sharding at block granularity (partition-merak.md §4.4-4.5): close a
+    """Merak's graph sharding at block granularity (docs/merak.md §4.4-4.5): close a
     shard as soon as its parameter count passes total/P; the stage gets the blocks up to
     that point (the pre/post parameters count on the first/last stage)."""
     L, P = len(ctx.seq) - 2, ctx.pp

@@ -1,6 +1,6 @@
 """Schedule-aware pipeline cost: per-stage costs from the cost model fed to the schedule
-simulator, stage-aware recomputation to fit the per-device cap (partition-merak.md §6.6),
-and the choice of the fastest schedule that fits (issue 3: the joint choice)."""
+simulator, stage-aware recomputation to fit the per-device cap (docs/merak.md §6.6),
+and the choice of the fastest schedule that fits."""
 from __future__ import annotations
 
 import math
@@ -268,7 +268,7 @@ def time_partition(ctx: Context, S: int, plan_nock_fn) -> tuple | None:
 
 def rank_balance(ctx: Context, name: str, e0: Eval, figs_of, keep_sim=False, bound: float = INF,
                  rounds: int = 4) -> Eval:
-    """Galvatron-BMW's PP_Partition_Adjust (seed 000 §IV-B2 and App. B; planner-galvatron.md
+    """Galvatron-BMW's PP_Partition_Adjust (seed 000 §IV-B2 and App. B; docs/planner.md
     §4.3) for any stage->rank placement.  Memory is per rank (a V rank holds stages r and
     S-1-r, rank 0 the embedding and the LM head; in-flight micro-batches differ per stage),
     so when the time-balanced split ``e0`` (the paper's p_t corner) needs recompute to fit,

@@ -1,4 +1,4 @@
-"""The per-layer strategy space from Galvatron-BMW's decision trees (planner-galvatron.md §1.3,
+"""The per-layer strategy space from Galvatron-BMW's decision trees (docs/planner.md §1.3,
 pruning takeaways §1.2)."""
 from __future__ import annotations
 

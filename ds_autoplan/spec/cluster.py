@@ -1,4 +1,4 @@
-"""ClusterSpec: homogeneous nodes of identical devices (planner-galvatron.md §0, §1.4)."""
+"""ClusterSpec: homogeneous nodes of identical devices (docs/planner.md §0, §1.4)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

@@ -1,5 +1,5 @@
 """ModelSpec: a linear sequence of layers with per-sample parameter, FLOP and activation
-figures (planner-galvatron.md §2.1 analytic fallback, Korthikanti et al. activation
+figures (docs/planner.md §2.1 analytic fallback, Korthikanti et al. activation
 accounting, generalised to GQA, any head size, gated MLPs, mixtures of experts, multi-latent
 and sliding-window attention, flash attention and cross-attention: spec/blocks.py).
 

@@ -1,4 +1,4 @@
-"""The executor contract both runtime adapters implement (issue 13).
+"""The executor contract both runtime adapters implement.
 
 * Vocabulary: the action kinds of :class:`ds_autoplan.schedule.Kind` with one meaning
   (schedule/ir.py; R: :mod:`ds_autoplan.schedule.passes`): F, B (input gradient; weight

@@ -1,5 +1,5 @@
 """``ds_autoplan.initialize``: ``deepspeed.initialize`` with the plan's partition, schedule and
-per-stage recomputation (integration.md §1.4 option A, §8.1)."""
+per-stage recomputation (docs/runtimes.md §1.4 option A, §8.1)."""
 from __future__ import annotations
 
 import contextlib

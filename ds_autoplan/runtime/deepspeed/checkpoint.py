@@ -1,4 +1,4 @@
-"""Save / resume a DeepSpeed pipeline run under any other plan (issue 13, item 6).
+"""Save / resume a DeepSpeed pipeline run under any other plan.
 
     engine.save_checkpoint("ckpt", client_state={"epoch": 3})    # every rank, after train_batch
     engine_b, *_ = ds_autoplan.initialize(layers, plan_b, ...)   # another schedule, pp, dp, ZeRO

@@ -1,4 +1,4 @@
-"""DynaPipe's dynamic micro-batches in the DeepSpeed runtime (issue 6; seed 004; schedules.md §5).
+"""DynaPipe's dynamic micro-batches in the DeepSpeed runtime (seed 004; docs/schedules.md §5).
 
 Each optimizer step runs one :class:`ds_autoplan.dynamic.IterationPlan`: its own number of
 micro-batches, each with its own (mbs, padded length), and its own lowered schedule::

@@ -1,12 +1,12 @@
-"""Run any ds_autoplan schedule inside DeepSpeed's ``PipelineEngine`` (integration.md §1.4,
-option A; schedules.md §6.1).
+"""Run any ds_autoplan schedule inside DeepSpeed's ``PipelineEngine`` (docs/runtimes.md §1.4,
+option A; docs/schedules.md §6.1).
 
 The rank's lowered action list becomes a ``PipeSchedule`` that yields one DeepSpeed
 instruction per action; the engine keeps per-(stage, micro-batch) state instead of
 DeepSpeed's "latest value" attributes, so F and B of a micro-batch may be arbitrarily far
 apart and a rank may hold any number of stages.  Nothing here looks at a schedule's name.
 
-Instruction vocabulary (schedules.md §6.1): ``ForwardPass``/``BackwardPass`` (DeepSpeed's,
+Instruction vocabulary (docs/schedules.md §6.1): ``ForwardPass``/``BackwardPass`` (DeepSpeed's,
 with a ``stage`` kwarg), new ``BackwardInputPass`` (B: input gradients only), ``WeightPass``
 (W), ``RecomputePass`` (R), DeepSpeed's ``Send/RecvActivation``, ``Send/RecvGrad`` (with
 ``peer``), ``CommitP2P`` (wait for outstanding sends), then ``ReduceTiedGrads``,
@@ -244,7 +244,7 @@ class AutoplanEngine(PipelineEngine):
 
     def set_swap_policy(self, policies):
         """Offload the saved tensors chosen per stage to host memory during its forwards
-        (DawnPiper's swap, partition-dawnpiper.md §7.5): ``policies`` is stage -> (or a list
+        (DawnPiper's swap, docs/dawnpiper.md §7.5): ``policies`` is stage -> (or a list
         per stage of) ``runtime.swap.SwapPolicy`` or its JSON form, e.g.
         ``stage_memory_options(...)["swap"]``; unit names are this module's layer names
         (``str(layer index)``, see ``SwapPolicy.to_layers``) -- or a whole

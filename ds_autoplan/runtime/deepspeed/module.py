@@ -1,5 +1,5 @@
 """A :class:`PipelineModule` whose layers are cut into the plan's stages and placed on ranks
-by the schedule's placement (integration.md §1.1, §1.5).
+by the schedule's placement (docs/runtimes.md §1.1, §1.5).
 
 Generalises DeepSpeed 0.19.8's ``DualPipeVModule`` (which builds stages ``r`` and
 ``2P-1-r`` on rank ``r`` and swaps them with ``activate_phase``) to any placement:
@@ -53,7 +53,7 @@ class AutoplanPipelineModule(PipelineModule):
     S); ``layers_per_stage`` (S counts) fixes the partition, otherwise ``partition_method``
     splits the layers into S parts as DeepSpeed does.  ``recompute_per_stage[s]`` is the
     fraction of stage ``s``'s layers whose activations are recomputed (Merak's 1-α_i, seed 001
-    §5.2; the *first* layers of the stage, partition-merak.md §6.3 [decision]): when the
+    §5.2; the *first* layers of the stage, docs/merak.md §6.3 [decision]): when the
     schedule has no R actions, the R pass (``schedule.passes.add_recompute``) adds them once
     the partition is known.  ``recompute_layers[s]`` (local stages) is then the number of
     module layers R re-runs: the schedule's count of plan layers, plus the embedding on

@@ -1,5 +1,5 @@
 """A plan without pipeline parallelism in DeepSpeed's plain engine (``DeepSpeedEngine``): what
-ZeRO-2 and ZeRO-3 need, since ``PipelineEngine`` asserts ZeRO < 2 (integration.md §1.3).
+ZeRO-2 and ZeRO-3 need, since ``PipelineEngine`` asserts ZeRO < 2 (docs/runtimes.md §1.3).
 
 The plan's one stage (every layer of the script's ``PipelineModule``, cut and recomputed as the
 pipeline path does: :func:`api.build_module`) becomes one ``nn.Module`` (:class:`StageModule`)

@@ -1,4 +1,4 @@
-"""Save / resume a Megatron-core run under any other plan (issue 13, item 6), with
+"""Save / resume a Megatron-core run under any other plan, with
 Megatron-core's own plan-independent format: ``dist_checkpointing`` over the chunks'
 ``sharded_state_dict`` (every ShardedTensor is keyed by *global* layer: the layer offsets come
 from the plan's layout, :class:`..setup.StageLayerLayout` for V placements) and the Megatron

@@ -2,7 +2,7 @@
 
 The returned function has exactly the keyword signature of megatron-core's schedule
 functions (taken from the installed ``forward_backward_pipelining_without_interleaving`` with
-``inspect.signature``) and runs this rank's list of the *lowered* schedule (schedules.md §6.4):
+``inspect.signature``) and runs this rank's list of the *lowered* schedule (docs/schedules.md §6.4):
 
 * ``F``   -- Megatron's ``forward_step`` on the chunk holding that stage (``set_input_tensor``,
   the user's ``forward_step_func``, loss on the last stage);
@@ -25,7 +25,7 @@ during the last B, W or BW of each stage, then calls ``grad_sync_func`` and
 Model chunks are the rank's stages in stage order (V: chunk 0 = stage r, chunk 1 = stage
 2d-1-r).  The runtime never looks at the schedule's name.
 
-Variable shapes (DynaPipe, seed 004; schedules.md §5.6) -- three optional keywords beyond
+Variable shapes (DynaPipe, seed 004; docs/schedules.md §5.6) -- three optional keywords beyond
 Megatron's signature, for one call (one optimizer step):
 
 * ``schedule=``: this step's schedule (e.g. ``IterationPlan.lowered``), replacing the one the

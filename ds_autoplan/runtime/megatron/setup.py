@@ -1,4 +1,4 @@
-"""Plan → megatron-core parallel setup and TransformerConfig overrides (integration.md §4.1, §4.3).
+"""Plan → megatron-core parallel setup and TransformerConfig overrides (docs/runtimes.md §4.1, §4.3).
 
 * ``initialize_model_parallel`` gets the plan's tp / pp sizes; its virtual size is the number
   of stages per rank (2 for V-shapes, ``v`` for interleaved, none for 1F1B-family).

@@ -1,4 +1,4 @@
-"""CPU shim for the few CUDA-only calls of megatron-core 0.16.1 (integration.md §4.4, §7.2).
+"""CPU shim for the few CUDA-only calls of megatron-core 0.16.1 (docs/runtimes.md §4.4, §7.2).
 
 On a CPU-only torch build these calls raise ``Torch not compiled with CUDA enabled``:
 

@@ -1,6 +1,6 @@
-"""B/W split for megatron-core's linear layers (schedules.md §6.3).
+"""B/W split for megatron-core's linear layers (docs/schedules.md §6.3).
 
-megatron-core 0.16.1 has no weight-gradient store (integration.md §5: ``delay_wgrad_compute``
+megatron-core 0.16.1 has no weight-gradient store (docs/runtimes.md §5: ``delay_wgrad_compute``
 exists only on the MoE/TE path).  The generic store lives in
 :mod:`ds_autoplan.runtime.splitgrad` (``WeightGradStore``, ``defer``; it patches ``nn.Linear``);
 Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` are not ``nn.Linear`` and route

@@ -1,5 +1,5 @@
 """DawnPiper's swap in our Megatron forward_backward_func (seed 002 §C.2;
-partition-dawnpiper.md §7.5): a stage's chosen saved-for-backward tensors go to host memory
+docs/dawnpiper.md §7.5): a stage's chosen saved-for-backward tensors go to host memory
 during its forward and come back when its backward reads them.
 
 The executor stays as it is: the forward step function is wrapped, so whichever model chunk

@@ -1,5 +1,5 @@
 """Adaptive V-shape schedule under an activation-memory cap: a search over V building
-blocks (Qi et al. 2024, appendix A; shared/design/schedules.md §4.1).
+blocks (Qi et al. 2024, appendix A; docs/schedules.md §4.1).
 
 Search space (appendix A): T = 6 slots per device row; device 0 has F0 at 0 and F1, B1, B0
 at three distinct positions of 1..5; row i+1 adds (δF0, δF1, δB1, δB0) = (k, -1, k, -1)
@@ -118,7 +118,7 @@ def _quick_makespan(blk, n: int) -> int:
 
 # ----------------------------------------------------------------------------- appendix A
 # The reference's repeat → squeeze → warm-up re-layout → squeeze → drop surplus → cool-down
-# re-layout → greedy bubble filling → relabel W pipeline (schedules.md §4.1), restated on a
+# re-layout → greedy bubble filling → relabel W pipeline (docs/schedules.md §4.1), restated on a
 # grid: per device a list of pass types by slot (E = empty).
 E = -1
 W1 = W

@@ -1,4 +1,4 @@
-"""DynaPipe's adaptive cyclic schedule for micro-batches of unequal cost (schedules.md §5.5).
+"""DynaPipe's adaptive cyclic schedule for micro-batches of unequal cost (docs/schedules.md §5.5).
 
 Safety stock (seed 004): the number of ready micro-batches queued at a device.  1F1B keeps
 none in steady state, so one slow micro-batch stalls every later device.  The cyclic
@@ -111,7 +111,7 @@ def cyclic_order(placement: Sequence[int], n: int, mem_f: np.ndarray,
 
 def safety_stock(sched: Schedule, res: SimResult, p2p: float = 0.0) -> list[float]:
     """Mean number of ready-but-waiting compute actions on each rank, sampled when the rank
-    starts an action (schedules.md §8 decision 10).  Stage-0 forwards are excluded: the
+    starts an action (docs/schedules.md §8 decision 10).  Stage-0 forwards are excluded: the
     data loader always has them ready."""
     start = {a.key: t for a, t in res.start.items()}
     end = {a.key: t for a, t in res.end.items()}

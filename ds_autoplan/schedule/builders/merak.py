@@ -1,9 +1,9 @@
 """Merak's shifted critical path (SCP) 1F1B with stage-aware recomputation
-(Lai et al., "Merak", TPDS 2023, §5.1; shared/design/partition-merak.md §5).
+(Lai et al., "Merak", TPDS 2023, §5.1; docs/merak.md §5).
 
 Actions F, R (recompute-forward), BW.  R needs only its own F, so placing R(k) right
 before BW(k) in the list lets it run inside the wait for the gradient ("early recompute",
-GPipe's idea, §5.1 fig. 3b).  SCP additionally (partition-merak.md §5.2): the last stage
+GPipe's idea, §5.1 fig. 3b).  SCP additionally (docs/merak.md §5.2): the last stage
 does not recompute, the penultimate rank pulls a third forward ahead of its first backward,
 and its first two recomputes are re-seated (R0 before the pulled F2, R1 right after BW0).
 Unit costs F = R = 1, BW = 2: makespan 4m + 3(s-2) instead of 4m + 3(s-1).
@@ -30,7 +30,7 @@ def _recompute_flags(d: int, recompute) -> list[float]:
 
 @register("merak-scp")
 def merak_scp(d: int, n: int, recompute=None, shifted: bool = True) -> Schedule:
-    """SCP order (partition-merak.md §5.3).  ``recompute``: per stage, a bool or the
+    """SCP order (docs/merak.md §5.3).  ``recompute``: per stage, a bool or the
     fraction of its layers recomputed (> 0 → the stage gets R actions; R's duration comes
     from the costs).  ``shifted=False``: plain 1F1B with each R just before its BW."""
     rec = _recompute_flags(d, recompute)

@@ -1,5 +1,5 @@
 """V-shape schedules with controllable memory: V-Min, V-Half, V-ZB (Qi et al., NeurIPS 2024,
-"Pipeline Parallelism with Controllable Memory"; shared/design/schedules.md §2).
+"Pipeline Parallelism with Controllable Memory"; docs/schedules.md §2).
 
 The four steps of the building-block framework (§1.1) on integer *slots* (unit time, no comm):
 a building block gives the slot of every pass of micro-batch 0; micro-batch k adds the
@@ -333,7 +333,7 @@ def _build(block_of, d: int, n: int) -> Schedule:
     meta = {"block": block_of(d)}
     if n < 2 * d:
         meta["warning"] = (f"n={n} < 2d={2 * d}; bubbles and the stated peak memory "
-                           f"are only guaranteed for n >= 2d (schedules.md §8.5)")
+                           f"are only guaranteed for n >= 2d (docs/schedules.md §8.5)")
     return slots_to_schedule(_cached(block_of, d, n), **meta)
 
 
@@ -500,7 +500,7 @@ def _greedy_best(d, n, cost, c, mem, cap, fill_f, fill_b, approved=None) -> "_Gr
 def v_zb_greedy(d: int, n: int, f: float = 1.0, b: float = 1.0, w: float = 1.0, c: float = 0.0,
                 mem_cap: float | None = None) -> Schedule:
     """V-ZB built greedily with per-V-stage costs ``f, b, w``, comm ``c`` and an activation
-    cap (units of M/d as ``SimResult.peak_units``; default d = 1F1B's), schedules.md §4.3
+    cap (units of M/d as ``SimResult.peak_units``; default d = 1F1B's), docs/schedules.md §4.3
     (reference zbv.py, restated).  Better than the block at n < 2d and for uneven costs."""
     cap = float(d if mem_cap is None else mem_cap)
     if min(f, b, w) <= 0 or c < 0 or cap <= 0:

@@ -1,6 +1,6 @@
 """ZB-H1: zero-bubble 1F1B with the backward split into B (input grad) and W (weight grad)
 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §3.1 handcrafted schedules;
-shared/design/schedules.md §1.1, §4.2).
+docs/schedules.md §1.1, §4.2).
 
 Warm-up and the F/B alternation are those of 1F1B; rank i postpones its W passes by i
 micro-batches, so the W's fill the cool-down bubbles.  Rank i then holds at most
