@@ -1,6 +1,5 @@
 """The DeepSpeed adapter on real CPU ranks (gloo): every schedule trains exactly like the
 non-pipelined model, measured activation memory matches the simulator, failures surface."""
-import time
 
 import pytest
 
@@ -139,10 +138,8 @@ def test_our_1f1b_matches_deepspeed_trainschedule(four_ranks):
 
 @pytest.mark.parametrize("mode", ["raise", "kill", "hang"])
 def test_failing_rank_stops_the_others(mode):
-    t0 = time.time()
     outs = spawn(WORKER + ["--schedules", "v-zb", "--n", "4", "--fail", f"1:{mode}:3"], 2,
                  timeout=120, grace=10, env={**ENV, "DS_AUTOPLAN_P2P_TIMEOUT": "6"})
-    assert time.time() - t0 < 100
     (rc0, out0), (rc1, _) = outs
     assert rc1 != 0
     assert rc0 not in (0, -9), out0[-3000:]          # rank 0 exits by itself with an error

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import time
 
 import pytest
 
@@ -136,12 +135,10 @@ def test_recompute_replays_dropout():
 @pytest.mark.timeout(120)
 def test_failing_rank_does_not_hang_the_others():
     from harness.megatron_cases import launch
-    t0 = time.time()
-    with pytest.raises(RuntimeError, match="deliberate failure"):
-        launch(2, [dict(fn="fail_case", bad_rank=1, pp=2, n=4, schedule="v-zb" if "v-zb" in names()
-                        else "1f1b", layers=[1, 1, 1, 1] if "v-zb" in names() else [2, 2])],
-               timeout=100)
-    assert time.time() - t0 < 90
+    with pytest.raises(RuntimeError, match="deliberate failure") as err:
+        launch(2, [dict(fn="fail_case", bad_rank=1, pp=2, n=4, schedule="v-zb",
+                        layers=[1, 1, 1, 1])], timeout=100)
+    assert "rank 1 (rc 1)" in str(err.value)           # it failed by itself, not at the deadline
 
 
 # ------------------------------------------------------------------ in-process unit tests
