@@ -174,9 +174,10 @@ REFUSALS = [
     ({"plan": {"dp": 2, "global_batch_size": 16}}, "tp*cp*pp*dp = 1*1*2*2 = 4 processes"),
     # DeepSpeed's batch assertion, explained
     ({"config": {"train_batch_size": 999}}, "DeepSpeed's batch check failed"),
-    # an empty stage: the optimizer would get an empty parameter list on rank 0
-    ({"plan": {"layers_per_stage": [0, 4]}}, "PartitionError: pipeline rank 0 would hold stage(s) "
-                                             "[0] with no trainable parameter"),
+    # an empty stage (the optimizer would get an empty parameter list on rank 0): the plan
+    # itself refuses it, saying why
+    ({"plan": {"layers_per_stage": [0, 4]}}, "PlanError: plan: stage 0 of the 2 stages of '1f1b' "
+                                             "on pp=2 has no layers"),
 ]
 
 

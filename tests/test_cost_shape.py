@@ -242,7 +242,7 @@ def test_closed_form_agrees_with_the_planners_simulation(P, t, d, z, m, B_m):
     pl = Planner(load_model("gpt3-13b"), load_cluster("2x8xa100-ib200"), 256)
     par = Config(tp=t, pp=P, dp=d, micro_batch=B_m // d, num_microbatches=m, zero=z, sp=True,
                  recompute="full")
-    e = pl.evaluate(par, ckpt="full", partitioner="even")
+    e = pl.evaluate(par, ckpt="full", partitioner="even", schedules=["1f1b"])
     c = config_cost(pl.cm, par, pl.E)
     assert c.time == pytest.approx(e.time, rel=0.02)
     assert max(c.peak) == pytest.approx(max(e.peak), rel=1e-6)
