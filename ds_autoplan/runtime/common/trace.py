@@ -13,8 +13,9 @@ import atexit
 import os
 import time
 
-from ...outputs import json_text, write_file
+from ...outputs import json_text, resolve_folder, write_file
 from ...schedule.trace import trace_events
+from .collectives import rank
 
 ENV = "DS_AUTOPLAN_TRACE"
 STEPS_ENV = "DS_AUTOPLAN_TRACE_STEPS"
@@ -31,13 +32,14 @@ class Timeline:
         self.rank: int | None = None
         self.step = 0
         self.written = 0               # records in the file already
+        self.named = folder            # the DS_AUTOPLAN_TRACE value it was made for
 
     def record(self, kind, stage: int, mb: int, start: float, end: float) -> None:
         """One compute action's start and end (``clock()`` values) in the current step."""
         if self.step >= self.max_steps:
             return
         if self.t0 is None:
-            self.t0, self.rank = start, _global_rank()
+            self.t0, self.rank = start, rank()
         self.records.append({"rank": self.rank, "kind": getattr(kind, "value", kind),
                              "stage": stage, "mb": mb, "start": start - self.t0,
                              "end": end - self.t0, "step": self.step})
@@ -62,16 +64,6 @@ class Timeline:
                           what=ENV)
 
 
-def _global_rank() -> int:
-    try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except ImportError:   # torch without distributed support
-        pass
-    return int(os.environ.get("RANK", "0"))
-
-
 _TIMELINE: Timeline | None = None
 
 
@@ -83,12 +75,10 @@ def from_env() -> Timeline | None:
     folder = env_str(ENV)
     if not folder:
         return None
-    if _TIMELINE is None or _TIMELINE.folder != folder:
-        if os.path.exists(folder) and not os.path.isdir(folder):
-            raise NotADirectoryError(f"{ENV}={folder!r} is not a folder")
-        os.makedirs(folder, exist_ok=True)
-        steps = env_int(STEPS_ENV, 20, minimum=0)
-        _TIMELINE = Timeline(folder, max_steps=steps)
+    if _TIMELINE is None or _TIMELINE.named != folder:
+        real = resolve_folder(folder, ENV)[0]       # a path that is not a folder: one line
+        _TIMELINE = Timeline(real, max_steps=env_int(STEPS_ENV, 20, minimum=0))
+        _TIMELINE.named = folder
         atexit.register(flush)
     return _TIMELINE
 
