@@ -68,8 +68,9 @@ def load_rows(path: str = DATA) -> list[dict]:
         r = {**{k: v for k, v in base.items() if k != "model"}, **r}
         r["model"] = {**base["model"], **r.get("model", {}), "name": r["id"], "num_layers": r["layers"],
                       "hidden": r["hidden"], "heads": r["heads"]}
-        if r.get("vocab"):
-            r["model"]["vocab"] = r["vocab"]
+        for k in ("vocab", "seq_len"):           # per-row model overrides
+            if r.get(k):
+                r["model"][k] = r[k]
         rows.append(r)
     return rows
 
@@ -81,6 +82,8 @@ def published_time(r: dict) -> float:
         return float(meas["iteration_time_s"])
     if "tokens_per_s" in meas:                    # MPT tables: Throughput (T/s), all GPUs
         return r["batch"] * r["model"]["seq_len"] / float(meas["tokens_per_s"])
+    if "tokens_per_gpu_per_s" in meas:            # per-GPU token rate (e.g. GPU hours per token)
+        return r["batch"] * r["model"]["seq_len"] / (r["gpus"] * float(meas["tokens_per_gpu_per_s"]))
     if "model_tflops_per_gpu" in meas:            # PaLM-style MFU count (Chowdhery et al. App. B)
         return model_flops(r) / (r["gpus"] * meas["model_tflops_per_gpu"] * 1e12)
     B, s, L, h, V = r["batch"], r["model"]["seq_len"], r["layers"], r["hidden"], r["model"]["vocab"]
@@ -106,8 +109,8 @@ def setup(r: dict):
 
 def candidates(r: dict, model) -> list[Config]:
     """The published configuration with every unpublished knob enumerated."""
-    tp, pp = r["tp"], r["pp"]
-    dp = r["gpus"] // (tp * pp)
+    tp, pp, cp = r["tp"], r["pp"], r.get("cp", 1)
+    dp = r["gpus"] // (tp * pp * cp)
     B = r["batch"]
     mbs = [r["micro_batch"]] if r.get("micro_batch") else \
         [b for b in (1, 2, 4, 8, 16, 32) if (B // dp) % b == 0]
@@ -120,7 +123,8 @@ def candidates(r: dict, model) -> list[Config]:
         for v in chunks:
             if v > 1 and m % pp:          # Megatron's interleaving needs m a multiple of pp
                 continue
-            out.append(Config(tp=tp, pp=pp, dp=dp, micro_batch=b, num_microbatches=m,
+            out.append(Config(tp=tp, pp=pp, dp=dp, cp=cp, ep=r.get("ep", 1), etp=r.get("etp"),
+                              micro_batch=b, num_microbatches=m,
                               zero=r.get("zero", 0), recompute=r["recompute"],
                               sp=bool(r.get("sequence_parallel")), chunks=v))
     return out
@@ -132,7 +136,10 @@ def cost_model(r: dict, model, cluster, sustained: float | None = None) -> CostM
     ex = get_execution(r.get("execution"), r.get("overlap"))
     if r.get("grad_reduce_dtype"):          # the row's published gradient-reduction dtype
         ex = dataclasses.replace(ex, grad_bytes={"fp32": 4, "bf16": 2, "fp16": 2}[r["grad_reduce_dtype"]])
-    cm = CostModel(model, cluster, r["precision"], r.get("runtime", "any"), execution=ex)
+    # router imbalance as the run set it: tokens padded to the expert capacity (Megatron's
+    # --moe-pad-expert-input-to-capacity) make every expert hold capacity_factor x the mean
+    imb = {"moe_imbalance": float(r["moe_capacity_factor"])} if r.get("moe_capacity_factor") else {}
+    cm = CostModel(model, cluster, r["precision"], r.get("runtime", "any"), execution=ex, **imb)
     if cm.gpu is not None:
         prior = get_gpu(cluster.gpu, calibrated=False)
         cm.gpu = dataclasses.replace(prior, sustained=prior.sustained if sustained is None else sustained)
@@ -258,7 +265,7 @@ def main(argv=None) -> int:
         cfgs[r["id"]], nchoice[r["id"]] = cfg, n
     full, infile, loso = cross_validate(data, cfgs, prior)
     rows, over, infeasible = [], 0, 0
-    hdr = (f"{'run':16s} {'GPUs':>5s} {'engine':>13s} {'tp/pp/dp':>9s} {'mbs':>3s} {'v':>2s} {'knobs':>6s} {'recompute':>9s} "
+    hdr = (f"{'run':16s} {'GPUs':>5s} {'engine':>13s} {'tp/pp/dp':>9s} {'cp/ep':>5s} {'mbs':>3s} {'v':>2s} {'knobs':>6s} {'recompute':>9s} "
            f"{'published':>9s} {'predicted':>9s} {'error':>7s} {'LOSO':>7s} {'peak/budget GB':>15s}  free choice")
     print(hdr)
     print("-" * len(hdr))
@@ -277,7 +284,7 @@ def main(argv=None) -> int:
         published = bool(r.get("micro_batch") and r.get("chunks"))
         chose = "published" if published else f"median of {nchoice[r['id']]} that fit"
         knobs = "pub" if published else f"med/{nchoice[r['id']]}"
-        print(f"{r['id']:16s} {r['gpus']:5d} {r.get('execution', 'any'):>13s} {cfg.tp:>3d}/{cfg.pp}/{cfg.dp:<3d} "
+        print(f"{r['id']:16s} {r['gpus']:5d} {r.get('execution', 'any'):>13s} {cfg.tp:>3d}/{cfg.pp}/{cfg.dp:<3d} {f'{cfg.cp}/{cfg.ep}':>5s} "
               f"{cfg.micro_batch:3d} {cfg.chunks:2d} {knobs:>6s} {cfg.recompute:>9s} {pub:8.2f}s {c.time:8.2f}s "
               f"{100 * infile[r['id']]:+6.1f}% {100 * loso[r['id']]:+6.1f}% "
               f"{max(c.peak) / GB:6.1f}/{budget:5.1f}{'' if c.fits else ' OOM'}  {ftxt}")
