@@ -1,11 +1,14 @@
 """Validation against published training runs.
 
-For every row of bench/data/published_runs.yaml (three stacks: Megatron-LM on Selene --
-Narayanan et al. 2021, Korthikanti et al. 2022; DeepSpeed's pipeline engine with Megatron
-tensor slicing -- MT-NLG 530B, BLOOM-176B; PyTorch FSDP -- MosaicML's MPT benchmarks on A100
-and H100; each row with its source): the published configuration costed by the planner's cost
-functions (cost/iteration.py over CostModel's per-layer tables) under the execution model of
-the engine that ran it (cost/engines.py), and the signed throughput error
+For every row of bench/data/published_runs.yaml (Megatron-LM on Selene -- Narayanan et al.
+2021, Korthikanti et al. 2022; DeepSpeed's pipeline engine with Megatron tensor slicing --
+MT-NLG 530B, BLOOM-176B; PyTorch FSDP -- MosaicML's 2023 MPT benchmarks on A100 and H100;
+NeMo / Megatron-core with Transformer Engine -- NVIDIA's 2024 Nemotron-4 340B on DGX H100; each
+row with its source): the published configuration costed by the planner's cost functions
+(cost/iteration.py over CostModel's per-layer tables) under the execution model of the engine
+and software stack that ran it (cost/engines.py: overlaps, gradient-reduction dtype,
+attention-kernel generation, optimizer implementation -- the switches `ds-autoplan cost`
+takes), and the signed throughput error
 (published time / predicted time - 1).
 
 One constant is calibrated, per GPU kind: ``sustained`` (the GEMM rate a training step keeps
@@ -133,17 +136,22 @@ def candidates(r: dict, model) -> list[Config]:
 def cost_model(r: dict, model, cluster, sustained: float | None = None) -> CostModel:
     """The row's cost model: its engine's execution model; ``sustained`` replaces the GPU
     kind's constant (None: the per-kind prior of data/gpus.yaml, uncalibrated)."""
-    ex = get_execution(r.get("execution"), r.get("overlap"))
-    if r.get("grad_reduce_dtype"):          # the row's published gradient-reduction dtype
-        ex = dataclasses.replace(ex, grad_bytes={"fp32": 4, "bf16": 2, "fp16": 2}[r["grad_reduce_dtype"]])
     # router imbalance as the run set it: tokens padded to the expert capacity (Megatron's
     # --moe-pad-expert-input-to-capacity) make every expert hold capacity_factor x the mean
     imb = {"moe_imbalance": float(r["moe_capacity_factor"])} if r.get("moe_capacity_factor") else {}
-    cm = CostModel(model, cluster, r["precision"], r.get("runtime", "any"), execution=ex, **imb)
-    if cm.gpu is not None:
+    cm = CostModel(model, cluster, r["precision"], r.get("runtime", "any"), execution=execution(r), **imb)
+    if cm.gpu is not None:                 # keeps the row's attention-kernel generation
         prior = get_gpu(cluster.gpu, calibrated=False)
-        cm.gpu = dataclasses.replace(prior, sustained=prior.sustained if sustained is None else sustained)
+        cm.gpu = dataclasses.replace(cm.gpu, sustained=prior.sustained if sustained is None else sustained)
     return cm
+
+
+def execution(r: dict):
+    """The row's execution model: its engine, overlaps, published gradient-reduction dtype,
+    attention-kernel generation and optimizer implementation (the switches `ds-autoplan cost`
+    takes: --execution --overlap --grad-reduce-dtype --attention-kernel --optimizer)."""
+    return get_execution(r.get("execution"), r.get("overlap"), r.get("grad_reduce_dtype"),
+                         r.get("attention_kernel"), r.get("optimizer"))
 
 
 def unpublished_rule(costed: list):

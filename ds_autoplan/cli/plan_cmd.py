@@ -58,6 +58,16 @@ def add_problem_args(p) -> None:
     p.add_argument("--overlap", default=None, metavar="A,B",
                    help="engine overlap switches: grad-reduce, param-gather, tp-comm (no-X turns one off), "
                         "e.g. Megatron-LM's --overlap-grad-reduce --overlap-param-gather = grad-reduce,param-gather")
+    p.add_argument("--grad-reduce-dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="dtype of the data-parallel gradient reduction on the wire (default: the "
+                        "engine's: fp32 for Megatron-LM bf16, else the parameter dtype)")
+    p.add_argument("--attention-kernel", choices=["fa1", "fa2", "cudnn"], default=None,
+                   help="attention-kernel generation of your stack: fa1 (flash-attn 1.x, Triton "
+                        "pre-MLIR), fa2 (flash-attn 2.x, SDPA flash), cudnn (Transformer Engine on "
+                        "Hopper); default: the GPU kind's (ds_autoplan/data/gpus.yaml)")
+    p.add_argument("--optimizer", choices=["fused", "eager"], default=None,
+                   help="optimizer step: fused (FusedAdam, default) or eager (a per-tensor loop of "
+                        "torch ops, e.g. Composer's DecoupledAdamW)")
     p.add_argument("--world-size", type=int, default=None, help="expected number of devices (checked)")
     p.add_argument("--profile", default=None, help="YAML/JSON of measured cluster overrides")
 
@@ -67,9 +77,11 @@ RUNTIME_ENGINE = {"any": "any", "megatron": "megatron-core", "deepspeed": "deeps
 
 def execution_of(args):
     """The execution model the command line names: --execution (default: the --runtime's
-    engine) with --overlap's switches."""
+    engine) with --overlap's switches, --grad-reduce-dtype, --attention-kernel, --optimizer
+    (the switches bench/published_runs.py sets per row)."""
     from ..cost.engines import get_execution
-    return get_execution(args.execution or RUNTIME_ENGINE[args.runtime], args.overlap)
+    return get_execution(args.execution or RUNTIME_ENGINE[args.runtime], args.overlap,
+                         args.grad_reduce_dtype, args.attention_kernel, args.optimizer)
 
 
 def param_counts(model) -> dict:

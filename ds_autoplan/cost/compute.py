@@ -17,7 +17,7 @@ One model per GPU kind (``ds_autoplan/data/gpus.yaml``); nothing is fitted per r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -45,6 +45,20 @@ class GPU:
     flash_eff: float
     flash_seq: tuple = ()     # ((s, TFLOP/s), ...): measured causal fwd+bwd flash throughput by length
     flash_fwd_seq: tuple = ()  # the same for the forward alone
+    attention: str = ""       # the attention-kernel generation the flash figures above are of
+    kernels: tuple = ()       # ((name, flash_eff, flash_seq, flash_fwd_seq), ...): other generations
+
+    def with_attention(self, name: str | None) -> "GPU":
+        """This kind with the flash-attention figures of kernel generation ``name`` ('fa1',
+        'fa2', 'cudnn': data/gpus.yaml ``attention_kernels``; None: the kind's default)."""
+        if not name or name == self.attention:
+            return self
+        for n, eff, seq, fwd in self.kernels:
+            if n == name:
+                return replace(self, attention=n, flash_eff=eff, flash_seq=seq, flash_fwd_seq=fwd)
+        from ..spec import SpecError
+        known = ", ".join([self.attention] + [k[0] for k in self.kernels])
+        raise SpecError(f"no attention-kernel figures for {name!r} on {self.name}; known: {known}")
 
     def gemm(self, M: float, N: float, K: float, batch: float = 1) -> float:
         """Seconds of a [M, K] x [K, N] GEMM (``batch`` of them): whole waves of output tiles
@@ -87,8 +101,20 @@ def _interp_log(table: tuple, s: int) -> float:
     return ys[i] + (ys[i + 1] - ys[i]) * (x - xs[i]) / (xs[i + 1] - xs[i])
 
 
-def _table(v: dict, key: str) -> tuple:
-    return tuple(sorted((int(a), float(b)) for a, b in (v.get(key) or {}).items()))
+def _table(v: dict, key: str, scale: float = 1.0) -> tuple:
+    return tuple(sorted((int(a), scale * float(b)) for a, b in (v.get(key) or {}).items()))
+
+
+def _kernels(v: dict) -> tuple:
+    """The kind's other attention-kernel generations (data/gpus.yaml ``attention_kernels``): each
+    either its own measured tables or ``scale`` x the default generation's figures."""
+    out = []
+    for name, k in (v.get("attention_kernels") or {}).items():
+        f = float(k.get("scale", 1.0))
+        src = v if "scale" in k else k
+        out.append((name, f * float(src.get("flash_eff", v["flash_eff"])),
+                    _table(src, "flash_tflops_by_seq", f), _table(src, "flash_fwd_tflops_by_seq", f)))
+    return tuple(out)
 
 
 @lru_cache(maxsize=None)
@@ -101,7 +127,7 @@ def gpu_kinds(calibrated: bool = True) -> dict:
     return {k: GPU(k, float(v["peak_tflops"]), float(v["mamf_tflops"]), float(cal.get(k, v["sustained"])),
                    int(v["sms"]), tuple(int(x) for x in v["tile"]), float(v["hbm_GBps"]),
                    float(v["stream_eff"]), float(v["flash_eff"]), _table(v, "flash_tflops_by_seq"),
-                   _table(v, "flash_fwd_tflops_by_seq"))
+                   _table(v, "flash_fwd_tflops_by_seq"), str(v.get("attention", "")), _kernels(v))
             for k, v in data.items()}
 
 

@@ -34,6 +34,13 @@ form (cost/iteration.py) apply.
   had no gradient/parameter overlap and no TP overlap (``megatron-2021``); the DeepSpeed the
   BLOOM run used (its bf16 branch, bigscience tr11 README) already had the BF16_Optimizer that
   accumulates fp32 gradients unsharded and reduces them whole after the flush, as 0.19.8 does.
+* Kernels and optimizer of the software stack (an execution attribute too: the same engine
+  ran with other kernels in other years).  ``attention``: the attention-kernel generation
+  ('fa1', 'fa2', 'cudnn'; data/gpus.yaml ``attention_kernels``; None: the GPU kind's
+  default).  ``optimizer``: 'fused' (one multi-tensor/fused AdamW kernel: Megatron's and
+  DeepSpeed's FusedAdam, torch's fused AdamW; memory.OPT_STEP_BYTES) or 'eager' (a per-tensor
+  loop of eager torch ops, Composer's DecoupledAdamW.adamw, plus the gradient-norm clipping
+  llm-foundry's yamls enable: every op reads and writes whole fp32 tensors, EAGER_STEP_BYTES).
 * ``any`` -- the engine-neutral model the planner has always used (reductions after the
   backward in the parameter dtype, TP overlap on): what a plan emitted for either runtime does.
 """
@@ -45,6 +52,15 @@ from functools import lru_cache
 import numpy as np
 
 OVERLAPS = ("grad-reduce", "param-gather", "tp-comm")
+ATTENTION_KERNELS = ("fa1", "fa2", "cudnn")
+OPTIMIZERS = ("fused", "eager")
+GRAD_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# HBM bytes per fp32-state parameter of Composer's DecoupledAdamW.adamw (composer/optim/
+# decoupled_weight_decay.py), op by op, read + write: param.mul_ 8, exp_avg.mul_ 8, .add_(grad)
+# 12, exp_avg_sq.mul_ 8, .addcmul_(grad, grad) 16, .sqrt() 8, / sqrt(bc2) 8, .add_(eps) 8,
+# param.addcdiv_ 16 = 92; gradient-norm clipping (FSDP clip_grad_norm_: norm read 4, scale
+# read+write 8) 12
+EAGER_STEP_BYTES = 104.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +78,8 @@ class Execution:
     zero3_prefetch: bool = False        # ZeRO-3 forward all-gather hidden behind the previous layer
     lockstep: bool = False              # DeepSpeed TrainSchedule: neighbours advance in lock step
     tied_reduce: bool = False           # tied embedding grads all-reduced between first and last stage
+    attention: str | None = None        # attention-kernel generation (None: the GPU kind's default)
+    optimizer: str = "fused"            # 'fused' or 'eager' (per-tensor eager AdamW loop + clipping)
 
     def with_overlap(self, flags) -> "Execution":
         """The same engine with the overlap switches named in ``flags`` ('grad-reduce',
@@ -81,7 +99,19 @@ class Execution:
         """Name and the overlaps switched on, for plan lines and reports."""
         on = [n for n, a in zip(OVERLAPS, ("grad_overlap", "param_gather_overlap", "tp_overlap"))
               if getattr(self, a)]
-        return f"{self.name} (overlap: {', '.join(on) or 'none'})"
+        extra = "".join(f", {k} {v}" for k, v in (("attention", self.attention),
+                                                    ("optimizer", None if self.optimizer == "fused" else self.optimizer),
+                                                    ("grad-reduce", _dtype_name(self.grad_bytes))) if v)
+        return f"{self.name} (overlap: {', '.join(on) or 'none'}{extra})"
+
+    def step_bytes(self, precision: str) -> float:
+        """HBM bytes per locally updated parameter of the optimizer step."""
+        from .memory import OPT_STEP_BYTES
+        return EAGER_STEP_BYTES if self.optimizer == "eager" else OPT_STEP_BYTES[precision]
+
+
+def _dtype_name(b: float | None) -> str | None:
+    return None if b is None else {4: "fp32", 2: "bf16/fp16"}.get(b, f"{b} B")
 
 
 ENGINES = {
@@ -94,8 +124,11 @@ ENGINES = {
 }
 
 
-def get_execution(name: str | None, overlap=None) -> Execution:
-    """The execution model ``name`` (None: 'any') with ``overlap`` switches ('a,b' or a list)."""
+def get_execution(name: str | None, overlap=None, grad_reduce_dtype: str | None = None,
+                  attention: str | None = None, optimizer: str | None = None) -> Execution:
+    """The execution model ``name`` (None: 'any') with ``overlap`` switches ('a,b' or a list),
+    the gradient-reduction dtype on the wire ('fp32', 'bf16', 'fp16'; None: the engine's), the
+    attention-kernel generation and the optimizer implementation (module docstring)."""
     from ..spec import SpecError
     key = name or "any"
     if key not in ENGINES:
@@ -104,7 +137,13 @@ def get_execution(name: str | None, overlap=None) -> Execution:
     if overlap:
         flags = [f.strip() for f in overlap.split(",")] if isinstance(overlap, str) else list(overlap)
         e = e.with_overlap([f for f in flags if f])
-    return e
+    for v, known, what in ((grad_reduce_dtype, GRAD_DTYPES, "gradient-reduction dtype"),
+                           (attention, ATTENTION_KERNELS, "attention kernel"), (optimizer, OPTIMIZERS, "optimizer")):
+        if v is not None and v not in known:
+            raise SpecError(f"unknown {what} {v!r}; choose from {', '.join(known)}")
+    if grad_reduce_dtype:
+        e = replace(e, grad_bytes=GRAD_DTYPES[grad_reduce_dtype])
+    return replace(e, attention=attention or e.attention, optimizer=optimizer or e.optimizer)
 
 
 def grad_bytes(e: Execution, precision: str, cb: int) -> float:

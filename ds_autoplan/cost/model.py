@@ -16,7 +16,7 @@ from ..spec.parallel import Parallel
 from .collectives import Network
 from .compute import Dims, UnitTimes, attention_score_bytes, get_gpu, unit_times
 from .engines import Execution, get_execution, grad_bytes
-from .memory import OPT_STEP_BYTES, RUNTIMES, local_optimizer_fraction, state_bytes
+from .memory import RUNTIMES, local_optimizer_fraction, state_bytes
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 # router load imbalance: tokens the busiest expert-parallel rank receives over the mean
@@ -153,6 +153,8 @@ class CostModel:
         self.overlap_grad_reduce = ex.grad_overlap if overlap_grad_reduce is None else overlap_grad_reduce
         self.overlap_tp_comm = ex.tp_overlap if overlap_tp_comm is None else overlap_tp_comm
         self.gpu = get_gpu(cluster.gpu)
+        if self.gpu is not None:        # the stack's attention-kernel generation (cost/engines.py)
+            self.gpu = self.gpu.with_attention(ex.attention)
         self.dims = Dims.of(model) if self.gpu is not None else None
         self.net = Network(cluster)
         self.gamma = cluster.overlap_slowdown
@@ -386,7 +388,7 @@ class CostModel:
     def step_time(self, n_params: float) -> float:
         """Adam step over ``n_params`` locally updated parameters: HBM-bound (0 where the
         cluster names no GPU kind with a memory bandwidth)."""
-        return self.gpu.stream(n_params * OPT_STEP_BYTES[self.precision]) if self.gpu else 0.0
+        return self.gpu.stream(n_params * self.execution.step_bytes(self.precision)) if self.gpu else 0.0
 
     @staticmethod
     def relayout_shape(sp: Strategy, s: Strategy) -> tuple[float, int]:
