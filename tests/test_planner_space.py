@@ -50,6 +50,9 @@ def test_fast_simulation_equals_simulator(name, d, n, v):
     got = fastsim.run(c, f, b, w, act, np.zeros(S), -act, 0.3)
     assert got.makespan == pytest.approx(ref.makespan, rel=1e-12)
     assert np.allclose(got.peak_memory, ref.peak_memory) and np.allclose(got.busy, ref.busy)
+    # the peaks follow from each rank's action order alone (what the search checks memory by)
+    order = fastsim.order(name, d, n, tuple(sorted(({"v": v} if name == "interleaved" else {}).items())))
+    assert np.allclose(fastsim.peaks(order, act, np.zeros(S), -act), ref.peak_memory)
     assert got.bubble_ratio == pytest.approx(ref.bubble_ratio)
 
 
@@ -266,16 +269,28 @@ def _cost_configs(pl, L):
                     yield fx if v is None else dict(fx, v=v)
 
 
-@pytest.mark.parametrize("case", range(10))
-def test_no_configuration_cost_accepts_beats_the_plan(case):
-    """Random small and medium cases (fixed draws): the plan is no slower (0.1%) than any
-    configuration `cost` accepts, and `cost` of the plan's own configuration gives its figure."""
+def _random_case(seed: int) -> tuple:
+    """A seeded random small or medium case: (layers, hidden, seq, GPUs per node, nodes,
+    global batch, memory budget GB), 2-16 GPUs, budgets from tight to loose."""
     import random
-    rng = random.Random(3)
-    draws = [(rng.randint(2, 8), rng.choice([512, 1024, 2048]), rng.choice([512, 1024, 2048]),
-              rng.choice([2, 4]), rng.choice([1, 2]), rng.choice([8, 16, 24]), rng.uniform(2, 30))
-             for _ in range(10)]
-    L, hidden, seq, gpn, nodes, B, budget = draws[case]
+    rng = random.Random(seed)
+    return (rng.randint(2, 10), rng.choice([512, 1024, 2048]), rng.choice([512, 1024, 2048]),
+            rng.choice([2, 4, 8]), rng.choice([1, 2]), rng.choice([8, 12, 16, 24, 32]),
+            round(rng.uniform(2, 30), 2))
+
+
+# 8 GPUs as 2 nodes x 4, 7 layers, budget 27.86 GB: tp1 pp2 dp4 mbs1 v-zb beat the plan by 1.3%
+# when the search costed only the configurations that two 1F1B rankings put first
+KNOWN_LOSS = (7, 2048, 1024, 4, 2, 24, 27.86)
+SEEDS = list(range(10))
+
+
+@pytest.mark.parametrize("case", [KNOWN_LOSS] + SEEDS)
+def test_no_configuration_cost_accepts_beats_the_plan(case):
+    """Seeded random small and medium cases and the known loss: the plan is no slower (0.1%)
+    than any configuration `cost` accepts, and `cost` of the plan's own configuration gives
+    its figure."""
+    L, hidden, seq, gpn, nodes, B, budget = case if isinstance(case, tuple) else _random_case(case)
     model = dict(name="m", arch="gpt", num_layers=L, hidden=hidden, heads=8, vocab=32000, seq_len=seq)
     cluster = dict(C24, name="c", num_nodes=nodes, gpus_per_node=gpn)
     try:

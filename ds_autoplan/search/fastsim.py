@@ -149,3 +149,38 @@ def run(c: Compiled, f, b, w, mem_f, mem_b, mem_w, p2p: float) -> FastResult:
     peak = np.zeros(c.num_ranks)
     np.maximum.at(peak, rk, level)
     return FastResult(makespan, peak, busy)
+
+
+@dataclass(frozen=True)
+class Order:
+    """Each rank's actions in program order (rank-major): rank, stage and kind index."""
+    rank: np.ndarray
+    stage: np.ndarray
+    kind: np.ndarray
+    num_ranks: int
+
+
+@lru_cache(maxsize=256)
+def order(name: str, d: int, n: int, opts: tuple) -> Order | None:
+    """The program order of the built schedule ``name`` (memoised), or None when it has
+    actions outside F/B/W/BW."""
+    sched = cached_build(name, d, n, opts)
+    acts = [(r, a.stage, a.kind.value) for r, lst in enumerate(sched.ranks) for a in lst]
+    if any(k not in _KINDS for _, _, k in acts):
+        return None
+    r, s, k = zip(*acts)
+    return Order(np.array(r), np.array(s), np.array([_KINDS.index(x) for x in k]), sched.num_ranks)
+
+
+def peaks(c: Compiled | Order, mem_f, mem_b, mem_w) -> np.ndarray:
+    """Per-rank peak of :func:`run` without its timing: a rank runs its actions one after
+    another (allocations at an action's start, frees at its end), so its memory level peaks
+    at some prefix of its own program order whatever the durations."""
+    mf, mb, mw = (np.asarray(x, float) for x in (mem_f, mem_b, mem_w))
+    delta = np.stack([mf, mb, mw, mb + mw])[c.kind, c.stage]
+    cur = np.cumsum(delta)
+    first = np.flatnonzero(np.r_[True, c.rank[1:] != c.rank[:-1]])
+    level = cur - np.repeat((cur - delta)[first], np.diff(np.r_[first, len(delta)]))
+    peak = np.zeros(c.num_ranks)
+    np.maximum.at(peak, c.rank, level)
+    return peak

@@ -130,11 +130,7 @@ def simulate_plan(ctx: Context, name: str, parts: tuple, rec: list, figs: list, 
     P, m = ctx.pp, ctx.m
     opts = options_of(name, parts, P)
     S = len(parts)
-    f = np.array([g["f"] for g in figs])
-    k = np.array(rec, dtype=float)
-    bw = np.array([g["bw"] for g in figs]) + k * np.array([g["d_time"] for g in figs])
-    w = np.array([g["w"] for g in figs])
-    act = np.array([g["act"] for g in figs]) - k * np.array([g["d_mem"] for g in figs])
+    f, bw, w, act = _stage_arrays(figs, rec)
     p2p = float(max(g["p2p"] for g in figs))
 
     def run(n):
@@ -149,7 +145,7 @@ def simulate_plan(ctx: Context, name: str, parts: tuple, rec: list, figs: list, 
                                 mem_f=act, mem_b=np.zeros(S), mem_w=-act, p2p=p2p, num_ranks=P)
         return sched, costs, simulate(sched, costs, check=False)  # builders are validated by their tests
 
-    n1, n2 = (2 * P, 4 * P) if P <= 8 else (P, 2 * P)
+    n1, n2 = sim_sizes(P)
     if m <= n2:
         sched, costs, res = run(m)
         makespan, peak_act, bub = res.makespan, np.array(res.peak_memory), res.bubble_ratio
@@ -170,15 +166,61 @@ def simulate_plan(ctx: Context, name: str, parts: tuple, rec: list, figs: list, 
         peak_act = np.array(res.peak_memory)
         busy = np.array(res.busy) * m / n2
         bub = max(0.0, 1.0 - float(busy.mean()) / makespan)
-    static = np.zeros(P)
-    tail = np.zeros(P)
-    for s in range(S):
-        r = sched.placement[s]
-        static[r] += figs[s]["ms"] + (figs[s]["ob"] if rec[s] else 0.0)
-        tail[r] += figs[s]["sync"]
+    static, tail = _static_and_tail(figs, rec, sched.placement, P)
     peak = static + peak_act
     T = makespan + float(tail.max())
     return T, peak, bub, ((sched, costs, res) if keep_sim else None)
+
+
+def sim_sizes(P: int) -> tuple[int, int]:
+    """Micro-batch counts simulated for a long run's slope (simulate_plan)."""
+    return (2 * P, 4 * P) if P <= 8 else (P, 2 * P)
+
+
+def _stage_arrays(figs: list, rec) -> tuple:
+    """Per-stage F, B + W, W and stashed activations with ``rec`` blocks recomputed per stage."""
+    k = np.array(rec, dtype=float)
+    f = np.array([g["f"] for g in figs])
+    bw = np.array([g["bw"] for g in figs]) + k * np.array([g["d_time"] for g in figs])
+    w = np.array([g["w"] for g in figs])
+    act = np.array([g["act"] for g in figs]) - k * np.array([g["d_mem"] for g in figs])
+    return f, bw, w, act
+
+
+def _static_and_tail(figs: list, rec, place, P: int) -> tuple:
+    """Per rank: model states (+ the recompute transient where a stage recomputes) and the
+    step's gradient synchronisation after the flush."""
+    static, tail = np.zeros(P), np.zeros(P)
+    for s, g in enumerate(figs):
+        static[place[s]] += g["ms"] + (g["ob"] if rec[s] else 0.0)
+        tail[place[s]] += g["sync"]
+    return static, tail
+
+
+def time_floor(ctx: Context, place: tuple, figs: list, rec) -> float:
+    """What no run of this schedule, split and recompute can beat (docs/planner.md §2.8): the
+    simulated time is the makespan plus the busiest rank's gradient synchronisation, and the
+    makespan is at least each rank's work, m (F + B + W) of its stages."""
+    f, bw, _, _ = _stage_arrays(figs, rec)
+    work = np.zeros(ctx.pp)
+    np.add.at(work, list(place), ctx.m * (f + bw))
+    return float(work.max() + _static_and_tail(figs, rec, place, ctx.pp)[1].max())
+
+
+def plan_peaks(ctx: Context, name: str, parts: tuple, rec, figs: list) -> np.ndarray | None:
+    """Per-rank peak bytes that simulate_plan reports for this plan, from the schedule's
+    action order alone (fastsim.peaks: no timing needed), or None where the schedule does not
+    compile (then only the simulator says)."""
+    P, m = ctx.pp, ctx.m
+    n = min(m, sim_sizes(P)[1])
+    opts = options_of(name, parts, P)
+    c = fastsim.order(name, P, n, opts)
+    if c is None:
+        return None
+    _, _, _, act = _stage_arrays(figs, rec)
+    S = len(parts)
+    place = _build(name, P, n, opts).placement
+    return _static_and_tail(figs, rec, place, P)[0] + fastsim.peaks(c, act, np.zeros(S), -act)
 
 
 def _evaluate(ctx: Context, name: str, parts: tuple, rec, figs: list, keep_sim=False) -> Eval:
@@ -203,9 +245,14 @@ def simulate_layers(ctx: Context, parts: tuple, plan: list) -> Eval:
 
 
 def _placement(ctx: Context, name: str, parts: tuple) -> tuple | None:
+    """The schedule's stage -> rank map (from the registry where it says, else built), or
+    None where the builder refuses this many ranks or micro-batches."""
     from ..schedule import ScheduleError
+    from ..schedule.builders import builder_info
+    info, P, n, opts = builder_info(name), ctx.pp, min(ctx.m, sim_sizes(ctx.pp)[1]), options_of(name, parts, ctx.pp)
     try:
-        return _build(name, ctx.pp, min(ctx.m, 2 * ctx.pp), options_of(name, parts, ctx.pp)).placement
+        info.check(P, n)
+        return info.stage_placement(P, **dict(opts)) or _build(name, P, n, opts).placement
     except ScheduleError:
         return None
 
@@ -214,26 +261,39 @@ def stage_aware_recompute(ctx: Context, name: str, parts: tuple, figs: list, rec
                           keep_sim=False, max_rounds: int = 3, bound: float = INF) -> Eval:
     """Recomputed blocks per stage so that every rank fits (Merak SR, ds_autoplan version
     §6.6, with the headroom taken from the simulator): try ``rec0`` (default none); if a rank
-    is over the cap, simulate full recomputation (if even that does not fit, the schedule is
+    is over the cap, take full recomputation (if even that does not fit, the schedule is
     out), interpolate each rank's block count linearly between the two, then add one block
-    per round on ranks still over."""
+    per round on ranks still over.  The peaks come from the schedule's action order
+    (:func:`plan_peaks`), so only the plan chosen is simulated, and not even that when its
+    :func:`time_floor` is not below ``bound`` (returned as not fitting: it cannot win)."""
     S = len(parts)
     rec = list(rec0) if rec0 is not None else [0] * S
     full = [g["nblk"] for g in figs]
     place = _placement(ctx, name, parts)
-    if place is None:
+    if place is None or time_floor(ctx, place, figs, rec) >= bound:   # recompute only adds
         return Eval(name, INF, parts, rec, fits=False)
+    memo = {}
 
-    def run(r):
+    def peak(r):
+        if tuple(r) not in memo:
+            p = plan_peaks(ctx, name, parts, r, figs)
+            memo[tuple(r)] = p if p is not None else \
+                np.array(_evaluate(ctx, name, parts, r, figs, keep_sim).peak)
+        return memo[tuple(r)]
+
+    def fits(r):
+        return bool(np.all(peak(r) <= ctx.E))
+
+    def final(r):
+        if time_floor(ctx, place, figs, r) >= bound:        # no bubble, no wait: too slow
+            return Eval(name, INF, parts, list(r), list(peak(r)), fits=False)
         return _evaluate(ctx, name, parts, r, figs, keep_sim)
 
-    e0 = run(rec)
-    if e0.fits or max_rounds == 0 or e0.time >= bound:   # more recompute is only slower
-        return e0
-    ef = run(full)
-    if not ef.fits:
-        return ef
-    p0, pf = np.array(e0.peak), np.array(ef.peak)
+    if fits(rec) or max_rounds == 0:
+        return final(rec)
+    if not fits(full):
+        return Eval(name, INF, parts, full, list(peak(full)), fits=False)
+    p0, pf = peak(rec), peak(full)
     for r in range(ctx.pp):
         if p0[r] <= ctx.E:
             continue
@@ -241,11 +301,10 @@ def stage_aware_recompute(ctx: Context, name: str, parts: tuple, figs: list, rec
         for s in range(S):
             if place[s] == r:
                 rec[s] = max(rec[s], min(full[s], math.ceil(a * full[s] - 1e-9)))
-    e = run(rec)
     for _ in range(max_rounds):
-        if e.fits:
-            return e
-        over = np.array(e.peak) > ctx.E
+        if fits(rec):
+            break
+        over = peak(rec) > ctx.E
         changed = False
         for s in range(S):
             if over[place[s]] and rec[s] < full[s]:
@@ -253,8 +312,7 @@ def stage_aware_recompute(ctx: Context, name: str, parts: tuple, figs: list, rec
                 changed = True
         if not changed:
             break
-        e = run(rec)
-    return e if e.fits else ef
+    return final(rec if fits(rec) else full)
 
 
 def time_partition(ctx: Context, S: int, plan_nock_fn) -> tuple | None:

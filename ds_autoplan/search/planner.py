@@ -22,8 +22,8 @@ from ..spec.model import ModelSpec, load_model
 from ..spec.parallel import Parallel
 from . import partition as part
 from .dp import INF, Context
-from .pipeline import DEFAULT_SCHEDULES, Eval, available, choose_schedule, chunks_per_rank, \
-    full_recompute_evals, schedule_options, simulate_layers, stage_figures
+from .pipeline import DEFAULT_SCHEDULES, Eval, available, choose_schedule, sim_sizes, \
+    chunks_per_rank, full_recompute_evals, schedule_options, simulate_layers, stage_figures
 from .fix import RECOMPUTE, parse_fix
 from .space import divisors, strategies as wide_strategies
 
@@ -33,7 +33,6 @@ SP_MODES = ("auto", "on", "off")
 # [decision: below 8K tokens per rank TP + SP already split the activations and CP's ring
 # steps only add latency; 128K tokens: cp up to 16]
 CP_MIN_TOKENS = 8192
-EXHAUSTIVE = 32       # at most this many configurations left after the rankings: cost them all
 
 
 @dataclass
@@ -195,6 +194,7 @@ class Planner:
                                 f"tp={tp or 1} is the only degree possible here; use 'auto' or 'off'")
         self.eps, self.cps = self._expert_degrees(), self._context_degrees()
         self._ctx: dict = {}
+        self._floors: dict = {}
         self._seq = np.concatenate([[0], self.cm.block_types, [1]])
         self.max_mbs = self.micro_batch_bound()
         self.evaluated = 0
@@ -338,11 +338,86 @@ class Planner:
         tab = self.cm.tables(self.exec_strats(c)[:1], c.batch_per_microbatch)
         return getattr(tab, what)[self._seq, 0]
 
-    def static_floor(self, c: Parallel) -> float:
-        """Model states of the heaviest even stage: no plan of this config fits below it."""
-        ms = self._units(c, "ms")
-        q = self.L // c.pp
-        return float(max(ms[0] + ms[1:1 + q].sum(), ms[-1] + ms[-1 - q:-1].sum()))
+    def floors(self, c: Parallel) -> tuple[float, float]:
+        """(time, memory) that no costed plan of ``c`` goes below, whatever its schedule, split,
+        chunks and recompute (docs/planner.md §2.8)."""
+        f = self._floor_terms(c)
+        return f["time"], f["mem"](1)
+
+    def could_beat(self, c: Parallel, T: float) -> bool:
+        """Whether some plan of ``c`` might fit and run faster than ``T`` (docs/planner.md
+        §2.8).  Its makespan is then below ``T' = T - sync`` (the mean synchronisation), and a
+        micro-batch's activations of a layer live from its forward to its backward, at least
+        the trip ``R`` from that layer through the last and back (F, then B without W): by
+        Little's law a rank keeps on average ``m R / T'`` of them.  Summed over the ranks,
+        model states and these stashes must fit ``P`` budgets; what does not is saved by
+        recomputation at its least time per byte (a fractional knapsack over the blocks),
+        which the ranks' mean work must absorb.  The embedding's rank alone keeps
+        ``m R_0 / T'`` micro-batches of the embedding's output and of a block."""
+        f = self._floor_terms(c)
+        if f["time"] >= T:
+            return False
+        Tm, P, m = T - f["sync"], c.pp, c.num_microbatches
+        # the peak is that of a run of n micro-batches (pipeline.simulate_plan extrapolates
+        # longer ones: each further micro-batch adds at least the busiest rank's work w1)
+        n = m if P == 1 else min(m, sim_sizes(P)[1])
+        Ms = Tm - f["w1"] * (m - n)
+        if Ms <= 0:
+            return False
+        rate = n / Ms
+        if f["mem"](max(1, math.ceil(rate * f["trip"][0] - 1e-9))) > self.E:
+            return False
+        need = f["states"] + rate * float(f["stash"] @ f["trip"]) - P * self.E
+        # each (layer, recompute variant) an item, both variants allowed (a relaxation)
+        save, cost = (rate * f["save"] * f["trip"][:, None]).ravel(), m * f["extra"].ravel()
+        neg = cost < 0                      # faster and leaner: every such item is taken
+        need, extra = need - float(save[neg].sum()), float(cost[neg].sum())
+        for i in np.argsort(cost / np.maximum(save, 1e-300)):
+            if need <= 0:
+                break
+            if neg[i] or save[i] <= 0:
+                continue
+            x = min(1.0, need / save[i])
+            need -= x * save[i]
+            extra += x * cost[i]
+        return need <= 0 and f["mean"] + extra / P < Tm
+
+    def _floor_terms(self, c: Parallel) -> dict:
+        """Per-configuration terms of :meth:`floors` and :meth:`could_beat`, each layer at its
+        cheapest variant (recompute only adds time, no recompute only adds memory).  Time:
+        the simulated iteration is the makespan plus the busiest rank's gradient
+        synchronisation, the makespan at least each rank's work m (F + B + W), so at least
+        the busiest rank's least share (:func:`_busiest`) plus the mean synchronisation.
+        Memory: every rank keeps the model states of its share and at least one micro-batch of
+        a block's activations (or its input, plus one block's recomputed activations); the
+        embedding's and the head's ranks also theirs and their outputs."""
+        if c in self._floors:
+            return self._floors[c]
+        strats = [*self.exec_strats(c), Strategy.of(c, sel=True)]
+        tab = self.cm.tables(strats, c.batch_per_microbatch)
+        seq, P, q, m = self._seq, c.pp, -(-self.L // c.pp), c.num_microbatches
+        sync = float((tab.bwd - tab.bwd_ns)[seq].min(axis=1).sum()) / P
+        cns = tab.c_ns[seq]
+        ms, f1 = tab.ms[seq].min(axis=1), tab.f1[seq]
+        blk = f1[1:-1]
+        keep, keep_ck = float(min(blk[:, 0].min(), blk[:, 2].min())), float(blk[:, 1].min())
+        ob = float(tab.ob[seq[1:-1], 1].min())
+        ms_blk = float(ms[1:-1].min())
+        share = _busiest(ms, P, q) + min(keep, keep_ck + ob)
+        head = ms[-1] + ms_blk + f1[-1].min() + min(keep, keep_ck + ob)
+        emb = ms[0] + ms_blk
+
+        def mem(k: int) -> float:
+            return float(max(share, head, emb + min(k * (f1[0].min() + keep), k * (f1[0].min() + keep_ck) + ob)))
+        # trip from each unit: its forward to the end and the backward (without W) back to it
+        fb = (tab.fwd + tab.bwd_ns - tab.wgrad)[seq].min(axis=1)
+        trip = np.cumsum(fb[::-1])[::-1]
+        w1 = _busiest(cns.min(axis=1), P, q)
+        f = self._floors[c] = dict(
+            time=m * w1 + sync, w1=w1, sync=sync, mem=mem, trip=trip,
+            mean=m * float(cns[:, 0].sum()) / P, states=float(ms.sum()), stash=f1[:, 0],
+            save=np.maximum(f1[:, 0:1] - f1[:, 1:], 0.0), extra=cns[:, 1:] - cns[:, :1])
+        return f
 
     def lower_bound(self, c: Parallel) -> float:
         """No bubble, perfect balance, no recompute: m * sum_l c_ns / P (for B&B ordering)."""
@@ -445,50 +520,48 @@ class Planner:
 
     def search_exec(self, top: int = 3, oom_probe: int = 2, ckpt: str | None = None
                     ) -> tuple[Candidate | None, list]:
-        """Rank the executable space by Eq. 9 (1F1B), then choose schedules by simulation for
-        the best ``top`` configs and for ``oom_probe`` configs that 1F1B cannot fit (a
-        memory-lean schedule may), branch and bound on the no-bubble lower bound."""
+        """Branch and bound over the executable space (docs/planner.md §2.8).  Configurations
+        that cannot fit (memory floor) are out; the rest are costed until none is left whose
+        time floor (:meth:`floors`, a true lower bound of its simulated time under any
+        schedule) is below the best time found, so no configuration can beat the result.
+        The order only decides how soon the bound bites: first the best ``top`` by Eq. 9
+        (1F1B) and by Eq. 9 without 1F1B's fill and drain, and ``oom_probe`` configurations
+        1F1B cannot fit, then the rest by their floor."""
         ranked = []
         for c in self.combos():
-            if self.static_floor(c) > self.E:
-                continue
-            ranked.append((self.lower_bound(c), c))
+            lb, mem = self.floors(c)
+            if mem <= self.E:
+                ranked.append((lb, c))
         ranked.sort(key=lambda r: r[0])
         bar = self._bar(len(ranked), "search")
         best_est, scored = INF, []
         for lb, c in ranked:
             if bar:
                 bar.update(1)
-            if lb >= best_est:         # no schedule beats the incumbent's 1F1B time
+            if lb >= best_est:         # ordering only: configs past here are costed by floor
                 break
             est = self.estimate(c, ckpt=ckpt)
             best_est = min(best_est, est)
             scored.append((est, lb, c))
         if bar:
             bar.close()
-        ranked = scored
-        fit = sorted((r for r in ranked if math.isfinite(r[0])), key=lambda r: r[0])
-        oom = sorted((r for r in ranked if not math.isfinite(r[0])), key=lambda r: r[1])
+        fit = sorted((r for r in scored if math.isfinite(r[0])), key=lambda r: r[0])
+        oom = sorted((r for r in scored if not math.isfinite(r[0])), key=lambda r: r[1])
         # Eq. 9 is 1F1B's time: its fill and drain, (P-1) of its m+P-1 steady steps, is what
         # the V and zero-bubble schedules nearly remove (Qi et al. 2024), so the best configs
-        # by Eq. 9 without that term are simulated too (by Eq. 9 alone a deeper pipeline with
+        # by Eq. 9 without that term come early too (by Eq. 9 alone a deeper pipeline with
         # few micro-batches ranked behind configs it beats: Llama 3 405B on 8192 H100s)
         steady = sorted(fit, key=lambda r: r[0] * r[2].num_microbatches
                         / (r[2].num_microbatches + r[2].pp - 1))
-        picked = list({id(r): r for r in fit[:top] + steady[:top]}.values())
-        # configs that fit first (by lower bound), then the probes, bounded by the best so far
-        todo = sorted(picked, key=lambda r: r[1]) + oom[:oom_probe]
-        # where few configurations are left that the no-bubble bound cannot rule out, they are
-        # all costed (the search is then exhaustive on the cost model); above that the two
-        # rankings decide [decision: EXHAUSTIVE keeps GPT-3 175B on 64 GPUs, 108 such
-        # configurations, at its search-time goal]
-        left = [r for r in fit if all(r is not x for x in todo)]
-        if len(left) > EXHAUSTIVE:
-            left = []
+        picked = list({id(r[2]): r for r in fit[:top] + steady[:top]}.values())
+        first = sorted(picked, key=lambda r: r[1]) + oom[:oom_probe]
+        est_of = {id(c): est for est, _, c in scored}
+        seen = {id(r[2]) for r in first}
+        rest = [(est_of.get(id(c), INF), lb, c) for lb, c in ranked if id(c) not in seen]
         best, tried = None, []
-        for est, lb, c in todo + sorted(left, key=lambda r: r[1]):
-            if best is not None and lb >= best.time:
-                continue
+        for est, lb, c in first + rest:
+            if best is not None and not self.could_beat(c, best.time):
+                continue               # its floors: no plan of it that fits beats the best
             cand = self.evaluate(c, bound=best.time if best is not None else INF, ckpt=ckpt)
             cand.estimate = est
             tried.append(cand)
@@ -644,6 +717,14 @@ class Planner:
             _, _, Mem = ctx.stage_costs(parts, plan)
             best = min(best, float(Mem.max()))
         return best
+
+
+def _busiest(x: np.ndarray, P: int, q: int) -> float:
+    """Least load of the busiest of ``P`` ranks holding the units ``x`` (embedding, blocks,
+    head), each rank at least one block: the mean, the embedding or the head with a block,
+    or the ``q`` = ceil(blocks / P) lightest blocks (some rank holds that many)."""
+    blk = np.sort(x[1:-1])
+    return float(max(x.sum() / P, max(x[0], x[-1]) + blk[0], blk[:q].sum()))
 
 
 def _by_key(items) -> list:

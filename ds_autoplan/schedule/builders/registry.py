@@ -42,6 +42,19 @@ class BuilderInfo:
             return d * int(options.get(self.chunks_option, self.options[self.chunks_option]))
         return d * self.stages_per_rank
 
+    def stage_placement(self, d: int, **options) -> tuple[int, ...] | None:
+        """Stage -> rank map of the schedule this builder makes for ``d`` ranks with
+        ``options``, without building it; None where the builder decides it ("option")."""
+        from ..ir import interleaved_placement, sequential_placement, v_placement
+        S = self.num_stages(d, **options)
+        if self.placement == "v" and S == 2 * d:
+            return v_placement(d)
+        if self.placement == "interleaved" and S % d == 0:
+            return interleaved_placement(d, S // d)
+        if self.placement == "sequential" and S == d:
+            return sequential_placement(d)
+        return None
+
     def check(self, d: int, n: int) -> None:
         """Uniform argument checks with one clear message."""
         if not isinstance(d, int) or d < self.min_d:
