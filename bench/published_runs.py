@@ -51,7 +51,7 @@ import _measure as M  # noqa: E402
 
 from ds_autoplan.cost.compute import get_gpu, gpu_kinds  # noqa: E402
 from ds_autoplan.cost.engines import get_execution  # noqa: E402
-from ds_autoplan.cost.iteration import Config, config_cost  # noqa: E402
+from ds_autoplan.cost.iteration import Config, config_cost, split_layers  # noqa: E402
 from ds_autoplan.cost.memory import usable_budget  # noqa: E402
 from ds_autoplan.cost.model import CostModel  # noqa: E402
 from ds_autoplan.spec import SpecError, load_cluster, load_model  # noqa: E402
@@ -110,6 +110,15 @@ def setup(r: dict):
     return model, cluster
 
 
+def layout(r: dict, model, cfg: Config) -> list[int]:
+    """Blocks per stage of the row's pipeline: even, or with the embedding and the loss each
+    counted as a layer where the row says so (Megatron's --account-for-embedding-in-pipeline-
+    split / --account-for-loss-in-pipeline-split)."""
+    return split_layers(model.num_layers, cfg.pp * cfg.chunks,
+                        bool(r.get("account_for_embedding_in_pipeline_split")),
+                        bool(r.get("account_for_loss_in_pipeline_split")))
+
+
 def candidates(r: dict, model) -> list[Config]:
     """The published configuration with every unpublished knob enumerated."""
     tp, pp, cp = r["tp"], r["pp"], r.get("cp", 1)
@@ -117,7 +126,9 @@ def candidates(r: dict, model) -> list[Config]:
     B = r["batch"]
     mbs = [r["micro_batch"]] if r.get("micro_batch") else \
         [b for b in (1, 2, 4, 8, 16, 32) if (B // dp) % b == 0]
-    per_stage = model.num_layers // pp
+    slots = model.num_layers + bool(r.get("account_for_embedding_in_pipeline_split")) + \
+        bool(r.get("account_for_loss_in_pipeline_split"))
+    per_stage = slots // pp
     chunks = [r["chunks"]] if r.get("chunks") else \
         ([1] + [v for v in range(2, per_stage + 1) if pp > 1 and per_stage % v == 0])
     out = []
@@ -170,8 +181,8 @@ def cost_published(r: dict, sustained: float | None = None, cfg: Config | None =
     cm = cost_model(r, model, cluster, sustained)
     E = usable_budget(cluster)[0]          # the planner's default budget, headroom kept
     if cfg is not None:
-        return (cfg, config_cost(cm, cfg, E)), cluster, 1
-    best, n = unpublished_rule([(c, config_cost(cm, c, E)) for c in candidates(r, model)])
+        return (cfg, config_cost(cm, cfg, E, layout(r, model, cfg))), cluster, 1
+    best, n = unpublished_rule([(c, config_cost(cm, c, E, layout(r, model, c))) for c in candidates(r, model)])
     return best, cluster, n
 
 

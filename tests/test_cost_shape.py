@@ -12,7 +12,7 @@ import pytest
 
 from ds_autoplan.cost.collectives import Network
 from ds_autoplan.cost.compute import block_times, get_gpu
-from ds_autoplan.cost.iteration import Config, config_cost, in_flight, split_layers
+from ds_autoplan.cost.iteration import Config, config_cost, split_layers, stash_peaks
 from ds_autoplan.cost.memory import state_bytes
 from ds_autoplan.cost.model import CostModel, Strategy
 from ds_autoplan.spec import SpecError, load_cluster, load_model
@@ -183,8 +183,17 @@ def test_closed_form_matches_eq9_for_balanced_1f1b():
     assert c1.time == pytest.approx(16 * c1.per_microbatch + 3 * c1.per_microbatch + c1.tail)
     c2 = config_cost(cm, Config(tp=2, pp=4, num_microbatches=16, recompute="full", chunks=2))
     assert c2.bubble == pytest.approx(3 / 2 * c2.per_microbatch)
-    assert [in_flight(4, r, 16, 1) for r in range(4)] == [4, 3, 2, 1]
-    assert in_flight(4, 0, 16, 2) == (2 * 3 + 4 + 1) / 2
+    # stashes along the builders' order, equal stages: 1F1B rank r holds min(p - r, m)
+    # micro-batches, Megatron's interleaving 2 (p - r - 1) + (v - 1) p + 1 chunk micro-batches
+    # (megatron/training/theoretical_memory_usage.py: p (1 + (p - 1) / (p v)) on rank 0)
+    assert list(stash_peaks(4, 16, 1, [1.0] * 4)) == [4, 3, 2, 1]
+    assert list(stash_peaks(4, 2, 1, [1.0] * 4)) == [2, 2, 2, 1]
+    assert list(stash_peaks(4, 16, 2, [1.0] * 8)) == [2 * (4 - r - 1) + 4 + 1 for r in range(4)]
+    assert stash_peaks(8, 16, 12, [1.0] * 96)[0] == pytest.approx(12 * 8 * (1 + 7 / 96))
+    # the last rank runs its last chunk's backward right after the forward: that chunk's
+    # stash (the head's logits) is held once, not (v - 1) p / v + 1 / v times
+    act = [1.0] * 7 + [100.0]
+    assert stash_peaks(4, 16, 2, act)[3] == 4 * 1.0 + 100.0
     assert split_layers(105, 35) == [3] * 35 and sum(split_layers(10, 4)) == 10
 
 
@@ -246,3 +255,21 @@ def test_closed_form_agrees_with_the_planners_simulation(P, t, d, z, m, B_m):
     c = config_cost(pl.cm, par, pl.E)
     assert c.time == pytest.approx(e.time, rel=0.02)
     assert max(c.peak) == pytest.approx(max(e.peak), rel=1e-6)
+
+
+@pytest.mark.parametrize("P,v,m,sp", [(4, 2, 8, True), (4, 3, 12, False), (2, 4, 4, True)])
+def test_closed_form_interleaved_memory_is_the_simulators(P, v, m, sp):
+    """Megatron's interleaving, no recompute, even chunks: the closed form's per-rank peaks
+    (stashes counted along the builder's order, the head's logits on the last chunk held for
+    one micro-batch) are the planner's simulated ones, rank by rank."""
+    from ds_autoplan.search.pipeline import _evaluate, stage_figures
+    from ds_autoplan.search.planner import Planner
+    pl = Planner(load_model("gpt3-1.3b"), load_cluster("8xa100-80gb"), 64)
+    par = Config(tp=2, pp=P, dp=1, micro_batch=1, num_microbatches=m, sp=sp, chunks=v)
+    ctx = pl.ctx_of(par, pl.exec_strats(par, False))
+    parts = tuple(split_layers(pl.L, P * v))
+    figs = stage_figures(ctx.__class__(ctx.cm, ctx.strategies, P * v, ctx.m, ctx.B_m, ctx.E, ctx.units),
+                         parts, [0] * len(ctx.seq), [0] * len(ctx.seq))
+    e = _evaluate(ctx, "interleaved", parts, [0] * (P * v), figs)
+    c = config_cost(pl.cm, par, pl.E)
+    assert c.peak == pytest.approx(e.peak, rel=1e-9)

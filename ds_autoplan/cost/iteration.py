@@ -7,17 +7,22 @@ Time (Narayanan et al. 2021 §2.2): the busiest rank's forward+backward per micr
 m micro-batches plus a bubble of (p-1)/v micro-batch times (§2.2.2: interleaving with v chunks
 divides the bubble by v), then the busiest rank's non-overlapped tail (gradient reduction,
 optimizer step, ZeRO parameter gather).
-Memory: model states + in-flight micro-batches' stashes + the largest backward transient;
-1F1B rank r keeps min(p - r, m) micro-batches (§2.2.1), Megatron's interleaved schedule keeps
-2(p - r - 1) + (v - 1) p + 1 chunk micro-batches in flight (its warm-up count + 1).
+Memory: model states + the in-flight micro-batches' stashes + the largest backward transient.
+The stashes are counted per stage along the rank's own action order (the same builders the
+planner simulates): 1F1B rank r holds min(p - r, m) micro-batches (§2.2.1), Megatron's
+interleaved schedule 2(p - r - 1) + (v - 1) p + 1 chunk micro-batches (its warm-up count + 1),
+but not of every chunk alike: the last rank runs the last chunk's backward right after its
+forward, so the head's logits are held for one micro-batch, not for the rank's average.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
 from ..spec.model import tied_embeddings
+from ..schedule import Kind, build
 from ..spec.parallel import Parallel
 from .engines import lockstep_time
 from .model import CostModel, Strategy
@@ -49,37 +54,68 @@ class ConfigCost:
     tail: float = 0.0
 
 
-def split_layers(L: int, S: int) -> list[int]:
+def split_layers(L: int, S: int, embedding: bool = False, loss: bool = False) -> list[int]:
     """L blocks into S chunks as evenly as possible (the later chunks take the remainder, as
-    the first carries the embedding and the last the head)."""
-    q, r = divmod(L, S)
-    return [q + (1 if i >= S - r else 0) for i in range(S)]
+    the first carries the embedding and the last the head).  ``embedding`` / ``loss``: the
+    embedding (the head and loss) counts as one block of the first (last) chunk, as
+    Megatron's --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split
+    split them (Llama 3 §3.3.2: one layer fewer on the first and the last stage)."""
+    q, r = divmod(L + embedding + loss, S)
+    out = [q + (1 if i >= S - r else 0) for i in range(S)]
+    out[0] -= embedding
+    out[-1] -= loss
+    return out
 
 
-def in_flight(pp: int, rank: int, m: int, v: int) -> float:
-    """Micro-batches of a whole stage's activations rank ``rank`` holds at its peak."""
+@lru_cache(maxsize=256)
+def stash_orders(pp: int, m: int, v: int) -> tuple:
+    """Per pipeline rank, the (stage, +1 | -1) stash events of Megatron's schedule in the
+    rank's order: 1F1B (v = 1) or interleaved with v chunks (stage = chunk * pp + rank); a
+    forward stashes its stage's activations, the (fused) backward frees them."""
+    sched = build("1f1b", pp, m) if v == 1 else build("interleaved", pp, m, v=v)
+    return tuple(tuple((a.stage, 1 if a.kind == Kind.F else -1) for a in rank
+                       if a.kind in (Kind.F, Kind.BW)) for rank in sched.ranks)
+
+
+def stash_peaks(pp: int, m: int, v: int, act) -> np.ndarray:
+    """Per rank, the largest sum of stashed activations over its action order, ``act[s]``
+    bytes per micro-batch of stage ``s``."""
     if pp == 1:
-        return 1.0
-    if v == 1:
-        return float(min(pp - rank, m))
-    return min(2 * (pp - rank - 1) + (v - 1) * pp + 1, m * v) / v
+        return np.array([float(np.sum(act))])
+    out = np.zeros(pp)
+    for r, events in enumerate(stash_orders(pp, m, v)):
+        live = top = 0.0
+        for stage, sign in events:
+            live += sign * act[stage]
+            top = max(top, live)
+        out[r] = top
+    return out
 
 
-def config_cost(cm: CostModel, cfg: Config, budget: float | None = None) -> ConfigCost:
-    """Iteration seconds and per-rank peak bytes of ``cfg`` under ``cm``."""
+def config_cost(cm: CostModel, cfg: Config, budget: float | None = None,
+                layout: list[int] | None = None) -> ConfigCost:
+    """Iteration seconds and per-rank peak bytes of ``cfg`` under ``cm``.  ``layout``: blocks
+    per stage in Megatron's (chunk, rank) order, pp * chunks entries (its
+    --pipeline-model-parallel-layout; a stage may hold only the embedding or only the head);
+    default :func:`split_layers`."""
     s = cfg.strategy()
     B_m = cfg.batch_per_microbatch
     tab = cm.tables([s], B_m)
     seq = np.concatenate([[0], cm.block_types, [1]])
     v, P, m = cfg.chunks, cfg.pp, cfg.num_microbatches
     S = P * v
-    nblk = split_layers(len(cm.block_types), S)
+    L = len(cm.block_types)
+    nblk = split_layers(L, S) if layout is None else [int(n) for n in layout]
+    if len(nblk) != S or sum(nblk) != L or min(nblk) < 0 or 0 in nblk[1:-1]:
+        from ..spec import SpecError
+        raise SpecError(f"layer layout {nblk} must give {S} stages (pp {P} x chunks {v}) "
+                        f"{L} blocks in all, a block in every stage between the first and the last")
     col = lambda a: a[seq, 0]   # noqa: E731
     fwd, bwd_ns, sync, f1, ob, ms, p2p = (col(tab.fwd), col(tab.bwd_ns), col(tab.bwd - tab.bwd_ns),
                                            col(tab.f1), col(tab.ob), col(tab.ms), col(tab.p2p))
     work, tail, peak = np.zeros(P), np.zeros(P), np.zeros(P)
     f_r, b_r, x_r = np.zeros(P), np.zeros(P), np.zeros(P)
-    act, trans = np.zeros(P), np.zeros(P)
+    act, trans = np.zeros(S), np.zeros(P)
     lo = 0
     for c, n in enumerate(nblk):
         hi = lo + n + (1 if c == 0 else 0) + (1 if c == S - 1 else 0)
@@ -91,11 +127,10 @@ def config_cost(cm: CostModel, cfg: Config, budget: float | None = None) -> Conf
         x_r[r] = p2p[hi - 1] if c < S - 1 else 0.0
         tail[r] += sync[sl].sum()
         peak[r] += ms[sl].sum()
-        act[r] += f1[sl].sum()
+        act[c] = f1[sl].sum()
         trans[r] = max(trans[r], float(ob[sl].max()))
         lo = hi
-    for r in range(P):
-        peak[r] += in_flight(P, r, m, v) * act[r] + trans[r]
+    peak += stash_peaks(P, m, v, act) + trans
     t_mb = float(work.max())
     bubble = (P - 1) / v * t_mb
     if P > 1 and cm.execution.tied_reduce and tied_embeddings(cm.model.config):
