@@ -238,13 +238,14 @@ def test_moe_and_context_parallel_rows_cost_their_published_configuration():
     assert pr.published_time(ds) == pytest.approx(15360 * 4096 / (2048 * 1543.2))
 
 
-def test_measured_h100_prior_predicts_context_parallel_llama31_runs():
+def test_context_parallel_llama31_runs_are_costed_within_the_bounds():
     """Context parallelism against published runs (bench data, source llama31_dgxc2024:
     NVIDIA's NeMo 24.09 Llama 3.1 8B/70B/405B step times, CP 2 at 8192 tokens, 8-2304 H100,
     17 rows): each published configuration is costed with its own degrees (data parallelism
-    = GPUs / (tp pp cp), the published interleaving), and the measured H100 prior alone (no
-    calibration) predicts every row within the in-file bound (10%; measured 2026-11-26:
-    -6.6..+1.5%)."""
+    = GPUs / (tp pp cp), the published interleaving) and its stack's attention kernel (cuDNN,
+    configure.sh NVTE_FUSED_ATTN=1); the rows the memory model fits are in the errors, and with
+    the shipped H100 calibration every one is within the in-file bound (10%; measured
+    2026-11-26: -5.6..+5.2%); the two it puts over the budget are kept out with that reason."""
     import os
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
@@ -252,13 +253,24 @@ def test_measured_h100_prior_predicts_context_parallel_llama31_runs():
         import published_runs as pr
     finally:
         sys.path.pop(0)
+    from ds_autoplan.cost.compute import calibration
     rows = [r for r in pr.load_rows() if r["source_id"] == "llama31_dgxc2024"]
     assert len(rows) == 17 and {r["cp"] for r in rows} == {2}
+    out = {r["id"] for r in rows if not r.get("costed", True)}
+    assert out == {"l31-8B-8", "l31-405B-576"}
+    cal = calibration()["sustained"]["h100-sxm-80gb"]
     for r in rows:
-        (cfg, c), _, n = pr.cost_published(r)
+        model, cluster = pr.setup(r)
+        assert pr.cost_model(r, model, cluster).execution.attention == "cudnn"
+        (cfg, c), _, n = pr.cost_published(r, cal)
         assert n == 1 and cfg.cp == 2 and cfg.dp == r["gpus"] // (r["tp"] * r["pp"] * 2)
         assert cfg.chunks == r["chunks"] and cfg.global_batch == r["batch"]
-        assert abs(pr.published_time(r) / c.time - 1) <= 0.10, r["id"]
+        assert c.fits == (r["id"] not in out), r["id"]
+        if r["id"] not in out:
+            assert abs(pr.published_time(r) / c.time - 1) <= 0.10, r["id"]
+        else:
+            assert "memory model" in r["not_costed"]
+
 
 
 def test_stack_kernels_and_optimizer_are_execution_switches():
