@@ -324,33 +324,34 @@ def time_partition(ctx: Context, S: int, plan_nock_fn) -> tuple | None:
     return minmax_partition(stage_matrices(sub, plan_nock_fn(sub), "time"))
 
 
-def rank_balance(ctx: Context, name: str, e0: Eval, figs_of, keep_sim=False, bound: float = INF,
-                 rounds: int = 4) -> Eval:
+def rank_balance(ctx: Context, name: str, e0: Eval, figs_of, keep_sim=False, rounds: int = 4) -> Eval:
     """Galvatron-BMW's PP_Partition_Adjust (seed 000 §IV-B2 and App. B; docs/planner.md
     §4.3) for any stage->rank placement.  Memory is per rank (a V rank holds stages r and
     S-1-r, rank 0 the embedding and the LM head; in-flight micro-batches differ per stage),
     so when the time-balanced split ``e0`` (the paper's p_t corner) needs recompute to fit,
-    move one boundary block out of a stage on the most loaded rank (no-recompute peak from the
-    simulator) to an adjacent stage; each candidate is costed with ``stage_aware_recompute``
-    (time including the recompute needed to fit: the paper's rules 1-2 judged on the simulated
-    iteration, strictly faster and within the cap).  Greedy: the best candidate per round,
-    stop when none is faster, no recompute is left, or after ``rounds`` rounds.  Skipped when
-    e0's time without recompute (a lower bound on any move [decision]) is not below ``bound``.
+    move one boundary block out of a stage on the most loaded rank (no-recompute peak) to an
+    adjacent stage; each candidate is costed with ``stage_aware_recompute`` (time including
+    the recompute needed to fit: the paper's rules 1-2 judged on the simulated iteration,
+    strictly faster and within the cap).  Greedy: the best candidate per round, stop when none
+    is faster, no recompute is left, or after ``rounds`` rounds.  No outside bound: the walk is
+    the same whatever the search's incumbent, so the search and `ds-autoplan cost` agree.
     ``figs_of(q)`` gives the stage figures of partition q."""
     place = _placement(ctx, name, e0.parts)
     S, best, seen = len(e0.parts), e0, {tuple(e0.parts)}
-    if place is None or not (e0.ok and any(e0.recompute)) \
-            or _evaluate(ctx, name, e0.parts, [0] * S, e0.figs, keep_sim).time >= bound:
+    if place is None or not (e0.ok and any(e0.recompute)):
         return e0
     for _ in range(rounds):
         p = best.parts
-        r = int(np.argmax(_evaluate(ctx, name, p, [0] * S, best.figs, keep_sim).peak))
+        pk = plan_peaks(ctx, name, p, [0] * S, best.figs)
+        if pk is None:
+            pk = _evaluate(ctx, name, p, [0] * S, best.figs, keep_sim).peak
+        r = int(np.argmax(pk))
         cands = {tuple(x + (i == t) - (i == s) for i, x in enumerate(p))
                  for s in range(S) if place[s] == r and p[s] > 1 for t in (s - 1, s + 1) if 0 <= t < S}
         step = None
         for q in sorted(cands - seen):
             seen.add(q)
-            lim = min(bound, (step or best).time)
+            lim = (step or best).time
             e = stage_aware_recompute(ctx, name, q, figs_of(q), None, keep_sim, bound=lim)
             if e.ok and e.time < lim:
                 step = e
@@ -395,11 +396,9 @@ def choose_schedule(ctx: Context, parts: tuple, plan: list, schedules, keep_sim=
             best = min([bound] + [e.time for e in evals if e.ok])
             evals.append(stage_aware_recompute(ctx, name, sp, figs_of(sp), None, keep_sim, bound=best))
             adjust.append((len(evals) - 1, figs_of))
-    # BMW per rank (rank_balance), bounded by the best time so far: it only pays where the
-    # recompute overhead of a time-balanced split is what separates it from the best
+    # BMW per rank (rank_balance) where a time-balanced split needs recompute
     for i, figs_of in adjust:
-        best = min([bound] + [e.time for e in evals if e.ok])
-        evals[i] = rank_balance(ctx, evals[i].schedule, evals[i], figs_of, keep_sim, best)
+        evals[i] = rank_balance(ctx, evals[i].schedule, evals[i], figs_of, keep_sim)
     uniq = {}
     for e in evals:
         uniq.setdefault((e.schedule, tuple(e.parts), tuple(e.recompute)), e)

@@ -558,15 +558,21 @@ class Planner:
         est_of = {id(c): est for est, _, c in scored}
         seen = {id(r[2]) for r in first}
         rest = [(est_of.get(id(c), INF), lb, c) for lb, c in ranked if id(c) not in seen]
-        best, tried = None, []
+        best, tried, won = None, [], None
         for est, lb, c in first + rest:
             if best is not None and not self.could_beat(c, best.time):
                 continue               # its floors: no plan of it that fits beats the best
-            cand = self.evaluate(c, bound=best.time if best is not None else INF, ckpt=ckpt)
+            bound = best.time if best is not None else INF
+            cand = self.evaluate(c, bound=bound, ckpt=ckpt)
             cand.estimate = est
             tried.append(cand)
             if cand.ok and (best is None or cand.time < best.time):
-                best = cand
+                best, won = cand, (c, est, bound)
+        if won is not None and won[2] < INF:
+            # the winner once more without the bound: every schedule of it costed for the
+            # report, exactly as `ds-autoplan cost` costs this configuration
+            best = self.evaluate(won[0], ckpt=ckpt)
+            best.estimate = won[1]
         return best, tried
 
     def best_of(self, name, combos, **kw) -> Candidate | None:
