@@ -340,28 +340,31 @@ class Planner:
 
     def floors(self, c: Parallel) -> tuple[float, float]:
         """(time, memory) that no costed plan of ``c`` goes below, whatever its schedule, split,
-        chunks and recompute (docs/planner.md §2.8)."""
-        f = self._floor_terms(c)
-        return f["time"], f["mem"](1)
+        chunks and recompute (docs/planner.md §2.8): the time floor and the model states of the
+        busiest rank's least share (or of the embedding's or the head's rank with a block)."""
+        f = self._time_terms(c)
+        return f["time"], f["states"]
 
     def could_beat(self, c: Parallel, T: float) -> bool:
         """Whether some plan of ``c`` might fit and run faster than ``T`` (docs/planner.md
         §2.8).  Its makespan is then below ``T' = T - sync`` (the mean synchronisation), and a
         micro-batch's activations of a layer live from its forward to its backward, at least
         the trip ``R`` from that layer through the last and back (F, then B without W): by
-        Little's law a rank keeps on average ``m R / T'`` of them.  Summed over the ranks,
-        model states and these stashes must fit ``P`` budgets; what does not is saved by
-        recomputation at its least time per byte (a fractional knapsack over the blocks),
-        which the ranks' mean work must absorb.  The embedding's rank alone keeps
-        ``m R_0 / T'`` micro-batches of the embedding's output and of a block."""
-        f = self._floor_terms(c)
-        if f["time"] >= T:
+        Little's law a rank keeps on average ``rate R`` of them (``rate``: micro-batches per
+        second of the run whose peak is reported).  Summed over the ranks, model states and
+        these stashes must fit ``P`` budgets; what does not is saved by recomputation at its
+        least time per byte (a fractional knapsack over the layers and their recompute
+        variants), which the ranks' mean work must absorb.  The embedding's rank alone keeps
+        ``rate R_0`` micro-batches of the embedding's output and of a block."""
+        t = self._time_terms(c)
+        if t["time"] >= T:
             return False
-        Tm, P, m = T - f["sync"], c.pp, c.num_microbatches
+        f = self._mem_terms(c)
+        Tm, P, m = T - t["sync"], c.pp, c.num_microbatches
         # the peak is that of a run of n micro-batches (pipeline.simulate_plan extrapolates
         # longer ones: each further micro-batch adds at least the busiest rank's work w1)
         n = m if P == 1 else min(m, sim_sizes(P)[1])
-        Ms = Tm - f["w1"] * (m - n)
+        Ms = Tm - t["w1"] * (m - n)
         if Ms <= 0:
             return False
         rate = n / Ms
@@ -380,23 +383,37 @@ class Planner:
             x = min(1.0, need / save[i])
             need -= x * save[i]
             extra += x * cost[i]
-        return need <= 0 and f["mean"] + extra / P < Tm
+        return need <= 0 and t["mean"] + extra / P < Tm
 
-    def _floor_terms(self, c: Parallel) -> dict:
-        """Per-configuration terms of :meth:`floors` and :meth:`could_beat`, each layer at its
-        cheapest variant (recompute only adds time, no recompute only adds memory).  Time:
-        the simulated iteration is the makespan plus the busiest rank's gradient
-        synchronisation, the makespan at least each rank's work m (F + B + W), so at least
-        the busiest rank's least share (:func:`_busiest`) plus the mean synchronisation.
-        Memory: every rank keeps the model states of its share and at least one micro-batch of
-        a block's activations (or its input, plus one block's recomputed activations); the
-        embedding's and the head's ranks also theirs and their outputs."""
-        if c in self._floors:
-            return self._floors[c]
+    def _time_terms(self, c: Parallel) -> dict:
+        """The time floor of ``c`` and its parts, from its table without recompute (the
+        cheapest variant of every layer): the simulated iteration is the makespan plus the
+        busiest rank's gradient synchronisation, the makespan at least each rank's work
+        m (F + B + W), so at least m times the busiest rank's least share (:func:`_busiest`,
+        ``w1``) plus the mean synchronisation; ``mean``: the mean rank's work."""
+        key = ("time", c)
+        if key not in self._floors:
+            tab = self.cm.tables(self.exec_strats(c)[:1], c.batch_per_microbatch)
+            seq, P, q, m = self._seq, c.pp, -(-self.L // c.pp), c.num_microbatches
+            cns, ms = tab.c_ns[seq, 0], tab.ms[seq, 0]
+            w1, blk = _busiest(cns, P, q), float(ms[1:-1].min())
+            sync = float((tab.bwd - tab.bwd_ns)[seq, 0].sum()) / P
+            self._floors[key] = dict(time=m * w1 + sync, w1=w1, sync=sync, mean=m * float(cns.sum()) / P,
+                                     states=max(_busiest(ms, P, q), max(ms[0], ms[-1]) + blk))
+        return self._floors[key]
+
+    def _mem_terms(self, c: Parallel) -> dict:
+        """Memory terms of :meth:`could_beat`, each layer at its leanest variant (no recompute,
+        full or selective recompute): every rank keeps the model states of its share and at
+        least one micro-batch of a block's activations (or its input, plus one block's
+        recomputed activations); the embedding's and the head's ranks also theirs and their
+        outputs; per layer the trip, stash, and what each recompute variant saves and costs."""
+        key = ("mem", c)
+        if key in self._floors:
+            return self._floors[key]
         strats = [*self.exec_strats(c), Strategy.of(c, sel=True)]
         tab = self.cm.tables(strats, c.batch_per_microbatch)
-        seq, P, q, m = self._seq, c.pp, -(-self.L // c.pp), c.num_microbatches
-        sync = float((tab.bwd - tab.bwd_ns)[seq].min(axis=1).sum()) / P
+        seq, P, q = self._seq, c.pp, -(-self.L // c.pp)
         cns = tab.c_ns[seq]
         ms, f1 = tab.ms[seq].min(axis=1), tab.f1[seq]
         blk = f1[1:-1]
@@ -405,17 +422,14 @@ class Planner:
         ms_blk = float(ms[1:-1].min())
         share = _busiest(ms, P, q) + min(keep, keep_ck + ob)
         head = ms[-1] + ms_blk + f1[-1].min() + min(keep, keep_ck + ob)
-        emb = ms[0] + ms_blk
+        emb, f1_emb = ms[0] + ms_blk, f1[0].min()
 
         def mem(k: int) -> float:
-            return float(max(share, head, emb + min(k * (f1[0].min() + keep), k * (f1[0].min() + keep_ck) + ob)))
+            return float(max(share, head, emb + min(k * (f1_emb + keep), k * (f1_emb + keep_ck) + ob)))
         # trip from each unit: its forward to the end and the backward (without W) back to it
         fb = (tab.fwd + tab.bwd_ns - tab.wgrad)[seq].min(axis=1)
-        trip = np.cumsum(fb[::-1])[::-1]
-        w1 = _busiest(cns.min(axis=1), P, q)
-        f = self._floors[c] = dict(
-            time=m * w1 + sync, w1=w1, sync=sync, mem=mem, trip=trip,
-            mean=m * float(cns[:, 0].sum()) / P, states=float(ms.sum()), stash=f1[:, 0],
+        f = self._floors[key] = dict(
+            mem=mem, trip=np.cumsum(fb[::-1])[::-1], states=float(ms.sum()), stash=f1[:, 0],
             save=np.maximum(f1[:, 0:1] - f1[:, 1:], 0.0), extra=cns[:, 1:] - cns[:, :1])
         return f
 
@@ -529,8 +543,8 @@ class Planner:
         1F1B cannot fit, then the rest by their floor."""
         ranked = []
         for c in self.combos():
-            lb, mem = self.floors(c)
-            if mem <= self.E:
+            lb, states = self.floors(c)
+            if states <= self.E:
                 ranked.append((lb, c))
         ranked.sort(key=lambda r: r[0])
         bar = self._bar(len(ranked), "search")
