@@ -175,7 +175,7 @@ def test_measured_h100_prior_predicts_a_second_h100_stack():
     training run) predicts NVIDIA's published NeMo Nemotron-4 340B step times (bench data,
     source nemotron4_dgxc2024: 128-2048 DGX H100 GPUs, TP 8 PP 8 VP 12, bf16 gradient sync)
     within the in-file bound (10%) with no calibration, under the megatron-core execution
-    model with Transformer Engine's cuDNN attention (2026-11-26: published 5-9% slower); the rows' published gradient-sync
+    model with the recipe's FlashAttention-2 back-end and selective recompute (2026-11-26: published 1.8-5.8% slower); the rows' published gradient-sync
     dtype reaches the execution model and the memory model's gradient buffer."""
     import os
     import sys
