@@ -173,7 +173,7 @@ def test_published_llama3_405b_configuration_does_not_beat_the_plan(capsys):
     their schedules simulated, charges PP 16's 32 micro-batches a 15/47 fill-and-drain share
     that V-ZB nearly removes; the search ranked it sixth and simulated the first three."""
     assert main(["cost", "--model", "llama3-405b", "--cluster", "meta-h100-roce", "--global-batch",
-                 "2048", "--config", "tp=8,pp=16,mbs=1,zero=1,recompute=none", "--json"]) == 0
+                 "2048", "--config", "tp=8,pp=16,cp=1,mbs=1,zero=1,recompute=none", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["yours"]["dp"] == 64 and out["speedup"] >= 1 - 1e-3, out
 

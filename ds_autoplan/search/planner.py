@@ -29,10 +29,13 @@ from .space import divisors, strategies as wide_strategies
 
 
 SP_MODES = ("auto", "on", "off")
-# context parallelism is searched where every CP rank still keeps at least this many tokens
-# [decision: below 8K tokens per rank TP + SP already split the activations and CP's ring
-# steps only add latency; 128K tokens: cp up to 16]
-CP_MIN_TOKENS = 8192
+# context parallelism is searched where every CP rank still keeps at least this many tokens:
+# NVIDIA's NeMo 24.09 recipes train Llama 3.1 8B/70B/405B at CP 2 on 8192-token sequences,
+# 4096 tokens per rank (dgxc-benchmarking llama3.1 READMEs; bench/data/published_runs.yaml
+# llama31_dgxc2024, costed within the published-runs bounds), and the cost model puts such a
+# configuration ahead of every CP 1 plan for the 405B proxy on 32 H100 [below 4K tokens per
+# rank the ring's steps are left out: no published run; 128K tokens: cp up to 32]
+CP_MIN_TOKENS = 4096
 
 
 @dataclass
