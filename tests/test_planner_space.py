@@ -282,7 +282,7 @@ def _random_case(seed: int) -> tuple:
 # 8 GPUs as 2 nodes x 4, 7 layers, budget 27.86 GB: tp1 pp2 dp4 mbs1 v-zb beat the plan by 1.3%
 # when the search costed only the configurations that two 1F1B rankings put first
 KNOWN_LOSS = (7, 2048, 1024, 4, 2, 24, 27.86)
-SEEDS = list(range(10))
+SEEDS = list(range(8))
 
 
 @pytest.mark.parametrize("case", [KNOWN_LOSS] + SEEDS)
