@@ -273,3 +273,34 @@ def test_closed_form_interleaved_memory_is_the_simulators(P, v, m, sp):
     e = _evaluate(ctx, "interleaved", parts, [0] * (P * v), figs)
     c = config_cost(pl.cm, par, pl.E)
     assert c.peak == pytest.approx(e.peak, rel=1e-9)
+
+
+def test_embedding_stash_is_megatrons_count():
+    """The embedding stashes its token ids and its dropout mask (Megatron-LM's
+    theoretical_memory_usage.py: 8 s b + s b h per micro-batch); its output is the first
+    block's input, counted there once."""
+    gpt, llama = load_model("gpt3-1.3b"), load_model("llama2-7b")
+    for m, drop in ((gpt, True), (llama, False)):
+        s, h = m.seq_len, m.hidden
+        assert (m.pre.act_rep, m.pre.act_tp) == (8 * s + (s * h if drop else 0), 0.0)
+        assert m.layers[0].act_rep >= 2 * s * h          # the block keeps its input
+
+
+def test_deepspeed_keeps_each_in_flight_stage_output():
+    """DeepSpeed's PipelineEngine holds every in-flight micro-batch's stage output
+    (pipe_buffers['outputs'], freed after its backward); Megatron-LM frees it once sent
+    (deallocate_pipeline_outputs).  fp32: both engines hold 16 B per parameter, so the peaks
+    differ by exactly that: rank r of 1F1B holds min(p - r, m) outputs, the last stage none;
+    the planner's simulation and the closed form agree."""
+    from ds_autoplan.search.planner import Planner
+    model, cluster = load_model("gpt3-1.3b"), load_cluster("8xa100-80gb")
+    par = Config(tp=2, pp=4, dp=1, micro_batch=2, num_microbatches=8, recompute="full")
+    out = 2 * model.seq_len * model.hidden * 2 * 2       # mbs 2, boundary 2 s h, fp32 x 2
+    peaks = {}
+    for rt in ("megatron", "deepspeed"):
+        c = config_cost(CostModel(model, cluster, "fp32", rt), par)
+        pl = Planner(model, cluster, 16, precision="fp32", runtime=rt)
+        e = pl.evaluate(par, ckpt="full", partitioner="even", schedules=["1f1b"])
+        assert c.peak == pytest.approx(e.peak, rel=1e-9)
+        peaks[rt] = np.array(c.peak)
+    assert peaks["deepspeed"] - peaks["megatron"] == pytest.approx([4 * out, 3 * out, 2 * out, 0.0])

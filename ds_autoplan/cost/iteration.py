@@ -111,8 +111,9 @@ def config_cost(cm: CostModel, cfg: Config, budget: float | None = None,
         raise SpecError(f"layer layout {nblk} must give {S} stages (pp {P} x chunks {v}) "
                         f"{L} blocks in all, a block in every stage between the first and the last")
     col = lambda a: a[seq, 0]   # noqa: E731
-    fwd, bwd_ns, sync, f1, ob, ms, p2p = (col(tab.fwd), col(tab.bwd_ns), col(tab.bwd - tab.bwd_ns),
-                                           col(tab.f1), col(tab.ob), col(tab.ms), col(tab.p2p))
+    fwd, bwd_ns, sync, f1, ob, ms, p2p, kept = (col(tab.fwd), col(tab.bwd_ns), col(tab.bwd - tab.bwd_ns),
+                                                 col(tab.f1), col(tab.ob), col(tab.ms), col(tab.p2p),
+                                                 col(tab.kept))
     work, tail, peak = np.zeros(P), np.zeros(P), np.zeros(P)
     f_r, b_r, x_r = np.zeros(P), np.zeros(P), np.zeros(P)
     act, trans = np.zeros(S), np.zeros(P)
@@ -127,7 +128,7 @@ def config_cost(cm: CostModel, cfg: Config, budget: float | None = None,
         x_r[r] = p2p[hi - 1] if c < S - 1 else 0.0
         tail[r] += sync[sl].sum()
         peak[r] += ms[sl].sum()
-        act[c] = f1[sl].sum()
+        act[c] = f1[sl].sum() + (kept[hi - 1] if c < S - 1 else 0.0)   # + the output kept
         trans[r] = max(trans[r], float(ob[sl].max()))
         lo = hi
     peak += stash_peaks(P, m, v, act) + trans

@@ -108,6 +108,8 @@ class LayerTables:
     p2p: np.ndarray      # send of this layer's output to the next stage (per micro-batch)
     R: np.ndarray        # [T, S, S] re-layout cost before a layer of type T, from s' to s
     allowed: np.ndarray  # [T, S] bool
+    kept: np.ndarray = None   # bytes of this layer's output the engine keeps per in-flight
+    #                           micro-batch when it ends a pipeline stage (DeepSpeed)
 
     @property
     def c(self) -> np.ndarray:
@@ -190,7 +192,7 @@ class CostModel:
         ab = ACT_SCALE[self.precision]
         T, S = len(self.units), len(strategies)
         shape = (T, S)
-        ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p = (np.zeros(shape) for _ in range(8))
+        ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, kept = (np.zeros(shape) for _ in range(9))
         allowed = np.ones(shape, dtype=bool)
         R = np.zeros((T, S, S))
         net, ex = self.net, self.execution
@@ -253,8 +255,12 @@ class CostModel:
                              else base + g_sync) + tail
                 wg[i, j] = k.wgrad
                 p2p[i, j] = self.p2p_time(bc * u.boundary * ab, t, q, s)
+                # DeepSpeed's PipelineEngine keeps each in-flight micro-batch's stage output
+                # (pipe_buffers['outputs'], freed after its backward); Megatron-LM frees it
+                # once sent (deallocate_pipeline_outputs, set by its training arguments)
+                kept[i, j] = bc * u.boundary * ab if self.runtime != "megatron" else 0.0
         R = self._relayout_times(tuple(strategies), B_m, ab)
-        res = LayerTables(list(strategies), ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, R, allowed)
+        res = LayerTables(list(strategies), ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, R, allowed, kept)
         self._cache[key] = res
         return res
 

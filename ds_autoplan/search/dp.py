@@ -260,7 +260,7 @@ class Context:
         R[1:] = t.R[seq[1:], p[:-1], p[1:]]
         return dict(c=t.c[seq, p] + R, cns=t.c_ns[seq, p] + R, f1=t.f1[seq, p], ob=t.ob[seq, p],
                     ms=t.ms[seq, p], p2p=t.p2p[seq, p], fwd=t.fwd[seq, p], bwd_ns=t.bwd_ns[seq, p],
-                    wgrad=t.wgrad[seq, p], sync=(t.bwd - t.bwd_ns)[seq, p], R=R)
+                    wgrad=t.wgrad[seq, p], sync=(t.bwd - t.bwd_ns)[seq, p], kept=t.kept[seq, p], R=R)
 
     def bounds(self, parts: tuple) -> list[tuple[int, int]]:
         """[lo, hi) unit ranges of the stages."""
@@ -288,7 +288,9 @@ class Context:
             C.append(A["c"][lo:hi].sum() + p2p)
             Cns.append(A["cns"][lo:hi].sum() + p2p)
             f1, ob = A["f1"][lo:hi], A["ob"][lo:hi]
-            Mem.append((self.K(i) - 1) * f1.sum() + np.max(np.cumsum(f1) + ob) + A["ms"][lo:hi].sum())
+            out = A["kept"][hi - 1] if i < len(parts) - 1 else 0.0     # the stage output kept
+            Mem.append((self.K(i) - 1) * f1.sum() + np.max(np.cumsum(f1) + ob) + A["ms"][lo:hi].sum()
+                       + self.K(i) * out)
         return np.array(C), np.array(Cns), np.array(Mem)
 
     def pipeline_time(self, parts: tuple, plan: list) -> float:

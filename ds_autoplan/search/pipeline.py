@@ -114,7 +114,9 @@ def stage_figures(ctx: Context, parts: tuple, plan_nock: list, plan_ck: list):
         d_time = (A1["bwd_ns"][sl] - A0["bwd_ns"][sl])[ck[sl]]
         out.append(dict(
             f=A0["fwd"][sl].sum() + A0["R"][sl].sum(), bw=A0["bwd_ns"][sl].sum(), w=A0["wgrad"][sl].sum(),
-            act=A0["f1"][sl].sum(), ms=A0["ms"][sl].sum(), sync=A0["sync"][sl].sum(),
+            # stash per micro-batch: the stage's activations and the output the engine keeps
+            act=A0["f1"][sl].sum() + (A0["kept"][hi - 1] if i < len(parts) - 1 else 0.0),
+            ms=A0["ms"][sl].sum(), sync=A0["sync"][sl].sum(),
             p2p=A0["p2p"][hi - 1], nblk=nblk,
             d_mem=float(d_mem.mean()) if nblk else 0.0, d_time=float(d_time.mean()) if nblk else 0.0,
             ob=float(A1["ob"][sl][ck[sl]].max()) if nblk else 0.0))

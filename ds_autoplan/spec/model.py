@@ -246,8 +246,12 @@ def build_model(d: dict, src: str = "model") -> ModelSpec:
                          6 * vocab, 2 * s * h, 0, False)
     else:
         pos = need(d, "max_positions", int, src, s) * h if arch in ("gpt", "bert") else 0
-        pre = LayerSpec("embedding", "pre", vocab * h + pos, 2 * s * h, 2 * s * h, 0.0,
-                        4 * s, 1, False)
+        # stash: the int64 token ids and the embedding dropout's 1-byte mask (Megatron-LM's
+        # theoretical_memory_usage.py: 8 s b + s b h); its output is the first block's input,
+        # counted there
+        drop = bool(d.get("dropout", arch != "llama"))
+        pre = LayerSpec("embedding", "pre", vocab * h + pos, 2 * s * h, 8 * s + (s * h if drop else 0),
+                        0.0, 4 * s, 1, False)
         extra = h * h if arch == "bert" else 0
         post = LayerSpec("head", "post", vocab * h + extra + norm, 2 * out_s * h * vocab + 2 * out_s * extra,
                          2 * out_s * h, 6 * out_s * vocab, 2 * out_s * h, 1, False)
