@@ -7,6 +7,7 @@
 * :func:`fit_dispatch` and :func:`ping`: a runtime's own overheads, measured once per
   runtime and fed to the simulator (``schedule.Overheads``).
 * :func:`publish`: the last line (the summary JSON) and, with ``--json``, summary + rows.
+* :func:`device_check`: the command line of a GPU check (``measure`` there, ``compare`` here).
 * :class:`Report`: the JSON line -- each figure's median, ``"spread"`` per figure, the
   simulator's ``"bounds"``, ``"flags"`` for a figure beyond its physical bound (which fails
   the benchmark's own ``goals_met``) and ``"max_sim_error"``.
@@ -145,6 +146,20 @@ def publish(summary: dict, rows: list | None = None, path: str | None = None) ->
             json.dump({"summary": summary, "rows": rows or []}, f, indent=1)
     print(json.dumps(summary), flush=True)
     return 0
+
+
+def device_check(measure: Callable[[str], None], compare: Callable[[list], dict], name: str,
+                 argv: Sequence[str] | None = None) -> None:
+    """``NAME measure OUT.json`` (on the GPU) or ``NAME compare FILE.json [...]`` (here: one
+    JSON line); anything else exits with the usage."""
+    import sys
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["measure"] and len(argv) == 2:
+        measure(argv[1])
+    elif argv[:1] == ["compare"] and len(argv) > 1:
+        print(json.dumps(compare(argv[1:])))
+    else:
+        sys.exit(f"usage: {name} measure OUT.json | compare FILE.json [...]")
 
 
 class Report:

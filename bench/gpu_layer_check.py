@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 
 CASES = [  # (h, heads, s, b, t)
@@ -106,9 +105,5 @@ def compare(paths: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["measure"]:
-        measure(sys.argv[2])
-    elif sys.argv[1:2] == ["compare"]:
-        print(json.dumps(compare(sys.argv[2:])))
-    else:
-        sys.exit("usage: gpu_layer_check.py measure OUT.json | compare FILE.json [...]")
+    import _measure as M
+    M.device_check(measure, compare, "gpu_layer_check.py")
