@@ -11,6 +11,7 @@ from ds_autoplan.cost import CostModel, Strategy
 from ds_autoplan.plan import Plan
 from ds_autoplan.search import plan_model, search
 from ds_autoplan.search.dp import Context
+from ds_autoplan.search.fix import parse_fix
 from ds_autoplan.search.partition import bmw, dawnpiper, merak
 from ds_autoplan.search.space import count_candidates, decision_trees, strategies
 from ds_autoplan.spec import SpecError, load_cluster, load_model
@@ -453,3 +454,15 @@ def test_rank_balance_partitions_valid_and_fit(model, budget, cfg, name):
     assert sum(e.parts) == pl.L and len(e.parts) == num_stages(name, P) and min(e.parts) >= 1
     assert len(e.peak) == P and max(e.peak) <= pl.E and e.fits
     assert e.time < tb.time or not tb.ok
+
+
+def test_cannot_fit_message_never_says_short_by_a_negative_amount():
+    """A fixed configuration whose 1F1B memory floor fits but whose schedule does not (GPT-3
+    175B, tp 8 pp 8, no recompute, Megatron's interleaving with 12 chunks on 64 A100s under a
+    60 GB budget; it needs 62 GB): one line that says so, not 'short by -x GB'."""
+    with pytest.raises(SpecError) as e:
+        search("gpt3-175b", "64xa100-80gb", 64, budget_gb=60, wide=False,
+               fix=parse_fix("tp=8,pp=8,mbs=1,recompute=none,schedule=interleaved,v=12,sp=on"))
+    msg = str(e.value)
+    assert "\n" not in msg and "short by" not in msg, msg
+    assert "cannot fit" in msg and "60.0 GB budget" in msg

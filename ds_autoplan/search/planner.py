@@ -855,10 +855,15 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
         E = pl.E / GB
         what = f"model {model.name}" if not pl.fix else \
             f"model {model.name} with --fix " + ",".join(f"{k}={v}" for k, v in pl.fix.items())
-        if math.isfinite(need):
+        if math.isfinite(need) and need > pl.E:
             raise SpecError(f"{what} cannot fit on {cluster.name} with global batch "
                             f"{global_batch}: needs at least {need / GB:.1f} GB per device, budget is "
                             f"{E:.1f} GB (short by {need / GB - E:.1f} GB)")
+        if math.isfinite(need):     # the 1F1B floor fits; the schedules allowed hold more in flight
+            raise SpecError(f"{what} cannot fit on {cluster.name} with global batch "
+                            f"{global_batch}: no schedule, split and recompute choice it allows stays "
+                            f"within the {E:.1f} GB budget per device (a memory-balanced 1F1B split "
+                            f"would need {need / GB:.1f} GB)")
         raise SpecError(f"model {model.name} cannot fit on {cluster.name} at any setting "
                         f"(budget {E:.1f} GB per device)")
     # the winner's simulation (2P micro-batches) is kept for the Gantt and memory plots
