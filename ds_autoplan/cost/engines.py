@@ -58,9 +58,10 @@ GRAD_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # HBM bytes per fp32-state parameter of Composer's DecoupledAdamW.adamw (composer/optim/
 # decoupled_weight_decay.py), op by op, read + write: param.mul_ 8, exp_avg.mul_ 8, .add_(grad)
 # 12, exp_avg_sq.mul_ 8, .addcmul_(grad, grad) 16, .sqrt() 8, / sqrt(bc2) 8, .add_(eps) 8,
-# param.addcdiv_ 16 = 92; gradient-norm clipping (FSDP clip_grad_norm_: norm read 4, scale
-# read+write 8) 12
-EAGER_STEP_BYTES = 104.0
+# param.addcdiv_ 16 = 92 counted; measured 89-90 at the copy bandwidth on the lent H100
+# (bench/gpu_stack.py, 0.83e9 / 1.61e9 parameters in 32 / 40 tensors; torch's fused AdamW 33);
+# plus gradient-norm clipping (FSDP clip_grad_norm_: norm read 4, scale read+write 8) 12 counted
+EAGER_STEP_BYTES = 90.0 + 12.0
 
 
 @dataclass(frozen=True)
