@@ -100,9 +100,9 @@ class Execution:
         """Name and the overlaps switched on, for plan lines and reports."""
         on = [n for n, a in zip(OVERLAPS, ("grad_overlap", "param_gather_overlap", "tp_overlap"))
               if getattr(self, a)]
-        extra = "".join(f", {k} {v}" for k, v in (("attention", self.attention),
+        extra = "".join(f"; {k} {v}" for k, v in (("attention", self.attention),
                                                     ("optimizer", None if self.optimizer == "fused" else self.optimizer),
-                                                    ("grad-reduce", _dtype_name(self.grad_bytes))) if v)
+                                                    ("gradients reduced in", _dtype_name(self.grad_bytes))) if v)
         return f"{self.name} (overlap: {', '.join(on) or 'none'}{extra})"
 
     def step_bytes(self, precision: str) -> float:
