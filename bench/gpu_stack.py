@@ -7,47 +7,16 @@
 (2) one AdamW step over a ZeRO-3 shard (7b: 0.83e9, 13b: 1.61e9 fp32 params in 32/40 flat tensors):
     Composer's DecoupledAdamW as a per-tensor loop of eager ops vs torch.optim.AdamW(fused=True).
 What data/gpus.yaml's attention_kernels (fa1 on Hopper) and cost/engines.py's EAGER_STEP_BYTES
-stand on (results: bench/data/gpu_stack_h100.json, lent H100, 2026-11-26, ~11 s).
+stand on (results: bench/data/gpu_stack_h100.json, lent H100, 2026-11-26, ~11 s, measured with
+this script before its timing and copy helpers were shared with gpu_kernels.py: same method).
 
     python bench/gpu_stack.py OUT.json
 
 Plain torch, no ds_autoplan import: runs on the device image."""
-import json, math, statistics, time
+import json, math, time
 import torch
 
-dev = torch.device("cuda")
-
-
-def bench(fn, reps=20, warm=5):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
-
-
-def attention(b, heads, s, d, backend, bwd):
-    from torch.nn.attention import sdpa_kernel, SDPBackend
-    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-          "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
-    q, k, v = (torch.randn(b, heads, s, d, device=dev, dtype=torch.bfloat16, requires_grad=bwd) for _ in range(3))
-    g = torch.randn(b, heads, s, d, device=dev, dtype=torch.bfloat16)
-    def f():
-        with sdpa_kernel([be]):
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            if bwd:
-                o.backward(g)
-    try:
-        t = bench(f)
-    except Exception as e:
-        return {"backend": backend, "b": b, "heads": heads, "s": s, "bwd": bwd, "error": str(e)[:200]}
-    fl = 4.0 * b * heads * s * s * d / 2 * (3.5 if bwd else 1.0)
-    return {"backend": backend, "b": b, "heads": heads, "s": s, "d": d, "bwd": bwd, "s_time": t,
-            "tflops": fl / t / 1e12}
+from gpu_kernels import attention, bench, copy_bw, dev  # noqa: E402  (bench/ is the script's folder)
 
 
 def adam(n_params, n_tensors, mode):
@@ -73,7 +42,7 @@ def adam(n_params, n_tensors, mode):
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
                 denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
                 p.addcdiv_(m, denom, value=-lr / bc1)
-    t = bench(f, reps=8, warm=2)
+    t = bench(f, reps=8, warm=2)[0]
     out = {"mode": mode, "params": per * n_tensors, "tensors": n_tensors, "s": t,
            "bytes_per_param_at_copy_bw": None}
     del ps, gs
@@ -81,18 +50,11 @@ def adam(n_params, n_tensors, mode):
     return out
 
 
-def copy_bw():
-    n = 1024 ** 3
-    a = torch.randn(n, device=dev, dtype=torch.bfloat16); c = torch.empty_like(a)
-    t = bench(lambda: c.copy_(a))
-    return 4 * n / t
-
-
 def main(path):
     t0 = time.time()
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "date": time.strftime("%Y-%m-%d %H:%M"), "method": __doc__, "attention": [], "adam": []}
-    bw = copy_bw(); res["copy_bytes_per_s"] = bw
+    bw = copy_bw()["tb_per_s"] * 1e12; res["copy_bytes_per_s"] = bw
     for (b, h) in ((6, 32), (2, 40)):
         for s in (2048, 4096):
             bb = max(1, b * 2048 // s)
