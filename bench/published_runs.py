@@ -239,18 +239,19 @@ def bands(rows: list, loso: dict) -> dict:
 
 
 def free_choice(r: dict, cluster):
-    """The planner's own plan for the row's model, machine and batch, re-checked in memory."""
+    """The planner's own plan for the row's model, machine and batch under the row's execution
+    model (engine and stack, as `cost --execution ...` would), re-checked in memory."""
     from ds_autoplan.search import search
     model = load_model(r["model"])
     try:
         res = search(model, cluster, r["batch"], precision=r["precision"], wide=False,
-                     baselines=False, keep_sim=False)
+                     baselines=False, keep_sim=False, execution=execution(r))
     except SpecError as e:
         return None, str(e).split(";")[0][:70]
     p = res.plan
     cfg = Config(**p.parallel.with_(chunks=2 if p.schedule == "interleaved" else 1).as_dict(),
                  recompute="full" if any(x > 0 for x in p.recompute_per_stage) else "none")
-    cm = CostModel(model, cluster, r["precision"])
+    cm = CostModel(model, cluster, r["precision"], execution=execution(r))
     check = config_cost(cm, cfg, res.plan.predicted["memory_budget_gb"] * GB)
     over = max(p.predicted["peak_memory_gb_per_stage"]) * GB > p.predicted["memory_budget_gb"] * GB * (1 + 1e-9)
     # independent re-check where the closed form models the schedule exactly (1F1B or
