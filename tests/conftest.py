@@ -9,15 +9,50 @@ They are built into this environment (``<venv>/torch_extensions``, unless
 ``TORCH_EXTENSIONS_DIR`` says otherwise; the test's ranks inherit it): torch keys its
 extension cache by op name only, and the build files name the DeepSpeed install's own source
 paths, so two virtual environments sharing ``~/.cache/torch_extensions`` rebuild each other's
-ops (minutes each) whenever they alternate."""
+ops (minutes each) whenever they alternate.
+
+DeepSpeed's op loader asks py-cpuinfo for the build flags each time it loads an op (seconds
+per call: a fresh Python that times the clock), in every rank of every launch.  The answer is
+asked once here and given to this process and to every process a test starts
+(tests/ranksite, first on their PYTHONPATH); see tests/ranksite/cached_cpuinfo.py."""
 import os
+import shutil
 import sys
+import tempfile
+
+RANKSITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ranksite")
+
+
+def _cache_cpuinfo() -> str | None:
+    """py-cpuinfo's answer in a session temporary file, named by $DS_AUTOPLAN_TEST_CPUINFO;
+    the folder to remove at the end (None without py-cpuinfo)."""
+    try:
+        import cpuinfo
+    except ImportError:
+        return None
+    folder = tempfile.mkdtemp(prefix="ds-autoplan-tests-")
+    path = os.path.join(folder, "cpuinfo.json")
+    with open(path, "w") as f:
+        f.write(cpuinfo.get_cpu_info_json())
+    os.environ["DS_AUTOPLAN_TEST_CPUINFO"] = path
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (RANKSITE, os.environ.get("PYTHONPATH")) if p)
+    sys.path.insert(0, RANKSITE)
+    import cached_cpuinfo
+    cached_cpuinfo.install()
+    return folder
 
 
 def pytest_sessionstart(session):
     import importlib.util
     if importlib.util.find_spec("deepspeed") is None:     # the tests that need it skip
         return
+    session.config._ds_autoplan_tmp = _cache_cpuinfo()
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     from ds_autoplan.runtime.launch import prebuild_ops
     prebuild_ops({**os.environ, "DS_AUTOPLAN_SHM": "1"}, adam=True)
+
+
+def pytest_sessionfinish(session):
+    folder = getattr(session.config, "_ds_autoplan_tmp", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -90,14 +90,14 @@ def _runs(*items) -> list:
     return [{"plan": p, "sched": s and s.to_dict()} for p, s in items]
 
 
-def _in_deepspeed(tmp_path, runs) -> list:
+def _in_deepspeed(folder, runs) -> list:
     """Every run on 2 ranks of the DeepSpeed adapter: per run, the rows of its ranks."""
     pytest.importorskip("deepspeed")
     from harness import ENV
     from ds_autoplan.runtime.launch import per_rank_results
-    path = tmp_path / "runs.json"
+    path = folder / "runs.json"
     path.write_text(json.dumps(runs))
-    out = per_rank_results(["-m", "harness.contract", str(path)], 2, timeout=180, env=ENV)
+    out = per_rank_results(["-m", "harness.contract", str(path)], 2, timeout=300, env=ENV)
     return [[out[r][i] for r in range(2)] for i in range(len(runs))]
 
 
@@ -105,13 +105,30 @@ def _in_megatron(runs) -> list:
     """Every run on 2 ranks of the Megatron adapter: per run, the rows of its ranks."""
     pytest.importorskip("megatron.core")
     from harness.megatron_cases import launch
-    out = launch(2, [dict(run, fn="harness.contract:megatron_case") for run in runs], timeout=180)
+    out = launch(2, [dict(run, fn="harness.contract:megatron_case") for run in runs], timeout=300)
     return [[out[r][i] for r in range(2)] for i in range(len(runs))]
 
 
 def _hand_runs():
     from harness.contract import plan_dict
     return _runs(*((plan_dict(s.name, 2, 4, 4), s) for s in (hand_v(), no_r(hand_v()))))
+
+
+def _plan_runs():
+    """The same plan with recompute_per_stage [0.5, 0.0] and without recompute."""
+    from harness.contract import plan_dict
+    return _runs((plan_dict("1f1b", 2, 2, 4, [0.5, 0.0]), None), (plan_dict("1f1b", 2, 2, 4), None))
+
+
+@pytest.fixture(scope="module")
+def in_deepspeed(tmp_path_factory):
+    """The hand lists' runs, then the plan runs: one 2-rank process group."""
+    return _in_deepspeed(tmp_path_factory.mktemp("contract"), _hand_runs() + _plan_runs())
+
+
+@pytest.fixture(scope="module")
+def in_megatron():
+    return _in_megatron(_hand_runs() + _plan_runs())
 
 
 def _check_hand(rows, label):
@@ -121,14 +138,14 @@ def _check_hand(rows, label):
         assert with_r[rank]["peak"] < plain[rank]["peak"]
 
 
-@pytest.mark.timeout(200)
-def test_hand_list_in_deepspeed(tmp_path):
-    _check_hand(_in_deepspeed(tmp_path, _hand_runs()), "deepspeed")
+@pytest.mark.timeout(400)       # the first test pays for the fixture's process group
+def test_hand_list_in_deepspeed(in_deepspeed):
+    _check_hand(in_deepspeed[:2], "deepspeed")
 
 
-@pytest.mark.timeout(200)
-def test_hand_list_in_megatron():
-    _check_hand(_in_megatron(_hand_runs()), "megatron")
+@pytest.mark.timeout(400)
+def test_hand_list_in_megatron(in_megatron):
+    _check_hand(in_megatron[:2], "megatron")
 
 
 def test_plan_recompute_is_one_pass_for_both_runtimes():
@@ -162,20 +179,19 @@ def test_plan_recompute_is_one_pass_for_both_runtimes():
                        "recompute_method": None, "recompute_num_layers": None}
 
 
-@pytest.mark.timeout(400)
-def test_plan_recompute_same_in_both_runtimes(tmp_path):
+@pytest.mark.timeout(700)
+def test_plan_recompute_same_in_both_runtimes(in_deepspeed, in_megatron):
     """The same plan (pp 2, 1F1B, 4 + 4 layers, recompute_per_stage [0.5, 0.0], fp32) in the
     DeepSpeed and the Megatron adapter: the same lowered action lists, with R on stage 0;
     gradients equal to a non-pipelined run; measured peak saved-activation bytes per rank
     equal to the simulator's (exact) and, on rank 0, below the same plan without recompute."""
-    from harness.contract import plan_dict
     from ds_autoplan.plan import Plan
     from ds_autoplan.schedule import lower
     from ds_autoplan.schedule.passes import plan_schedule
-    rec, plain = plan_dict("1f1b", 2, 2, 4, [0.5, 0.0]), plan_dict("1f1b", 2, 2, 4)
-    runs = _runs((rec, None), (plain, None))
+    rec = _plan_runs()[0]["plan"]
+    assert rec["recompute_per_stage"] == [0.5, 0.0]
     expect = lower(plan_schedule(Plan.from_dict(rec)))
-    for label, rows in (("deepspeed", _in_deepspeed(tmp_path, runs)), ("megatron", _in_megatron(runs))):
+    for label, rows in (("deepspeed", in_deepspeed[2:]), ("megatron", in_megatron[2:])):
         with_r, without = _check(rows[0], label), _check(rows[1], label + " no recompute")
         for rank in (0, 1):
             assert with_r[rank]["actions"] == [a.short() for a in expect.ranks[rank]], (label, rank)

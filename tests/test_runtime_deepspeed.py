@@ -13,38 +13,58 @@ SCHEDULES = registered()        # every registered builder but the listed exclus
 TOL = 1e-5
 
 
-def run_group(world, *args, timeout=240):
-    return {(d["schedule"], d.get("rank")): d
-            for d in results(WORKER + list(args), world, timeout=timeout, env=ENV)}
+def run_groups(world, *groups, timeout=240):
+    """Each option group's results, ``{(schedule, rank): row}`` per group: all groups in one
+    process group (harness.ds_pipeline's ``--then``)."""
+    argv = [a for i, g in enumerate(groups) for a in (["--then"] if i else []) + list(g)]
+    res = [{} for _ in groups]
+    for d in results(WORKER + argv, world, timeout=timeout, env=ENV):
+        res[d.get("group", 0)][(d["schedule"], d.get("rank"))] = d
+    return res
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return run_group(2, "--schedules", ",".join(SCHEDULES), "--n", "4")
+def two_rank_groups():
+    """Plain, ZeRO-1 with stage-aware recompute, DeepSpeed's uniform checkpointing: one
+    2-rank process group."""
+    return run_groups(2, ["--schedules", ",".join(SCHEDULES), "--n", "4"],
+                      ["--schedules", ",".join(SCHEDULES), "--n", "4", "--zero", "1", "--recompute", "1.0"],
+                      ["--ds-ckpt", "1", "--n", "4", "--schedules", "ds-train,1f1b,v-zb"], timeout=400)
 
 
 @pytest.fixture(scope="module")
-def two_ranks_zero1_recompute():
-    return run_group(2, "--schedules", ",".join(SCHEDULES), "--n", "4", "--zero", "1",
-                     "--recompute", "1.0")
+def two_ranks(two_rank_groups):
+    return two_rank_groups[0]
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
-    # identical blocks (uniform stages) so the paper's memory ratios apply; n = 16
-    return run_group(4, "--model", "blocks", "--blocks", "8", "--n", "16", "--schedules",
-                     "ds-train," + ",".join(SCHEDULES), timeout=300)
+def two_ranks_zero1_recompute(two_rank_groups):
+    return two_rank_groups[1]
 
 
 @pytest.fixture(scope="module")
-def pipeline_and_data_parallel():
-    # 4 ranks = pp 2 x dp 2, ZeRO-1 over the data-parallel replicas
-    return run_group(4, "--dp", "2", "--zero", "1", "--n", "4", "--schedules", "v-zb,interleaved")
+def deepspeed_uniform_checkpointing(two_rank_groups):
+    return two_rank_groups[2]
 
 
 @pytest.fixture(scope="module")
-def deepspeed_uniform_checkpointing():
-    return run_group(2, "--ds-ckpt", "1", "--n", "4", "--schedules", "ds-train,1f1b,v-zb")
+def four_rank_groups():
+    """One 4-rank process group: identical blocks (uniform stages, so the paper's memory
+    ratios apply; n = 16) for every schedule and TrainSchedule, then pp 2 x dp 2 with ZeRO-1
+    over the data-parallel replicas."""
+    return run_groups(4, ["--model", "blocks", "--blocks", "8", "--n", "16", "--schedules",
+                          "ds-train," + ",".join(SCHEDULES)],
+                      ["--dp", "2", "--zero", "1", "--n", "4", "--schedules", "v-zb,interleaved"], timeout=500)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(four_rank_groups):
+    return four_rank_groups[0]
+
+
+@pytest.fixture(scope="module")
+def pipeline_and_data_parallel(four_rank_groups):
+    return four_rank_groups[1]
 
 
 def _ranks(res, name, world):

@@ -23,31 +23,41 @@ RUNS = ["dynapipe:0:tokens", "dynapipe:1:tokens", "1f1b:0:tokens", "dynapipe:1:t
 KW = dict(grace=20, env={**ENV, "DS_AUTOPLAN_P2P_TIMEOUT": "30"})
 
 
-def run_group(world, *args, timeout=150):
-    res = {}
-    for d in results(WORKER + list(args), world, timeout=timeout, **KW):
+def run_groups(world, *groups, timeout=150):
+    """Each option group's rows, ``{"SCHEDULE:ZERO:WEIGHT[:RECOMPUTE]": [row per rank]}`` per
+    group: all groups in one process group (harness.ds_dynamic's ``--then``)."""
+    argv = [a for i, g in enumerate(groups) for a in (["--then"] if i else []) + list(g)]
+    res = [{} for _ in groups]
+    for d in results(WORKER + argv, world, timeout=timeout, **KW):
         key = f"{d['schedule']}:{d['zero']}:{d['weight']}"
         key += f":{d['recompute']}" if d["recompute"] else ""
-        res.setdefault(key, []).append(d)
+        res[d["group"]].setdefault(key, []).append(d)
     return res
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
     # 12 samples per step from the real length distribution, max length 256
-    return run_group(2, "--runs", ",".join(RUNS), "--misuse")
+    return run_groups(2, ["--runs", ",".join(RUNS), "--misuse"])[0]
 
 
 @pytest.fixture(scope="module")
-def pipeline_and_data_parallel():
-    # pp 2 x dp 2, ZeRO-1: each replica plans its own share (its own micro-batch count)
-    return run_group(4, "--dp", "2", "--gbs", "16", "--runs", "dynapipe:1:tokens")
+def four_rank_groups():
+    """One 4-rank process group: pp 2 x dp 2 with ZeRO-1, each replica planning its own share
+    (its own micro-batch count); then pp 4, whose middle ranks read no data and still know
+    every shape from the plan."""
+    return run_groups(4, ["--dp", "2", "--gbs", "16", "--runs", "dynapipe:1:tokens"],
+                      ["--blocks", "6", "--gbs", "16", "--runs", "dynapipe:0:tokens"], timeout=300)
 
 
 @pytest.fixture(scope="module")
-def four_stages():
-    # pp 4: the middle ranks read no data and still know every shape from the plan
-    return run_group(4, "--blocks", "6", "--gbs", "16", "--runs", "dynapipe:0:tokens")
+def pipeline_and_data_parallel(four_rank_groups):
+    return four_rank_groups[0]
+
+
+@pytest.fixture(scope="module")
+def four_stages(four_rank_groups):
+    return four_rank_groups[1]
 
 
 def _equal(rows):

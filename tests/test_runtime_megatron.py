@@ -85,47 +85,77 @@ def _check(cases, out, own=("1f1b", "interleaved")):
         assert len(la) == 2 * cases[a]["n"] and la == pytest.approx(lb, abs=TOL)
 
 
-@pytest.mark.timeout(240)
-def test_two_ranks_all_schedules():
+DROPOUT_CASE = dict(fn="dropout_case", pp=2, n=4, layers=[1, 1, 1, 1], schedule="hand-v",
+                    sched=hand_v(2, 4).to_dict(), dropout=0.3)
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One 2-rank process group: every schedule's case, then the dropout case."""
     from harness.megatron_cases import launch
     cases = _cases(2, 4)
-    _check(cases, launch(2, cases, timeout=200))
+    out = launch(2, cases + [DROPOUT_CASE], timeout=300)
+    return cases, [o[:len(cases)] for o in out], [o[len(cases)] for o in out]
 
 
-@pytest.mark.timeout(300)
-def test_four_ranks_all_schedules():
-    from harness.megatron_cases import launch
-    cases = [c for c in _cases(4, 8) if c["schedule"] not in ("zb-h1",)]
-    _check(cases, launch(4, cases, timeout=260))
+@pytest.mark.timeout(400)       # the first test pays for the fixture's process group
+def test_two_ranks_all_schedules(two_ranks):
+    cases, out, _ = two_ranks
+    _check(cases, out)
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
-def test_tensor_parallel_split_backward(sp):
-    """pp 2 x tp 2 (4 ranks), with and without sequence parallelism: 1F1B (ours and
-    Megatron's), ZB-H1 and V-ZB (B/W split, V placement) equal a pp=1, tp=2 reference built
-    from Megatron's own linear layers, and every rank's W runs deferred weight GEMMs."""
-    from harness.megatron_cases import launch
+def _tp_cases(sp: bool) -> list:
     base = dict(pp=2, n=4, tp=2, sp=sp, ref_split=False, layers=[1, 1])
     cases = [dict(base, schedule="1f1b"), dict(base, schedule="1f1b", runner="megatron"),
              dict(base, schedule="zb-h1")]
     if "v-zb" in names():
         cases.append(dict(base, schedule="v-zb", layers=[1, 1, 1, 1]))
-    out = launch(4, cases, timeout=160)
+    return cases
+
+
+MOE_CASES = [dict(fn="moe_case", pp=2, ep=2, n=4, schedule="1f1b", layers=[1, 1]),
+             # the router's load-balancing loss on: the same micro-batches in both runs
+             dict(fn="moe_case", pp=2, ep=2, n=4, schedule="v-half", layers=[1, 1, 1, 1], aux_loss=0.01)]
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """One 4-rank process group runs every 4-rank case group (each case sets up its own
+    parallel state): {group: (cases, every rank's results for them)}."""
+    from harness.megatron_cases import launch
+    groups = {"schedules": [c for c in _cases(4, 8) if c["schedule"] not in ("zb-h1",)],
+              "tp2": _tp_cases(False), "tp2-sp": _tp_cases(True), "moe": MOE_CASES}
+    out = launch(4, [c for cases in groups.values() for c in cases], timeout=600)
+    res, at = {}, 0
+    for name, cases in groups.items():
+        res[name] = (cases, [o[at:at + len(cases)] for o in out])
+        at += len(cases)
+    return res
+
+
+@pytest.mark.timeout(900)       # the first test pays for the fixture's process group
+def test_four_ranks_all_schedules(four_ranks):
+    _check(*four_ranks["schedules"])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("group", ["tp2", "tp2-sp"])
+def test_tensor_parallel_split_backward(four_ranks, group):
+    """pp 2 x tp 2 (4 ranks), with and without sequence parallelism: 1F1B (ours and
+    Megatron's), ZB-H1 and V-ZB (B/W split, V placement) equal a pp=1, tp=2 reference built
+    from Megatron's own linear layers, and every rank's W runs deferred weight GEMMs."""
+    cases, out = four_ranks[group]
+    assert all(c["sp"] == (group == "tp2-sp") for c in cases)
     assert sorted(o[0]["tp_rank"] for o in out) == [0, 0, 1, 1]
     assert all(o[i]["w_items"] > 0 for o in out for i, c in enumerate(cases) if c["schedule"] != "1f1b")
     _check(cases, out, own=("1f1b",))
 
 
-@pytest.mark.timeout(120)
-def test_recompute_replays_dropout():
+@pytest.mark.timeout(400)
+def test_recompute_replays_dropout(two_ranks):
     # rank 1 recomputes its second V stage (R before B): with hidden dropout the gradients
     # equal those of the same schedule without R only if R replays the forward's RNG state
-    from harness.megatron_cases import launch
-    case = dict(fn="dropout_case", pp=2, n=4, layers=[1, 1, 1, 1], schedule="hand-v",
-                sched=hand_v(2, 4).to_dict(), dropout=0.3)
-    out = launch(2, [case], timeout=100)
-    rows = [o[0] for o in out]
+    _, _, rows = two_ranks
     assert sorted(r["recomputes"] > 0 for r in rows) == [False, True]
     for r in rows:
         assert r["max_err"] <= 1e-6, r
@@ -280,8 +310,8 @@ def test_chunk_without_decoder_has_no_layers_to_recompute():
 
 
 # ------------------------------------------------------------------ expert parallelism (MoE)
-@pytest.mark.timeout(300)
-def test_expert_parallel_moe_pp2_ep2_1f1b_and_v_half():
+@pytest.mark.timeout(900)
+def test_expert_parallel_moe_pp2_ep2_1f1b_and_v_half(four_ranks):
     """Megatron's MoE layer (top-2 of 4 experts, alltoall dispatcher, per-expert MLPs) with
     expert parallelism 2 inside our 1F1B and V-Half on 4 ranks (pp 2 x ep 2): after Megatron's
     gradient reduction (dense over dp, experts over expert-dp) every rank's gradients,
@@ -289,12 +319,7 @@ def test_expert_parallel_moe_pp2_ep2_1f1b_and_v_half():
     equal the unpipelined single-process model fed all ranks' micro-batches (2 steps; V-Half
     with the router's auxiliary load-balancing loss), and V-Half's W actions run the experts'
     deferred weight GEMMs."""
-    from harness.megatron_cases import launch
-    cases = [dict(fn="moe_case", pp=2, ep=2, n=4, schedule="1f1b", layers=[1, 1]),
-             # the router's load-balancing loss on: the same micro-batches in both runs
-             dict(fn="moe_case", pp=2, ep=2, n=4, schedule="v-half", layers=[1, 1, 1, 1],
-                  aux_loss=0.01)]
-    out = launch(4, cases, timeout=260)
+    cases, out = four_ranks["moe"]
     print(json.dumps({"moe_max_grad_err": {c["schedule"]: max(o[i]["max_grad_err"] for o in out)
                                            for i, c in enumerate(cases)}}))     # pytest -s
     for i, case in enumerate(cases):

@@ -7,6 +7,11 @@ boundaries, e.g. "0,10,22") DeepSpeed's own PipelineModule uses that partition, 
 reference run can cut the layers where a plan did."""
 import os
 
+try:          # tests/ranksite's sitecustomize, which this one shadows: py-cpuinfo asked once
+    import cached_cpuinfo  # noqa: F401
+except ImportError:
+    pass
+
 import torch
 
 torch.cuda.set_device = lambda *a, **k: None

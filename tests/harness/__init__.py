@@ -23,6 +23,15 @@ def registered(exclude=()) -> list[str]:
     return [n for n in names() if n not in RUNTIME_EXCLUDED and n not in exclude]
 
 
+def option_groups(argv) -> list[list[str]]:
+    """A worker's command line split at each ``--then`` (``A --then B``: option groups A and
+    B, run one after the other in the same process group)."""
+    groups = [[]]
+    for a in argv:
+        groups.append([]) if a == "--then" else groups[-1].append(a)
+    return groups
+
+
 def clients_dir():
     """The real client code the client tests copy and run (never edit it): ``$DS_AUTOPLAN_CLIENTS``
     when set, else ``shared/clients`` beside the repository (``<repo>/../shared/clients``, as CI

@@ -3,7 +3,7 @@
 On every rank (:func:`ds_autoplan.runtime.launch.spawn` with :data:`harness.ENV`, or the
 ``deepspeed`` launcher)::
 
-    python -m harness.ds_dynamic --steps 2 --runs dynapipe:0:tokens,1f1b:1:tokens
+    python -m harness.ds_dynamic --steps 2 --runs dynapipe:0:tokens,1f1b:1:tokens [--then --dp 2 ...]
 
 Draws sequence lengths from the shipped real distribution, plans every step with DynaPipe
 (DP micro-batching + adaptive schedule, ``DynamicBatchSampler`` in a background thread),
@@ -11,12 +11,14 @@ trains the tiny GPT with :func:`dynamic.train_batch` through a torch ``DataLoade
 sampler, and compares with the unpipelined model trained on each step's samples as one
 padded batch (mean next-token loss over all real tokens).  Prints one ``AUTOPLAN_RESULT
 {json}`` line per rank and run (schedule, ZeRO stage, loss weight): shapes per step and
-the largest relative error of the losses and of every local parameter.
+the largest relative error of the losses and of every local parameter.  ``--then`` starts
+another group of options, run in the same process group (each result names its ``group``).
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import sys
 
 import numpy as np
 import torch
@@ -24,6 +26,7 @@ import torch.nn as nn
 
 from ds_autoplan.dynamic.sampler import VarLenTokens
 from ds_autoplan.runtime.launch import report_runs
+from harness import option_groups
 
 
 def make_sampler(args, lengths, dp, dp_rank, schedule="dynapipe"):
@@ -131,13 +134,18 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--local_rank", type=int, default=None)
-    args = ap.parse_args(argv)
-    from ds_autoplan.dynamic import LengthSampler
-    from ds_autoplan.dynamic.sampler import pad_collate
-    from ds_autoplan.models.tiny_gpt import GPTConfig, TinyGPT, gpt_loss
     from ds_autoplan.runtime.deepspeed.dist import init_distributed
     torch.set_num_threads(1)
     init_distributed()
+    groups = option_groups(sys.argv[1:] if argv is None else argv)
+    report_runs(job for g, group in enumerate(groups) for job in _group_jobs(ap.parse_args(group), g))
+
+
+def _group_jobs(args, group):
+    """One option group's runs (each result tagged with ``group``), after its reference."""
+    from ds_autoplan.dynamic import LengthSampler
+    from ds_autoplan.dynamic.sampler import pad_collate
+    from ds_autoplan.models.tiny_gpt import GPTConfig, TinyGPT, gpt_loss
     args.pp = torch.distributed.get_world_size() // args.dp
     lengths = LengthSampler(max_len=args.max_len, seed=args.seed)(args.gbs * args.steps)
     ds = VarLenTokens(lengths, args.vocab, args.seed)
@@ -150,11 +158,11 @@ def main(argv=None):
     steps_idx = [np.asarray(i) for i in probe.step_indices()[:args.steps]]
     losses, layers = reference(copy.deepcopy(layers0), ds, steps_idx, args.lr, gpt_loss, pad_collate())
     ref = {"losses": losses, "layers": layers}
-    def job(spec):
+    for spec in args.runs.split(","):
         schedule, zero, weight, *rec = spec.split(":")
-        return lambda: run(args, schedule, int(zero), weight, float(rec[0]) if rec else 0.0, ref,
-                           layers0, ds, lengths)
-    report_runs(job(spec) for spec in args.runs.split(","))
+        yield lambda schedule=schedule, zero=zero, weight=weight, rec=rec: {
+            **run(args, schedule, int(zero), weight, float(rec[0]) if rec else 0.0, ref, layers0, ds,
+                  lengths), "group": group}
 
 
 if __name__ == "__main__":

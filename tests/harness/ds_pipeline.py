@@ -3,7 +3,7 @@
 Run on every rank (:func:`ds_autoplan.runtime.launch.spawn` with :data:`harness.ENV`, or the
 ``deepspeed`` launcher)::
 
-    python -m harness.ds_pipeline --schedules 1f1b,v-min --n 4
+    python -m harness.ds_pipeline --schedules 1f1b,v-min --n 4 [--then --zero 1 --schedules ...]
 
 For each schedule it trains a tiny GPT for ``--steps`` optimizer steps with
 :func:`ds_autoplan.initialize`, trains the same model without pipelining in this process,
@@ -11,15 +11,16 @@ and prints one ``AUTOPLAN_RESULT {json}`` line per rank: the largest relative er
 losses and of every local parameter, the measured peak saved-activation bytes of the last
 step, and the simulator's prediction for this rank from per-layer activation bytes
 (:func:`harness.memory.profile_layers`).  ``ds-train`` / ``ds-dualpipev`` run DeepSpeed's own
-TrainSchedule / DualPipeVSchedule engines for comparison (benchmarks).
+TrainSchedule / DualPipeVSchedule engines for comparison (benchmarks).  ``--then`` starts
+another group of options, run in the same process group (each result names its ``group``).
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from ds_autoplan.models.tiny_gpt import Block, GPTConfig, TinyGPT, gpt_loss
 from ds_autoplan.runtime.launch import report_runs
+from harness import option_groups
 
 
 # ----------------------------------------------------------------------------- models
@@ -258,19 +260,24 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fail", default="", help="rank:raise|kill|hang:call (failure injection)")
     ap.add_argument("--local_rank", type=int, default=None)   # set by the deepspeed launcher
-    args = ap.parse_args(argv)
+    groups = option_groups(sys.argv[1:] if argv is None else argv)
     from ds_autoplan.runtime.deepspeed.dist import init_distributed
     torch.set_num_threads(1)
     init_distributed()
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    report_runs(job for g, group in enumerate(groups) for job in _group_jobs(ap.parse_args(group), g, world, rank))
+
+
+def _group_jobs(args, group, world, rank):
+    """One option group's runs (each result tagged with ``group``), after its reference."""
     layers0, loss_fn, batches = model_and_data(args)
     losses, layers = reference_training(copy.deepcopy(layers0), batches, args.lr, loss_fn)
     with torch.no_grad():
         model = nn.Sequential(*layers)
         ev = sum(float(loss_fn(model(x), y)) for x, y in batches[0]) / len(batches[0])
     ref = {"losses": losses, "layers": layers, "layers0": layers0, "eval": ev}
-    report_runs(functools.partial(run_one, name, args, world, rank, ref)
-                for name in args.schedules.split(","))
+    for name in args.schedules.split(","):
+        yield lambda name=name: {**run_one(name, args, world, rank, ref), "group": group}
 
 
 if __name__ == "__main__":
