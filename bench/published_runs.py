@@ -20,6 +20,10 @@ Unpublished knobs (micro-batch size, interleaving) follow one rule: of the value
 accepts that fit in memory, the one of median predicted time (lower median) under the prior;
 each row prints what it took and from how many choices.
 
+A published configuration is judged feasible against the device's measured allocatable memory
+for its GPU kind (device_limit: bench/data/gpu_memory_*.json; H100 76.9 GiB of modelled
+allocations), not against the planner's budget (reserve and headroom: policy for its own plans).
+
 Then the planner's free choice for the same model, machine and batch, its prediction, and
 whether its peak memory, re-checked with the closed form under the engines' accounting
 (cost/memory.py), exceeds the budget.
@@ -174,12 +178,37 @@ def unpublished_rule(costed: list):
     return fit[(len(fit) - 1) // 2], len(fit)
 
 
+# GPU kinds whose allocatable memory was measured (bench/gpu_memory_check.py measure)
+MEMORY_MEASUREMENTS = {"h100-sxm-80gb": "gpu_memory_h100.json"}
+
+
+def device_limit(cluster) -> float:
+    """Bytes of modelled allocations one device of ``cluster`` can hold, from the measurement of
+    its GPU kind: what PyTorch sees less what goes outside its caching allocator (CUDA context,
+    cuBLAS, flash-attention workspaces), divided by the allocator's reserved/allocated peak ratio
+    under a 1F1B-like stash pattern (H100: (79.18 - 0.68) / 1.021 = 76.86 GiB).  NCCL's buffers
+    are not subtracted: they were not measured (0.54-0.69 GB per process group for a 4 MB
+    all-reduce on 4 NVLink A100s, NVIDIA/nccl#964; shared between communicators split with
+    shared resources, nccl#986), so this is an upper bound: a modelled peak above it contradicts
+    a run that happened.  A published configuration ran -- a fact; the planner's budget
+    (cost/memory.usable_budget: reserve and headroom) is policy.  Kinds without a measurement
+    keep the planner's budget."""
+    name = MEMORY_MEASUREMENTS.get(cluster.gpu)
+    if name is None:
+        return usable_budget(cluster)[0]
+    with open(os.path.join(os.path.dirname(DATA), name)) as f:
+        m = json.load(f)
+    slack = m["pipeline"]["max_reserved_gib"] / m["pipeline"]["max_allocated_gib"]
+    return (m["total_gib"] - m["outside_allocator_gib"]) / slack * GB
+
+
 def cost_published(r: dict, sustained: float | None = None, cfg: Config | None = None):
-    """((cfg, cost), cluster, choices): the published configuration costed; ``cfg`` fixes the
-    unpublished knobs (else :func:`unpublished_rule` chooses them)."""
+    """((cfg, cost), cluster, choices): the published configuration costed and judged against
+    the device's measured limit (:func:`device_limit`); ``cfg`` fixes the unpublished knobs
+    (else :func:`unpublished_rule` chooses them)."""
     model, cluster = setup(r)
     cm = cost_model(r, model, cluster, sustained)
-    E = usable_budget(cluster)[0]          # the planner's default budget, headroom kept
+    E = device_limit(cluster)
     if cfg is not None:
         return (cfg, config_cost(cm, cfg, E, layout(r, model, cfg))), cluster, 1
     best, n = unpublished_rule([(c, config_cost(cm, c, E, layout(r, model, c))) for c in candidates(r, model)])
@@ -286,14 +315,14 @@ def main(argv=None) -> int:
     full, infile, loso = cross_validate(data, cfgs, prior)
     rows, over, infeasible = [], 0, 0
     hdr = (f"{'run':16s} {'GPUs':>5s} {'engine':>13s} {'tp/pp/dp':>9s} {'cp/ep':>5s} {'mbs':>3s} {'v':>2s} {'knobs':>6s} {'recompute':>9s} "
-           f"{'published':>9s} {'predicted':>9s} {'error':>7s} {'LOSO':>7s} {'peak/budget GB':>15s}  free choice")
+           f"{'published':>9s} {'predicted':>9s} {'error':>7s} {'LOSO':>7s} {'peak/limit GB':>15s}  free choice")
     print(hdr)
     print("-" * len(hdr))
     for r in data:
         pub = published_time(r)
         (cfg, c), cluster, _ = cost_published(r, full[kind_of(r)], cfgs[r["id"]])
         infeasible += not c.fits
-        budget = usable_budget(cluster)[0] / GB
+        budget = device_limit(cluster) / GB
         fc, why = (None, "skipped (--quick)") if a.quick and r["gpus"] > 64 else free_choice(r, cluster)
         if fc:
             over += fc["over_budget"]
