@@ -5,6 +5,7 @@ Every multi-rank run is bounded by the launcher's kill timeout: a hang fails the
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -135,3 +136,26 @@ def test_megatron_stalled_rank_stops_the_others_within_the_watchdog(tmp_path):
     pytest.importorskip("megatron.core")
     _check_stalled(_run_stalled(tmp_path, 2, {"fn": "harness.hang_cases:mg_case",
                                               "stall_rank": 1}, 1), 1)
+
+
+def test_a_left_op_build_lock_is_named_not_waited_on_silently(tmp_path, monkeypatch, capsys):
+    """torch waits for ever on a JIT build's ``lock``; a killed build leaves it.  While an op
+    build waits on one, ds-autoplan names the file and what to do (and says nothing without)."""
+    import time
+    from torch.utils.cpp_extension import _get_build_directory
+    from ds_autoplan.runtime.launch import lock_watch
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with lock_watch("fused_adam", after=0.01) as lock:      # no lock: nothing said
+        time.sleep(0.2)
+    assert capsys.readouterr().err == ""
+    assert lock == os.path.join(_get_build_directory("fused_adam", verbose=False), "lock")
+    os.makedirs(os.path.dirname(lock), exist_ok=True)
+    open(lock, "w").close()
+    err = ""
+    with lock_watch("fused_adam", after=0.01):
+        for _ in range(200):                                # the watcher thread's line
+            time.sleep(0.05)
+            err += capsys.readouterr().err
+            if err:
+                break
+    assert lock in err and "remove that file" in err, err

@@ -51,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .. import outputs
 from ..errors import UserError
 from .common.collectives import broadcast_text, gather_text
 from .common.collectives import rank as _rank, world as _world
@@ -553,27 +554,19 @@ def save_atomically(final, write) -> None:
 
 
 def write_file(path, data: bytes | str) -> None:
-    """Replace ``path`` atomically: a temporary file beside it (mode from the umask, locked
-    while written), fsync, ``os.replace``, fsync of the folder."""
-    path = os.fspath(path)
-    parent, name = os.path.split(os.path.abspath(path))
+    """Replace ``path`` atomically with ``data`` (:func:`ds_autoplan.outputs.write_file`: a
+    locked temporary file beside it, fsync, ``os.replace``, fsync of the folder), the fault
+    point ``latest-tmp`` between the written temporary file and the replace."""
     raw = data.encode() if isinstance(data, str) else data
-    prefix = f".{name}.autoplan-tmp-"
-    _remove_unheld(parent, lambda e: e.startswith(prefix), os.path.isfile, os.unlink)
-    tmp = os.path.join(parent, f".{name}.autoplan-tmp-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with contextlib.suppress(OSError):      # a file system without flock: unlocked
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        os.write(fd, raw)
-        os.fsync(fd)
+
+    def fill(tmp: str) -> None:
+        with open(tmp, "wb") as fh:
+            fh.write(raw)
+            fh.flush()
+            os.fsync(fh.fileno())
         fault_point("latest-tmp")
-        os.replace(tmp, path)
-    finally:
-        os.close(fd)
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-    _fsync_dir(parent)
+
+    outputs.write_file(path, fill, what="checkpoint file")
 
 
 def write_latest(save_dir, tag: str) -> None:

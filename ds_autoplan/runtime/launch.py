@@ -20,12 +20,14 @@ extension builds (a killed build leaves a lock that hangs every later run, see
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 RESULT = "AUTOPLAN_RESULT "
@@ -94,10 +96,35 @@ def prebuild_ops(env, *, adam: bool = False) -> None:
     from ..env import env_flag
     if env_flag("DS_AUTOPLAN_SHM", env):
         from deepspeed.comm.torch import build_shm_op
-        build_shm_op()
+        with lock_watch("deepspeed_shm_comm"):
+            build_shm_op()
     if adam:
         from deepspeed.accelerator import get_accelerator
-        get_accelerator().create_op_builder("FusedAdamBuilder").load()
+        with lock_watch("fused_adam"):
+            get_accelerator().create_op_builder("FusedAdamBuilder").load()
+
+
+@contextlib.contextmanager
+def lock_watch(op: str, after: float = 30.0):
+    """Around an op's JIT build: torch waits without a word, for ever, while the op's build
+    folder holds a ``lock`` file, and a build killed midway leaves it behind.  If the lock is
+    still there ``after`` seconds in, say once on stderr which file it is and what to do."""
+    from torch.utils.cpp_extension import _get_build_directory
+    lock = os.path.join(_get_build_directory(op, verbose=False), "lock")
+    done = threading.Event()
+
+    def warn():
+        if not done.wait(after) and os.path.exists(lock):
+            print(f"ds-autoplan: waiting {after:g} s for DeepSpeed's {op} op build: {lock} "
+                  "is held. If no build is running (a killed build leaves the lock behind), "
+                  "remove that file.", file=sys.stderr, flush=True)
+
+    watcher = threading.Thread(target=warn, daemon=True)
+    watcher.start()
+    try:
+        yield lock
+    finally:
+        done.set()
 
 
 def report_runs(jobs) -> None:
