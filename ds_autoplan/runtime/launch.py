@@ -115,9 +115,9 @@ def lock_watch(op: str, after: float = 30.0):
 
     def warn():
         if not done.wait(after) and os.path.exists(lock):
-            print(f"ds-autoplan: waiting {after:g} s for DeepSpeed's {op} op build: {lock} "
-                  "is held. If no build is running (a killed build leaves the lock behind), "
-                  "remove that file.", file=sys.stderr, flush=True)
+            print(f"ds-autoplan: DeepSpeed's {op} op is still building or waiting after "
+                  f"{after:g} s: {lock} is held (by a build in progress, or left by a killed "
+                  "one: if no build is running, remove that file).", file=sys.stderr, flush=True)
 
     watcher = threading.Thread(target=warn, daemon=True)
     watcher.start()
