@@ -81,6 +81,43 @@ def test_state_bytes_per_runtime():
     for z in range(4):                                                        # 'any' = the larger
         assert sum(state_bytes("bf16", z, 4)) == max(sum(state_bytes("bf16", z, 4, r))
                                                      for r in ("megatron", "deepspeed"))
+    # Apex DistributedFusedAdam with store_param_remainders (NeMo's distributed_fused_adam on a
+    # bf16 model): the fp32 master is a 2-byte remainder of the shard, 10 optimizer bytes not 12
+    assert state_bytes("bf16", 1, 8, "megatron", 2, True) == pytest.approx((2, 2, 10 / 8))
+    assert state_bytes("bf16", 0, 1, "megatron", None, True)[2] == 10
+    for prec in ("fp32", "fp16"):                                             # bf16 models only
+        assert state_bytes(prec, 1, 8, "megatron", None, True) == state_bytes(prec, 1, 8, "megatron")
+
+
+def test_distributed_fused_adam_is_an_optimizer_switch_of_memory_not_time(capsys):
+    """`--optimizer distributed-fused-adam` (cost/engines.py) charges the remainder optimizer's
+    10 bytes per locally held parameter in the model-state tables, the same step time as the
+    fused optimizer, and `cost` accepts it like the other stack switches."""
+    import json
+    from ds_autoplan.cli import main
+    from ds_autoplan.cost.engines import get_execution
+    from ds_autoplan.cost.model import CostModel
+    m, c = load_model("gpt3-1.3b"), load_cluster("8xh100-80gb")
+    s = Strategy(1, 8, 1)
+    cms = {o: CostModel(m, c, "bf16", "megatron", execution=get_execution("megatron-core", optimizer=o))
+           for o in ("fused", "distributed-fused-adam")}
+    tabs = {o: cm.tables([s], 16) for o, cm in cms.items()}
+    u = next(i for i, x in enumerate(cms["fused"].units) if x.params > 0)
+    W = cms["fused"].units[u].params
+    assert tabs["fused"].ms[u, 0] - tabs["distributed-fused-adam"].ms[u, 0] == pytest.approx(W * 2 / 8)
+    assert tabs["fused"].fwd[u, 0] == tabs["distributed-fused-adam"].fwd[u, 0]
+    args = ["cost", "--model", "gpt3-1.3b", "--cluster", "8xh100-80gb", "--global-batch", "16", "--runtime",
+            "megatron", "--config", "tp=1,pp=1,mbs=2,zero=1", "--json"]
+    out = {}
+    for o in ("fused", "distributed-fused-adam"):
+        assert main([*args, "--optimizer", o]) == 0
+        out[o] = json.loads(capsys.readouterr().out)["yours"]
+    assert "optimizer distributed-fused-adam" in out["distributed-fused-adam"]["execution"]
+    assert out["distributed-fused-adam"]["iteration_time_s"] == pytest.approx(out["fused"]["iteration_time_s"])
+    saved = out["fused"]["peak_memory_gb"][0] - out["distributed-fused-adam"]["peak_memory_gb"][0]
+    # 2 bytes of each parameter's 8-way shard: 0.31 GB for the model's parameters, 0.33 as costed
+    # (the untied output-layer copy counted on the last stage; rounded peaks)
+    assert saved == pytest.approx(m.total_params * 2 / 8 / 2 ** 30, rel=0.1)
 
 
 DS_PROBE = textwrap.dedent('''

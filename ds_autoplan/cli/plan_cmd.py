@@ -37,6 +37,7 @@ def add_parser(sub) -> None:
 
 def add_problem_args(p) -> None:
     """What is planned: model, cluster, batch, precision, budget (plan and cost)."""
+    from ..cost.engines import OPTIMIZERS
     p.add_argument("--model", required=True, help="preset name, model YAML, or HF config.json")
     p.add_argument("--cluster", required=True, help="preset name or cluster YAML")
     p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
@@ -65,9 +66,11 @@ def add_problem_args(p) -> None:
                    help="attention-kernel generation of your stack: fa1 (flash-attn 1.x, Triton "
                         "pre-MLIR), fa2 (flash-attn 2.x, SDPA flash), cudnn (Transformer Engine on "
                         "Hopper); default: the GPU kind's (ds_autoplan/data/gpus.yaml)")
-    p.add_argument("--optimizer", choices=["fused", "eager"], default=None,
-                   help="optimizer step: fused (FusedAdam, default) or eager (a per-tensor loop of "
-                        "torch ops, e.g. Composer's DecoupledAdamW)")
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default=None,
+                   help="optimizer step: fused (FusedAdam, default), eager (a per-tensor loop of "
+                        "torch ops, e.g. Composer's DecoupledAdamW) or distributed-fused-adam "
+                        "(NeMo's Apex DistributedFusedAdam: bf16 master kept as a 16-bit remainder, "
+                        "10 optimizer bytes per parameter instead of 12)")
     p.add_argument("--world-size", type=int, default=None, help="expected number of devices (checked)")
     p.add_argument("--profile", default=None, help="YAML/JSON of measured cluster overrides")
 

@@ -40,7 +40,11 @@ form (cost/iteration.py) apply.
   default).  ``optimizer``: 'fused' (one multi-tensor/fused AdamW kernel: Megatron's and
   DeepSpeed's FusedAdam, torch's fused AdamW; memory.OPT_STEP_BYTES) or 'eager' (a per-tensor
   loop of eager torch ops, Composer's DecoupledAdamW.adamw, plus the gradient-norm clipping
-  llm-foundry's yamls enable: every op reads and writes whole fp32 tensors, EAGER_STEP_BYTES).
+  llm-foundry's yamls enable: every op reads and writes whole fp32 tensors, EAGER_STEP_BYTES)
+  or 'distributed-fused-adam' (NeMo's name for Apex's DistributedFusedAdam, which NeMo runs with
+  store_param_remainders for bf16 models: a fused step whose fp32 master is kept as a 16-bit
+  remainder beside the bf16 parameter, 10 optimizer bytes per parameter instead of 12,
+  memory.state_bytes; its step is costed as the fused one's).
 * ``any`` -- the engine-neutral model the planner has always used (reductions after the
   backward in the parameter dtype, TP overlap on): what a plan emitted for either runtime does.
 """
@@ -53,7 +57,7 @@ import numpy as np
 
 OVERLAPS = ("grad-reduce", "param-gather", "tp-comm")
 ATTENTION_KERNELS = ("fa1", "fa2", "cudnn")
-OPTIMIZERS = ("fused", "eager")
+OPTIMIZERS = ("fused", "eager", "distributed-fused-adam")
 GRAD_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # HBM bytes per fp32-state parameter of Composer's DecoupledAdamW.adamw (composer/optim/
 # decoupled_weight_decay.py), op by op, read + write: param.mul_ 8, exp_avg.mul_ 8, .add_(grad)
@@ -80,7 +84,8 @@ class Execution:
     lockstep: bool = False              # DeepSpeed TrainSchedule: neighbours advance in lock step
     tied_reduce: bool = False           # tied embedding grads all-reduced between first and last stage
     attention: str | None = None        # attention-kernel generation (None: the GPU kind's default)
-    optimizer: str = "fused"            # 'fused' or 'eager' (per-tensor eager AdamW loop + clipping)
+    optimizer: str = "fused"            # 'fused', 'eager' (per-tensor eager AdamW loop + clipping)
+                                        # or 'distributed-fused-adam' (fused, 2-byte master remainders)
 
     def with_overlap(self, flags) -> "Execution":
         """The same engine with the overlap switches named in ``flags`` ('grad-reduce',
@@ -109,6 +114,11 @@ class Execution:
         """HBM bytes per locally updated parameter of the optimizer step."""
         from .memory import OPT_STEP_BYTES
         return EAGER_STEP_BYTES if self.optimizer == "eager" else OPT_STEP_BYTES[precision]
+
+    @property
+    def master_remainders(self) -> bool:
+        """The optimizer keeps the fp32 master as a 16-bit remainder (memory.state_bytes)."""
+        return self.optimizer == "distributed-fused-adam"
 
 
 def _dtype_name(b: float | None) -> str | None:

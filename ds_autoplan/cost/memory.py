@@ -19,6 +19,15 @@ Bytes per parameter on one rank of a data-parallel group of ``d`` (ZeRO stage ``
 * fp32: parameter + gradient + Adam moments, 4 + 4 + 8, sharded like the above.
 
 ``runtime='any'`` (the default: a plan is emitted for both engines) takes the larger of the two.
+
+``master_remainders`` (the optimizer 'distributed-fused-adam', cost/engines.py): Apex's
+DistributedFusedAdam with ``store_param_remainders=True`` keeps, "if model is BF16 and optimizer
+is FP32", only the bits needed to rebuild the fp32 master from the bf16 parameter (Apex
+``apex/contrib/optimizers/distributed_fused_adam.py``, class docstring) -- a 16-bit remainder
+per element of the shard instead of a 4-byte master copy: the optimizer's 12 bytes become 10.
+NeMo sets it for its ``distributed_fused_adam`` optimizer whenever the optimizer dtype is fp32
+and the O2 model dtype bf16 (``megatron_base_model.py`` ``setup_optimization``: store_params
+False, store_param_remainders True).  bf16 only; other precisions are unchanged.
 """
 from __future__ import annotations
 
@@ -31,6 +40,9 @@ RUNTIMES = ("any", "megatron", "deepspeed")
 # gradient, m, v and writes master, m, v (28); the master is copied to the 2-byte model
 # parameter (4 + 2); the gradient buffer is zeroed (4).  fp32 training has no copy.
 OPT_STEP_BYTES = {"bf16": 42.0, "fp16": 42.0, "fp32": 36.0}
+# optimizer bytes per parameter with the master kept as a 16-bit remainder: remainder 2 + Adam
+# moments 4 + 4 (Apex DistributedFusedAdam store_param_remainders; module docstring)
+MASTER_REMAINDER_OPT_BYTES = 10.0
 
 
 def _deepspeed(precision: str, zero: int, d: int) -> tuple[float, float, float]:
@@ -55,19 +67,25 @@ def _megatron(precision: str, zero: int, d: int, grad: float | None = None) -> t
 
 
 def state_bytes(precision: str, zero: int, d: int, runtime: str = "any",
-                grad_reduce_bytes: float | None = None) -> tuple[float, float, float]:
+                grad_reduce_bytes: float | None = None,
+                master_remainders: bool = False) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer) bytes per model parameter on one rank.
     ``grad_reduce_bytes``: a gradient-reduction dtype set explicitly (Execution.grad_bytes);
-    Megatron's gradient buffer has that dtype (see above), so it replaces the fp32 default."""
+    Megatron's gradient buffer has that dtype (see above), so it replaces the fp32 default.
+    ``master_remainders``: the fp32 master kept as a 2-byte remainder (module docstring)."""
     if runtime not in RUNTIMES:
         from ..spec import SpecError
         raise SpecError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
     if runtime == "megatron":
-        return _megatron(precision, zero, d, grad_reduce_bytes)
-    if runtime == "deepspeed":
-        return _deepspeed(precision, zero, d)
-    m, s = _megatron(precision, zero, d), _deepspeed(precision, zero, d)
-    return m if sum(m) >= sum(s) else s
+        p, g, o = _megatron(precision, zero, d, grad_reduce_bytes)
+    elif runtime == "deepspeed":
+        p, g, o = _deepspeed(precision, zero, d)
+    else:
+        m, s = _megatron(precision, zero, d), _deepspeed(precision, zero, d)
+        p, g, o = m if sum(m) >= sum(s) else s
+    if master_remainders and precision == "bf16":
+        o *= MASTER_REMAINDER_OPT_BYTES / 12.0      # every bf16 branch above holds 12 / x
+    return p, g, o
 
 
 def local_optimizer_fraction(zero: int, d: int, precision: str, runtime: str = "any") -> float:

@@ -210,9 +210,9 @@ class CostModel:
             etp = s.expert_tp
             split = ep > 1 or etp != t
             dd, ed = d * cp, s.expert_dp
-            pb, gb, obytes = state_bytes(self.precision, z, dd, self.runtime, ex.grad_bytes)
+            pb, gb, obytes = state_bytes(self.precision, z, dd, self.runtime, ex.grad_bytes, ex.master_remainders)
             opt_share = local_optimizer_fraction(z, dd, self.precision, self.runtime)
-            pe, ge, oe = state_bytes(self.precision, z, ed, self.runtime, ex.grad_bytes)
+            pe, ge, oe = state_bytes(self.precision, z, ed, self.runtime, ex.grad_bytes, ex.master_remainders)
             opt_e = local_optimizer_fraction(z, ed, self.precision, self.runtime)
             # sequence parallelism (Korthikanti et al. 2022 §4.2.2): the activations TP keeps
             # replicated (LayerNorm/dropout inputs, residuals), the layer input kept by CKPT and
