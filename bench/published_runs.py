@@ -163,10 +163,11 @@ def cost_model(r: dict, model, cluster, sustained: float | None = None) -> CostM
 
 def execution(r: dict):
     """The row's execution model: its engine, overlaps, published gradient-reduction dtype,
-    attention-kernel generation and optimizer implementation (the switches `ds-autoplan cost`
-    takes: --execution --overlap --grad-reduce-dtype --attention-kernel --optimizer)."""
+    attention-kernel generation, optimizer implementation and MoE token dispatch (the switches
+    `ds-autoplan cost` takes: --execution --overlap --grad-reduce-dtype --attention-kernel
+    --optimizer --moe-dispatch)."""
     return get_execution(r.get("execution"), r.get("overlap"), r.get("grad_reduce_dtype"),
-                         r.get("attention_kernel"), r.get("optimizer"))
+                         r.get("attention_kernel"), r.get("optimizer"), r.get("moe_dispatch"))
 
 
 def unpublished_rule(costed: list):

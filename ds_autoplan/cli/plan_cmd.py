@@ -71,6 +71,9 @@ def add_problem_args(p) -> None:
                         "torch ops, e.g. Composer's DecoupledAdamW) or distributed-fused-adam "
                         "(NeMo's Apex DistributedFusedAdam: bf16 master kept as a 16-bit remainder, "
                         "10 optimizer bytes per parameter instead of 12)")
+    p.add_argument("--moe-dispatch", choices=["fused", "unfused"], default=None,
+                   help="MoE token dispatch: fused (default; megatron-core's --moe-permute-fusion) or "
+                        "unfused (megatron-core 2024's torch-op permute/unpermute, e.g. NeMo 24.09)")
     p.add_argument("--world-size", type=int, default=None, help="expected number of devices (checked)")
     p.add_argument("--profile", default=None, help="YAML/JSON of measured cluster overrides")
 
@@ -80,11 +83,12 @@ RUNTIME_ENGINE = {"any": "any", "megatron": "megatron-core", "deepspeed": "deeps
 
 def execution_of(args):
     """The execution model the command line names: --execution (default: the --runtime's
-    engine) with --overlap's switches, --grad-reduce-dtype, --attention-kernel, --optimizer
-    (the switches bench/published_runs.py sets per row)."""
+    engine) with --overlap's switches, --grad-reduce-dtype, --attention-kernel, --optimizer,
+    --moe-dispatch (the switches bench/published_runs.py sets per row)."""
     from ..cost.engines import get_execution
     return get_execution(args.execution or RUNTIME_ENGINE[args.runtime], args.overlap,
-                         args.grad_reduce_dtype, args.attention_kernel, args.optimizer)
+                         args.grad_reduce_dtype, args.attention_kernel, args.optimizer,
+                         getattr(args, "moe_dispatch", None))
 
 
 def param_counts(model) -> dict:

@@ -58,6 +58,7 @@ import numpy as np
 OVERLAPS = ("grad-reduce", "param-gather", "tp-comm")
 ATTENTION_KERNELS = ("fa1", "fa2", "cudnn")
 OPTIMIZERS = ("fused", "eager", "distributed-fused-adam")
+MOE_DISPATCH = ("fused", "unfused")
 GRAD_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # HBM bytes per fp32-state parameter of Composer's DecoupledAdamW.adamw (composer/optim/
 # decoupled_weight_decay.py), op by op, read + write: param.mul_ 8, exp_avg.mul_ 8, .add_(grad)
@@ -66,6 +67,18 @@ GRAD_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # (bench/gpu_stack.py, 0.83e9 / 1.61e9 parameters in 32 / 40 tensors; torch's fused AdamW 33);
 # plus gradient-norm clipping (FSDP clip_grad_norm_: norm read 4, scale read+write 8) 12 counted
 EAGER_STEP_BYTES = 90.0 + 12.0
+# The local (one-GPU) work of megatron-core 2024's alltoall token dispatcher around its
+# all-to-alls, as torch ops without fusion (token_dispatcher.py of the 0.8/0.9 releases: the
+# router's fp32 softmax, top-k and the capacity top-k over the tokens, the sequence-to-hidden
+# re-layouts, the permute index_select, the all-gather / reduce-scatter over the last dimension's
+# cat/split copies, the probability-weighted unpermute; megatron-core 0.16.1 offers
+# --moe-permute-fusion for these), forward + backward: measured 2.00 ms per MoE layer on the
+# lent H100 for 8192 token copies of 1536 elements (Grok-1 at TP 4, one local expert;
+# 2.33 ms with 2-4 local experts: their transpose copies) -- bench/gpu_moe_local.py,
+# bench/data/gpu_moe_h100.json.  Kept as bytes per copied element at the kind's streaming rate
+# (2.00e-3 s x 3015 GB/s / (8192 x 1536)); the kernels are index- and launch-bound, so another
+# kind's figure scales with its HBM rate [decision].
+UNFUSED_DISPATCH_BYTES = 479.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,7 @@ class Execution:
     attention: str | None = None        # attention-kernel generation (None: the GPU kind's default)
     optimizer: str = "fused"            # 'fused', 'eager' (per-tensor eager AdamW loop + clipping)
                                         # or 'distributed-fused-adam' (fused, 2-byte master remainders)
+    moe_dispatch: str = "fused"         # 'unfused': megatron-core 2024's torch-op token dispatch
 
     def with_overlap(self, flags) -> "Execution":
         """The same engine with the overlap switches named in ``flags`` ('grad-reduce',
@@ -107,6 +121,7 @@ class Execution:
               if getattr(self, a)]
         extra = "".join(f"; {k} {v}" for k, v in (("attention", self.attention),
                                                     ("optimizer", None if self.optimizer == "fused" else self.optimizer),
+                                                    ("MoE dispatch", None if self.moe_dispatch == "fused" else self.moe_dispatch),
                                                     ("gradients reduced in", _dtype_name(self.grad_bytes))) if v)
         return f"{self.name} (overlap: {', '.join(on) or 'none'}{extra})"
 
@@ -136,10 +151,12 @@ ENGINES = {
 
 
 def get_execution(name: str | None, overlap=None, grad_reduce_dtype: str | None = None,
-                  attention: str | None = None, optimizer: str | None = None) -> Execution:
+                  attention: str | None = None, optimizer: str | None = None,
+                  moe_dispatch: str | None = None) -> Execution:
     """The execution model ``name`` (None: 'any') with ``overlap`` switches ('a,b' or a list),
     the gradient-reduction dtype on the wire ('fp32', 'bf16', 'fp16'; None: the engine's), the
-    attention-kernel generation and the optimizer implementation (module docstring)."""
+    attention-kernel generation, the optimizer implementation and the MoE token dispatch
+    ('fused' or 'unfused': UNFUSED_DISPATCH_BYTES) (module docstring)."""
     from ..spec import SpecError
     key = name or "any"
     if key not in ENGINES:
@@ -149,12 +166,14 @@ def get_execution(name: str | None, overlap=None, grad_reduce_dtype: str | None 
         flags = [f.strip() for f in overlap.split(",")] if isinstance(overlap, str) else list(overlap)
         e = e.with_overlap([f for f in flags if f])
     for v, known, what in ((grad_reduce_dtype, GRAD_DTYPES, "gradient-reduction dtype"),
-                           (attention, ATTENTION_KERNELS, "attention kernel"), (optimizer, OPTIMIZERS, "optimizer")):
+                           (attention, ATTENTION_KERNELS, "attention kernel"), (optimizer, OPTIMIZERS, "optimizer"),
+                           (moe_dispatch, MOE_DISPATCH, "MoE token dispatch")):
         if v is not None and v not in known:
             raise SpecError(f"unknown {what} {v!r}; choose from {', '.join(known)}")
     if grad_reduce_dtype:
         e = replace(e, grad_bytes=GRAD_DTYPES[grad_reduce_dtype])
-    return replace(e, attention=attention or e.attention, optimizer=optimizer or e.optimizer)
+    return replace(e, attention=attention or e.attention, optimizer=optimizer or e.optimizer,
+                   moe_dispatch=moe_dispatch or e.moe_dispatch)
 
 
 def grad_bytes(e: Execution, precision: str, cb: int) -> float:

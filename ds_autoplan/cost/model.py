@@ -15,7 +15,7 @@ from ..spec.model import LayerSpec, ModelSpec
 from ..spec.parallel import Parallel
 from .collectives import Network
 from .compute import Dims, UnitTimes, attention_score_bytes, get_gpu, unit_times
-from .engines import Execution, get_execution, grad_bytes
+from .engines import UNFUSED_DISPATCH_BYTES, Execution, get_execution, grad_bytes
 from .memory import RUNTIMES, local_optimizer_fraction, state_bytes
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -374,6 +374,12 @@ class CostModel:
                     etp: int | None = None) -> UnitTimes:
         if self.dims is not None:
             k = unit_times(self.gpu, self.dims, u, b, t, sp, ep, etp, self.moe_imbalance)
+            if k is not None and u.expert_params and self.execution.moe_dispatch == "unfused":
+                # the stack's unfused token dispatch (cost/engines.py): every rank re-lays,
+                # permutes and unpermutes the TP group's b s topk token copies of h/t elements;
+                # a third forward, two thirds backward [decision]
+                d = self.gpu.stream(UNFUSED_DISPATCH_BYTES * b * u.shape.s * u.shape.topk * u.shape.h / t)
+                k = k._replace(fwd=k.fwd + d / 3, bwd=k.bwd + 2 * d / 3)
             if k is not None:
                 return k
             F = b * u.flops / (t * self.gpu.mamf_tflops * self.gpu.sustained * 1e12)
