@@ -421,7 +421,7 @@ def test_stack_kernels_and_optimizer_are_execution_switches():
 
 def test_cost_takes_the_benchs_switches_and_costs_a_row_as_the_bench_does(capsys):
     """`ds-autoplan cost` accepts every switch bench/published_runs.py sets per row
-    (--execution --overlap --grad-reduce-dtype --attention-kernel --optimizer) and builds the
+    (--execution --overlap --grad-reduce-dtype --attention-kernel --optimizer --moe-dispatch) and builds the
     same execution model from them as the bench does from the row's keys."""
     import argparse
     import json
@@ -450,6 +450,19 @@ def test_cost_takes_the_benchs_switches_and_costs_a_row_as_the_bench_does(capsys
     with pytest.raises(SystemExit) as e:
         main(["cost", *args, "--attention-kernel", "fa9"])
     assert e.value.code != 0 and "invalid choice: 'fa9'" in capsys.readouterr().err
+    # the MoE token dispatch: a Grok-1 row's switch, and `cost --moe-dispatch` on an MoE model
+    g = next(r for r in pr.load_rows() if r["id"] == "grok1-8")
+    ns = argparse.Namespace(execution=g["execution"], runtime="any", overlap=g.get("overlap"),
+                            grad_reduce_dtype=g["grad_reduce_dtype"], attention_kernel=g["attention_kernel"],
+                            optimizer=g.get("optimizer"), moe_dispatch=g["moe_dispatch"])
+    assert execution_of(ns) == pr.execution(g) and pr.execution(g).moe_dispatch == "unfused"
+    moe = ["--model", "olmoe-1b-7b", "--cluster", "8xh100-80gb", "--global-batch", "16",
+           "--config", "tp=1,pp=1,mbs=2,ep=8", "--json", "--execution", "megatron-core"]
+    for extra in ([], ["--moe-dispatch", "unfused"]):
+        assert main(["cost", *moe, *extra]) == 0
+        out[bool(extra)] = json.loads(capsys.readouterr().out)["yours"]
+    assert "MoE dispatch unfused" in out[True]["execution"]
+    assert out[True]["iteration_time_s"] > out[False]["iteration_time_s"]
 
 
 def test_second_moe_source_is_recorded_with_its_configuration():
