@@ -219,7 +219,7 @@ def test_moe_and_context_parallel_rows_cost_their_published_configuration():
     capacity factor 1.0 with padding is the router imbalance (every expert holds exactly its
     capacity), every published configuration fits, and with the stack's unfused token dispatch
     (moe_dispatch: unfused, megatron-core 0.9; measured on the lent H100) and the shipped
-    calibration the prediction is within the in-file bound (10%): costed (2026-11-26: -6.0..+5.3%;
+    calibration the prediction is within the in-file bound (10%): costed (2026-11-26: -5.8..+5.5%;
     with the fused dispatch they ran up to 12% longer than predicted).  DeepSeek-V3's per-GPU
     token rate converts to a step time and is recorded, not costed."""
     import os
