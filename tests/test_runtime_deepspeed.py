@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from ds_autoplan.runtime.launch import results, spawn  # noqa: E402
-from harness import ENV, registered  # noqa: E402
+from harness import ENV, group_fixture, joined_groups, registered  # noqa: E402
 
 WORKER = ["-m", "harness.ds_pipeline"]
 SCHEDULES = registered()        # every registered builder but the listed exclusions
@@ -16,9 +16,8 @@ TOL = 1e-5
 def run_groups(world, *groups, timeout=240):
     """Each option group's results, ``{(schedule, rank): row}`` per group: all groups in one
     process group (harness.ds_pipeline's ``--then``)."""
-    argv = [a for i, g in enumerate(groups) for a in (["--then"] if i else []) + list(g)]
     res = [{} for _ in groups]
-    for d in results(WORKER + argv, world, timeout=timeout, env=ENV):
+    for d in results(WORKER + joined_groups(groups), world, timeout=timeout, env=ENV):
         res[d.get("group", 0)][(d["schedule"], d.get("rank"))] = d
     return res
 
@@ -32,19 +31,9 @@ def two_rank_groups():
                       ["--ds-ckpt", "1", "--n", "4", "--schedules", "ds-train,1f1b,v-zb"], timeout=400)
 
 
-@pytest.fixture(scope="module")
-def two_ranks(two_rank_groups):
-    return two_rank_groups[0]
-
-
-@pytest.fixture(scope="module")
-def two_ranks_zero1_recompute(two_rank_groups):
-    return two_rank_groups[1]
-
-
-@pytest.fixture(scope="module")
-def deepspeed_uniform_checkpointing(two_rank_groups):
-    return two_rank_groups[2]
+two_ranks = group_fixture("two_rank_groups", 0)
+two_ranks_zero1_recompute = group_fixture("two_rank_groups", 1)
+deepspeed_uniform_checkpointing = group_fixture("two_rank_groups", 2)
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +46,8 @@ def four_rank_groups():
                       ["--dp", "2", "--zero", "1", "--n", "4", "--schedules", "v-zb,interleaved"], timeout=500)
 
 
-@pytest.fixture(scope="module")
-def four_ranks(four_rank_groups):
-    return four_rank_groups[0]
-
-
-@pytest.fixture(scope="module")
-def pipeline_and_data_parallel(four_rank_groups):
-    return four_rank_groups[1]
+four_ranks = group_fixture("four_rank_groups", 0)
+pipeline_and_data_parallel = group_fixture("four_rank_groups", 1)
 
 
 def _ranks(res, name, world):

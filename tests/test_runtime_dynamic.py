@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("deepspeed")
 
 from ds_autoplan.runtime.launch import results, spawn  # noqa: E402
-from harness import ENV  # noqa: E402
+from harness import ENV, group_fixture, joined_groups  # noqa: E402
 
 WORKER = ["-m", "harness.ds_dynamic"]
 TOL = 1e-5
@@ -26,9 +26,8 @@ KW = dict(grace=20, env={**ENV, "DS_AUTOPLAN_P2P_TIMEOUT": "30"})
 def run_groups(world, *groups, timeout=150):
     """Each option group's rows, ``{"SCHEDULE:ZERO:WEIGHT[:RECOMPUTE]": [row per rank]}`` per
     group: all groups in one process group (harness.ds_dynamic's ``--then``)."""
-    argv = [a for i, g in enumerate(groups) for a in (["--then"] if i else []) + list(g)]
     res = [{} for _ in groups]
-    for d in results(WORKER + argv, world, timeout=timeout, **KW):
+    for d in results(WORKER + joined_groups(groups), world, timeout=timeout, **KW):
         key = f"{d['schedule']}:{d['zero']}:{d['weight']}"
         key += f":{d['recompute']}" if d["recompute"] else ""
         res[d["group"]].setdefault(key, []).append(d)
@@ -50,14 +49,8 @@ def four_rank_groups():
                       ["--blocks", "6", "--gbs", "16", "--runs", "dynapipe:0:tokens"], timeout=300)
 
 
-@pytest.fixture(scope="module")
-def pipeline_and_data_parallel(four_rank_groups):
-    return four_rank_groups[0]
-
-
-@pytest.fixture(scope="module")
-def four_stages(four_rank_groups):
-    return four_rank_groups[1]
+pipeline_and_data_parallel = group_fixture("four_rank_groups", 0)
+four_stages = group_fixture("four_rank_groups", 1)
 
 
 def _equal(rows):

@@ -32,6 +32,21 @@ def option_groups(argv) -> list[list[str]]:
     return groups
 
 
+def joined_groups(groups) -> list[str]:
+    """The command line of several option groups (:func:`option_groups` splits it back)."""
+    return [a for i, g in enumerate(groups) for a in (["--then"] if i else []) + list(g)]
+
+
+def group_fixture(fixture: str, i: int):
+    """A module fixture: option group ``i`` of module fixture ``fixture``'s results."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def group(request):
+        return request.getfixturevalue(fixture)[i]
+    return group
+
+
 def clients_dir():
     """The real client code the client tests copy and run (never edit it): ``$DS_AUTOPLAN_CLIENTS``
     when set, else ``shared/clients`` beside the repository (``<repo>/../shared/clients``, as CI
