@@ -1,4 +1,4 @@
-"""moert helper: the local (one-GPU) work of a megatron-core 0.9 MoE layer at the Grok-1 314B
+"""The local (one-GPU) work of a megatron-core 0.9 MoE layer at the Grok-1 314B
 dgxc-benchmarking shapes (NeMo 24.09: hidden 6144, 8 experts of FFN 32768 split over TP 4
 (8192 per rank), gated GeLU, top-2, drop-and-pad at capacity factor 1, alltoall dispatcher,
 moe_grouped_gemm false = SequentialMLP), per micro-batch of 4096 tokens per TP group, for
@@ -14,25 +14,19 @@ moe_grouped_gemm false = SequentialMLP), per micro-batch of 4096 tokens per TP g
                    all-gather-last-dim cat and reduce-scatter-last-dim split copies, the
                    probs-weighted scatter_add unpermute); NCCL time itself not measured.
 No megatron/TE needed (torch only).  ~30-60 s on one H100, < 12 GB.  Writes $OUT/moe_h100.json."""
-import json, os, statistics
+import json, os
 import torch
 import torch.nn.functional as F
 
-dev = torch.device("cuda")
+from gpu_kernels import bench as _bench, dev  # noqa: E402  (bench/ is the script's folder)
+
 bf = torch.bfloat16
 H, FE, E, K, TP, T = 6144, 8192, 8, 2, 4, 4096     # FE: expert FFN per TP rank (32768 / 4)
 
 
-def bench(fn, reps=12, warm=3):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
+def bench(fn):
+    """Median seconds of ``fn`` (gpu_kernels.bench's CUDA-event timing, 12 repeats after 3)."""
+    return _bench(fn, reps=12, warm=3)[0]
 
 
 def experts(nloc):
