@@ -47,12 +47,16 @@ def pytest_sessionstart(session):
     if importlib.util.find_spec("deepspeed") is None:     # the tests that need it skip
         return
     session.config._ds_autoplan_tmp = _cache_cpuinfo()
+    from ds_autoplan.runtime.deepspeed.shm import sweep
+    sweep()      # ... and by earlier sessions (each is RAM until removed)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     from ds_autoplan.runtime.launch import prebuild_ops
     prebuild_ops({**os.environ, "DS_AUTOPLAN_SHM": "1"}, adam=True)
 
 
 def pytest_sessionfinish(session):
+    from ds_autoplan.runtime.deepspeed.shm import sweep
+    sweep()      # DeepSpeed's CPU allreduce files left by ranks the tests killed
     folder = getattr(session.config, "_ds_autoplan_tmp", None)
     if folder:
         shutil.rmtree(folder, ignore_errors=True)

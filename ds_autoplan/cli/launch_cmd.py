@@ -168,7 +168,11 @@ def run(args) -> int:
                               if own.schedules else None, "--schedules")
     apply_autoplan(a, launch_world(a), os.environ, own.model, own.cluster, own.global_batch,
                    own.out, own.pp, scheds, via="launch")
-    runner.main(argv[:cut] + ["--module", a.user_script] + a.user_args)
+    from ..runtime.deepspeed.shm import sweep
+    try:
+        runner.main(argv[:cut] + ["--module", a.user_script] + a.user_args)
+    finally:
+        sweep()         # the shared-memory files of ranks that did not exit by themselves
     return 0
 
 

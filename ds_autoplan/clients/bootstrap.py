@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     from .deepspeed_hook import install
     opts, _, script_argv = split_argv(sys.argv[1:] if argv is None else argv)
     install(opts)
+    from ..runtime.deepspeed.shm import unlink_at_exit
+    unlink_at_exit()        # DeepSpeed's CPU allreduce op leaves its shared-memory file otherwise
     sys.argv = script_argv
     try:
         if opts.get("module"):
