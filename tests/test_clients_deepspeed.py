@@ -25,6 +25,7 @@ pytest.importorskip("deepspeed")
 from ds_autoplan.cli import patch_cmd  # noqa: E402
 from harness import CLIENTS_SKIP, clients_dir  # noqa: E402
 from ds_autoplan.runtime.launch import free_port  # noqa: E402
+from ds_autoplan.runtime.deepspeed.shm import leftovers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT = (clients_dir() or ROOT.parent / "shared" / "clients") / "deepspeedexamples-pipeline_parallelism" \
@@ -182,14 +183,6 @@ def _reference_losses(out: str, gas: int, world: int) -> list[float]:
             for i in range(steps)]
 
 
-def _shm_files() -> set[str]:
-    """This user's DeepSpeed CPU-allreduce files that no live process maps (left behind)."""
-    from ds_autoplan.runtime.deepspeed import shm
-    prefix = f"{shm.PREFIX}_{os.getuid()}_"
-    names = {n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefix)} if os.path.isdir(shm.SHM_DIR) else set()
-    return names - shm._mapped(prefix)
-
-
 @pytest.mark.parametrize("form,world", [("deepspeed", 2), ("launch", 4), ("launch", 2), ("deepspeed", 4)])
 def test_unrestricted_plan_trains_the_unchanged_script(client, form, world):
     """Without restrictions the planner picks ZeRO-2 without a pipeline on these CPU ranks (the
@@ -197,13 +190,14 @@ def test_unrestricted_plan_trains_the_unchanged_script(client, form, world):
     DeepSpeed's plain engine through its ``train_batch`` calls, with the losses of DeepSpeed's
     own engine on the script's non-pipelined path (-p 0) under the merged config (1e-6)."""
     out_dir = f"out-{form}-{world}"
-    before = _shm_files()
+    before = set(leftovers())
     rc, out, ours = _unrestricted(form, world, client, out_dir)
     assert rc == 0, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     # DeepSpeed's CPU allreduce op never unlinks its /dev/shm files (69 MB of RAM per rank and
     # launch); the ranks remove their own at exit
-    assert not (_shm_files() - before), sorted(_shm_files() - before)
+    left = set(leftovers()) - before
+    assert not left, sorted(left)
     assert len(ours) == 2 and all(math.isfinite(x) for x in ours), out[-4000:]
     plan = json.loads((client / out_dir / "plan.json").read_text())
     assert (plan["pp"], plan["dp"], plan["world_size"]) == (1, world, world), plan

@@ -55,8 +55,8 @@ def _mapped(prefix: str) -> set[str]:
     return names
 
 
-def sweep(shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove this user's op files that no live process maps; the names removed."""
+def leftovers(shm_dir: str = SHM_DIR) -> list[str]:
+    """This user's op files in ``shm_dir`` that no live process maps (left behind)."""
     prefix = f"{PREFIX}_{os.getuid()}_"
     try:
         ours = [n for n in os.listdir(shm_dir) if n.startswith(prefix)]
@@ -65,7 +65,12 @@ def sweep(shm_dir: str = SHM_DIR) -> list[str]:
     if not ours:
         return []
     live = _mapped(prefix)
-    gone = [n for n in ours if n not in live]
+    return [n for n in ours if n not in live]
+
+
+def sweep(shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove :func:`leftovers`; the names removed."""
+    gone = leftovers(shm_dir)
     for n in gone:
         _unlink(os.path.join(shm_dir, n))
     return gone
