@@ -108,16 +108,19 @@ def prebuild_ops(env, *, adam: bool = False) -> None:
 def lock_watch(op: str, after: float = 30.0):
     """Around an op's JIT build: torch waits without a word, for ever, while the op's build
     folder holds a ``lock`` file, and a build killed midway leaves it behind.  If the lock is
-    still there ``after`` seconds in, say once on stderr which file it is and what to do."""
+    still there ``after`` seconds in and no build runs (:func:`.watchdog.build_in_progress`,
+    as the ranks' start-up watchdog decides it), say once on stderr which file it is."""
     from torch.utils.cpp_extension import _get_build_directory
+
+    from .watchdog import build_in_progress
     lock = os.path.join(_get_build_directory(op, verbose=False), "lock")
     done = threading.Event()
 
     def warn():
-        if not done.wait(after) and os.path.exists(lock):
-            print(f"ds-autoplan: DeepSpeed's {op} op is still building or waiting after "
-                  f"{after:g} s: {lock} is held (by a build in progress, or left by a killed "
-                  "one: if no build is running, remove that file).", file=sys.stderr, flush=True)
+        if not done.wait(after) and os.path.exists(lock) and not build_in_progress():
+            print(f"ds-autoplan: DeepSpeed's {op} op build has waited {after:g} s on {lock}, "
+                  "left by an interrupted build (no build is running): remove that file.",
+                  file=sys.stderr, flush=True)
 
     watcher = threading.Thread(target=warn, daemon=True)
     watcher.start()
