@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -217,10 +218,27 @@ def cost_published(r: dict, sustained: float | None = None, cfg: Config | None =
 
 
 def kind_of(r: dict) -> str:
-    return load_cluster(r["cluster"]).gpu
+    return _gpu_of(r["cluster"])
 
 
-def calibrate(rows: list, cfgs: dict, prior: dict) -> dict:
+@functools.lru_cache(maxsize=None)
+def _gpu_of(cluster: str) -> str:
+    return load_cluster(cluster).gpu
+
+
+def predicted_time(r: dict, sustained: float, cfg: Config, memo: dict | None = None) -> float:
+    """Seconds per iteration of row ``r``'s configuration ``cfg`` at ``sustained``; ``memo``
+    (one per cross-validation: the rows do not change within it) keeps what was costed, for
+    the bisections of the leave-one-source-out calibrations retrace each other's steps."""
+    if memo is None:
+        return cost_published(r, sustained, cfg)[0][1].time
+    key = (r["id"], sustained, cfg)
+    if key not in memo:
+        memo[key] = cost_published(r, sustained, cfg)[0][1].time
+    return memo[key]
+
+
+def calibrate(rows: list, cfgs: dict, prior: dict, memo: dict | None = None) -> dict:
     """Per GPU kind, the ``sustained`` at which the median signed log error of that kind's
     ``rows`` is zero (bisection; predicted time falls as it rises); kinds without rows keep
     ``prior``."""
@@ -230,27 +248,28 @@ def calibrate(rows: list, cfgs: dict, prior: dict) -> dict:
         lo, hi = 0.5, 1.2
         for _ in range(16):
             mid = (lo + hi) / 2
-            e = statistics.median(math.log(published_time(r) / cost_published(r, mid, cfgs[r["id"]])[0][1].time)
+            e = statistics.median(math.log(published_time(r) / predicted_time(r, mid, cfgs[r["id"]], memo))
                                   for r in rs)
             lo, hi = (lo, mid) if e > 0 else (mid, hi)   # published slower: lower the rate
         out[kind] = round((lo + hi) / 2, 4)
     return out
 
 
-def error(r: dict, sustained: dict, cfg: Config) -> float:
-    return published_time(r) / cost_published(r, sustained[kind_of(r)], cfg)[0][1].time - 1.0
+def error(r: dict, sustained: dict, cfg: Config, memo: dict | None = None) -> float:
+    return published_time(r) / predicted_time(r, sustained[kind_of(r)], cfg, memo) - 1.0
 
 
 def cross_validate(rows: list, cfgs: dict, prior: dict) -> tuple[dict, dict, dict]:
     """(calibration on all sources, in-file errors by row id, LOSO errors by row id)."""
-    full = calibrate(rows, cfgs, prior)
-    infile = {r["id"]: error(r, full, cfgs[r["id"]]) for r in rows}
+    memo: dict = {}
+    full = calibrate(rows, cfgs, prior, memo)
+    infile = {r["id"]: error(r, full, cfgs[r["id"]], memo) for r in rows}
     loso = {}
     for src in sorted({r["source_id"] for r in rows}):
-        cal = calibrate([r for r in rows if r["source_id"] != src], cfgs, prior)
+        cal = calibrate([r for r in rows if r["source_id"] != src], cfgs, prior, memo)
         for r in rows:
             if r["source_id"] == src:
-                loso[r["id"]] = error(r, cal, cfgs[r["id"]])
+                loso[r["id"]] = error(r, cal, cfgs[r["id"]], memo)
     return full, infile, loso
 
 

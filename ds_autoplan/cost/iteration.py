@@ -69,27 +69,28 @@ def split_layers(L: int, S: int, embedding: bool = False, loss: bool = False) ->
 
 @lru_cache(maxsize=256)
 def stash_orders(pp: int, m: int, v: int) -> tuple:
-    """Per pipeline rank, the (stage, +1 | -1) stash events of Megatron's schedule in the
-    rank's order: 1F1B (v = 1) or interleaved with v chunks (stage = chunk * pp + rank); a
-    forward stashes its stage's activations, the (fused) backward frees them."""
+    """Per pipeline rank, the stash events of Megatron's schedule in the rank's order, as two
+    arrays (stages, signs: +1 | -1): 1F1B (v = 1) or interleaved with v chunks (stage = chunk *
+    pp + rank); a forward stashes its stage's activations, the (fused) backward frees them."""
     sched = build("1f1b", pp, m) if v == 1 else build("interleaved", pp, m, v=v)
-    return tuple(tuple((a.stage, 1 if a.kind == Kind.F else -1) for a in rank
-                       if a.kind in (Kind.F, Kind.BW)) for rank in sched.ranks)
+    out = []
+    for rank in sched.ranks:
+        ev = [(a.stage, 1.0 if a.kind == Kind.F else -1.0) for a in rank if a.kind in (Kind.F, Kind.BW)]
+        stages, signs = np.array([e[0] for e in ev], dtype=np.intp), np.array([e[1] for e in ev])
+        stages.flags.writeable = signs.flags.writeable = False      # shared by the cache
+        out.append((stages, signs))
+    return tuple(out)
 
 
 def stash_peaks(pp: int, m: int, v: int, act) -> np.ndarray:
     """Per rank, the largest sum of stashed activations over its action order, ``act[s]``
-    bytes per micro-batch of stage ``s``."""
+    bytes per micro-batch of stage ``s`` (a running sum in the rank's order: np.cumsum adds
+    left to right, as a loop would)."""
     if pp == 1:
         return np.array([float(np.sum(act))])
-    out = np.zeros(pp)
-    for r, events in enumerate(stash_orders(pp, m, v)):
-        live = top = 0.0
-        for stage, sign in events:
-            live += sign * act[stage]
-            top = max(top, live)
-        out[r] = top
-    return out
+    act = np.asarray(act, dtype=float)
+    return np.array([float(np.cumsum(signs * act[stages]).max(initial=0.0))
+                     for stages, signs in stash_orders(pp, m, v)])
 
 
 def config_cost(cm: CostModel, cfg: Config, budget: float | None = None,

@@ -32,7 +32,9 @@ def read_mapping(path: str | Path) -> dict:
     except OSError as e:
         raise SpecError(f"cannot read {p}: {e.strerror}") from None
     try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        # libyaml's parser where PyYAML was built with it (same SafeConstructor, ~10x faster)
+        data = json.loads(text) if p.suffix == ".json" else \
+            yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except (yaml.YAMLError, json.JSONDecodeError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise SpecError(f"malformed {'JSON' if p.suffix == '.json' else 'YAML'} in {p}: {msg}") from None
