@@ -17,7 +17,9 @@ from ds_autoplan.schedule import DeadlockError, build, simulate, Costs
 from harness import ENV
 from harness.hang_cases import deadlock_schedule
 
-STEP_TIMEOUT = 10
+# seconds: a step of these tiny models takes about 0.1 s, even with the machine loaded 6x over
+# (measured: 0.08-0.18 s per step on 2 cores at load 12); 4 s is far above that
+STEP_TIMEOUT = 4
 
 
 def _run(tmp_path, world, case, env=None, timeout=150, grace=5):
@@ -78,24 +80,29 @@ def test_step_timeout_default_and_setting(monkeypatch):
         watchdog.step_timeout()
 
 
-def _run_stalled(tmp_path, world, case, stopped, timeout=200):
-    """Start ``world`` ranks; once every rank but ``stopped`` has exited (or at the deadline)
-    kill what is left -- this test's own processes, whatever else runs on the machine -- and
-    return ``[(returncode, output)]``."""
+def _start_stalled(folder, world, case):
+    """Start ``world`` ranks of ``case`` (logs in ``folder``) without waiting for them."""
     import subprocess
     import sys
-    import time
 
     from ds_autoplan.runtime.launch import _rank_env, free_port
-    path = tmp_path / "cases.json"
+    folder.mkdir()
+    path = folder / "cases.json"
     path.write_text(json.dumps([case]))
     env, port, procs = {**ENV, watchdog.STEP_ENV: str(STEP_TIMEOUT)}, free_port(), []
     for r in range(world):
-        log = open(tmp_path / f"rank{r}.log", "w+")
+        log = open(folder / f"rank{r}.log", "w+")
         procs.append((subprocess.Popen([sys.executable, "-m", "ds_autoplan.runtime.launch",
                                         str(path)], env=_rank_env(r, world, port, env),
                                        stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.time() + timeout
+    return procs
+
+
+def _finish_stalled(procs, stopped, deadline):
+    """Once every rank but ``stopped`` has exited (or at the ``deadline``) kill what is left --
+    this test's own processes, whatever else runs on the machine -- and return
+    ``[(returncode, output)]``."""
+    import time
     while time.time() < deadline and any(p.poll() is None for r, (p, _) in enumerate(procs)
                                          if r != stopped):
         time.sleep(0.2)
@@ -108,6 +115,22 @@ def _run_stalled(tmp_path, world, case, stopped, timeout=200):
         out.append((rc, log.read()))
         log.close()
     return out
+
+
+@pytest.fixture(scope="module")
+def stalled(tmp_path_factory):
+    """Both runtimes' stalled runs, started together so that their watchdog waits overlap:
+    DeepSpeed on 3 pipeline ranks and Megatron on 2, rank 1 stopping in its second step.
+    ``{runtime: [(returncode, output)] per rank}`` (no "mg" without megatron-core)."""
+    import importlib.util
+    import time
+    cases = {"ds": (3, {"fn": "harness.hang_cases:ds_case", "stall_rank": 1})}
+    if importlib.util.find_spec("megatron") and importlib.util.find_spec("megatron.core"):
+        cases["mg"] = (2, {"fn": "harness.hang_cases:mg_case", "stall_rank": 1})
+    tmp = tmp_path_factory.mktemp("stalled")
+    started = {k: _start_stalled(tmp / k, world, case) for k, (world, case) in cases.items()}
+    deadline = time.time() + 200
+    return {k: _finish_stalled(procs, 1, deadline) for k, procs in started.items()}
 
 
 def _check_stalled(outs, stopped: int):
@@ -126,16 +149,14 @@ def _check_stalled(outs, stopped: int):
         assert STEP_TIMEOUT <= int(m.group(2)) <= STEP_TIMEOUT + 5
 
 
-def test_deepspeed_stalled_rank_stops_the_others_within_the_watchdog(tmp_path):
+def test_deepspeed_stalled_rank_stops_the_others_within_the_watchdog(stalled):
     """3 pipeline ranks, the middle one stops: both neighbours name it."""
-    _check_stalled(_run_stalled(tmp_path, 3, {"fn": "harness.hang_cases:ds_case",
-                                              "stall_rank": 1}, 1), 1)
+    _check_stalled(stalled["ds"], 1)
 
 
-def test_megatron_stalled_rank_stops_the_others_within_the_watchdog(tmp_path):
+def test_megatron_stalled_rank_stops_the_others_within_the_watchdog(stalled):
     pytest.importorskip("megatron.core")
-    _check_stalled(_run_stalled(tmp_path, 2, {"fn": "harness.hang_cases:mg_case",
-                                              "stall_rank": 1}, 1), 1)
+    _check_stalled(stalled["mg"], 1)
 
 
 def test_a_left_op_build_lock_is_named_not_waited_on_silently(tmp_path, monkeypatch, capsys):
