@@ -25,10 +25,11 @@ from harness import CLIENTS_SKIP, clients_dir
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHIM = ROOT / "tests" / "megatron_lm_cpu.py"
 PATCH = ROOT / "patches" / "megatron-lm-pretrain_gpt.patch"
-# flags a CPU run needs beyond the README's (no CUDA kernels, gloo, deterministic, no eval)
+# flags a CPU run needs beyond the README's (no CUDA kernels, gloo, deterministic, no eval; the
+# mock data needs no loader processes: Megatron's 2 per rank cost ~0.6 s a launch, measured)
 CPU_FLAGS = ("--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion "
              "--use-cpu-initialization --no-masked-softmax-fusion --no-bias-gelu-fusion "
-             "--no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm --clip-grad 0 "
+             "--no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm --clip-grad 0 --num-workers 0 "
              "--eval-iters 0 --eval-interval 1000 --log-interval 1 --hidden-dropout 0 "
              "--attention-dropout 0 --split 100,0,0 --no-create-attention-mask-in-dataloader")
 SCHEDULES = ["1f1b", "interleaved", "zb-h1", "v-half", "v-min", "v-zb"]
@@ -218,17 +219,21 @@ linear_bias: false
 MOE_RUN_FLAGS = "--moe-router-load-balancing-type none --moe-aux-loss-coeff 0"
 
 
-def _moe_plan(tmp: pathlib.Path, schedule: str) -> pathlib.Path:
-    """``ds-autoplan plan --fix ep=2`` of the tiny MoE model on 4 CPU ranks (pp 2, dp 2 = ep 2):
-    its ``megatron_args.txt`` holds every MoE / expert-parallel flag."""
-    out = tmp / f"moe-{schedule}"
+def _moe_plans(tmp: pathlib.Path, *schedules: str) -> list[pathlib.Path]:
+    """``ds-autoplan plan --fix ep=2`` of the tiny MoE model on 4 CPU ranks (pp 2, dp 2 = ep 2),
+    one per schedule (run side by side): each ``megatron_args.txt`` holds every MoE /
+    expert-parallel flag."""
     (tmp / "moe-tiny.yaml").write_text(MOE_MODEL)
-    r = subprocess.run([sys.executable, "-m", "ds_autoplan", "plan", "--model", str(tmp / "moe-tiny.yaml"),
-                        "--cluster", "cpu-4", "--global-batch", "8", "--pp", "2", "--schedules", schedule,
-                        "--precision", "fp32", "--fix", "ep=2", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return out
+    outs = [tmp / f"moe-{s}" for s in schedules]
+    procs = [subprocess.Popen([sys.executable, "-m", "ds_autoplan", "plan", "--model", str(tmp / "moe-tiny.yaml"),
+                               "--cluster", "cpu-4", "--global-batch", "8", "--pp", "2", "--schedules", s,
+                               "--precision", "fp32", "--fix", "ep=2", "--out", str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for s, out in zip(schedules, outs)]
+    for p in procs:
+        text, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, text
+    return outs
 
 
 def _moe_command(out: pathlib.Path, ours: bool) -> str:
@@ -247,7 +252,7 @@ def test_pretrain_gpt_moe_expert_parallel_v_half(client):
     linear layers split for W) trains with the losses of Megatron's own 1F1B on the same
     flags."""
     tmp = client.parent
-    ours_dir, theirs_dir = _moe_plan(tmp, "v-half"), _moe_plan(tmp, "1f1b")
+    ours_dir, theirs_dir = _moe_plans(tmp, "v-half", "1f1b")
     flags = (ours_dir / "megatron_args.txt").read_text()
     for f in ("--num-experts 4", "--moe-router-topk 2", "--disable-bias-linear",
               "--expert-model-parallel-size 2", "--moe-token-dispatcher-type alltoall"):
