@@ -5,8 +5,6 @@ saved-activation bytes equal to the simulator's; R means the same in both (a pre
 stage, schedule/passes.py) and is never skipped."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from ds_autoplan.schedule import Kind, Schedule, ScheduleError, build, v_placement, validate
@@ -90,23 +88,20 @@ def _runs(*items) -> list:
     return [{"plan": p, "sched": s and s.to_dict()} for p, s in items]
 
 
-def _in_deepspeed(folder, runs) -> list:
-    """Every run on 2 ranks of the DeepSpeed adapter: per run, the rows of its ranks."""
-    pytest.importorskip("deepspeed")
+def _in_both(runs) -> dict:
+    """Every run on 2 ranks, in the DeepSpeed adapter and then (with megatron-core) in the
+    Megatron adapter, in one process group: ``{"ds"|"mg": per run, the rows of its ranks}``."""
+    import importlib.util
+
     from harness import ENV
-    from ds_autoplan.runtime.launch import per_rank_results
-    path = folder / "runs.json"
-    path.write_text(json.dumps(runs))
-    out = per_rank_results(["-m", "harness.contract", str(path)], 2, timeout=300, env=ENV)
-    return [[out[r][i] for r in range(2)] for i in range(len(runs))]
-
-
-def _in_megatron(runs) -> list:
-    """Every run on 2 ranks of the Megatron adapter: per run, the rows of its ranks."""
-    pytest.importorskip("megatron.core")
-    from harness.megatron_cases import launch
-    out = launch(2, [dict(run, fn="harness.contract:megatron_case") for run in runs], timeout=300)
-    return [[out[r][i] for r in range(2)] for i in range(len(runs))]
+    from ds_autoplan.runtime.launch import launch
+    fns = {"ds": "harness.contract:deepspeed_case"}
+    if importlib.util.find_spec("megatron") and importlib.util.find_spec("megatron.core"):
+        fns["mg"] = "harness.contract:megatron_case"
+    out = launch(2, [dict(run, fn=fn) for fn in fns.values() for run in runs], timeout=300,
+                 env=ENV)
+    return {k: [[out[r][j * len(runs) + i] for r in range(2)] for i in range(len(runs))]
+            for j, k in enumerate(fns)}
 
 
 def _hand_runs():
@@ -121,14 +116,21 @@ def _plan_runs():
 
 
 @pytest.fixture(scope="module")
-def in_deepspeed(tmp_path_factory):
-    """The hand lists' runs, then the plan runs: one 2-rank process group."""
-    return _in_deepspeed(tmp_path_factory.mktemp("contract"), _hand_runs() + _plan_runs())
+def in_both():
+    """The hand lists' runs, then the plan runs, in each runtime: one 2-rank process group."""
+    pytest.importorskip("deepspeed")
+    return _in_both(_hand_runs() + _plan_runs())
 
 
 @pytest.fixture(scope="module")
-def in_megatron():
-    return _in_megatron(_hand_runs() + _plan_runs())
+def in_deepspeed(in_both):
+    return in_both["ds"]
+
+
+@pytest.fixture(scope="module")
+def in_megatron(in_both):
+    pytest.importorskip("megatron.core")
+    return in_both["mg"]
 
 
 def _check_hand(rows, label):

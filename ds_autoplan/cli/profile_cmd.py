@@ -109,22 +109,22 @@ def _partition(prof, args) -> None:
 
 
 def run(args) -> int:
-    import torch
-    from ..models import resolve_model
-    from ..profile import hardware_cluster_spec, profile_model
     if args.model is None and not args.hardware:
         raise UserError("give a MODEL to profile and/or --hardware CLUSTER_YAML")
     if args.batch_size < 1 or args.repeats < 1 or args.warmup < 0:
         raise UserError("--batch-size and --repeats must be >= 1, --warmup >= 0")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device here")
     from ..outputs import resolve_file
     for opt, path in (("--out", args.out if args.model else None), ("--policy-out", args.policy_out),
                       ("--hardware", args.hardware)):
         if path is not None:            # a wrong target is refused before anything is measured
-            resolve_file(path, opt, create_parent=False)
+            resolve_file(path, opt, create_parent=False)     # (and before torch's import: ~2 s)
+    import torch
+    from ..models import resolve_model
+    from ..profile import hardware_cluster_spec, profile_model
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device here")
     if args.model:
         existed = os.path.exists(args.out) and not args.force
         prof = profile_model(resolve_model(args.model), batch_size=args.batch_size, leaf_classes=args.leaf,

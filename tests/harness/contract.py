@@ -1,8 +1,8 @@
 """Workers of tests/test_executor_contract.py: one plan, or one hand-written action list
 with its plan, in each runtime.
 
-``python -m harness.contract RUNS.json`` on every rank (``spawn``): the DeepSpeed adapter;
-:func:`megatron_case` through the launcher's cases.  A run is ``{"plan": plan dict, "sched":
+:func:`deepspeed_case` (the DeepSpeed adapter) and :func:`megatron_case` are the launcher's
+cases, run one after the other in one process group.  A run is ``{"plan": plan dict, "sched":
 schedule dict or null}`` (null: the plan's own, as the runtime builds it).  Each trains one
 step of a tiny GPT from the same weights as a non-pipelined reference and reports the
 largest gradient error, the measured peak saved-activation bytes, the simulator's peak from
@@ -12,8 +12,6 @@ list as the runtime ran it.
 from __future__ import annotations
 
 import copy
-import json
-import sys
 
 import torch
 
@@ -68,29 +66,29 @@ _REF: dict = {}
 
 
 def _ref_grads(layers0, batches):
+    """The non-pipelined gradients (every run's model and micro-batches are the same: kept
+    per micro-batch count)."""
     from ds_autoplan.models.tiny_gpt import gpt_loss
-    if "g" not in _REF:
+    if len(batches) not in _REF:
         model = torch.nn.Sequential(*copy.deepcopy(layers0))
         for x, y in batches:
             (gpt_loss(model(x), y) / len(batches)).backward()
-        _REF["g"] = [[p.grad.clone() for p in m.parameters()] for m in model]
-    return _REF["g"]
+        _REF[len(batches)] = [[p.grad.clone() for p in m.parameters()] for m in model]
+    return _REF[len(batches)]
 
 
-def deepspeed_main(path):
+def deepspeed_case(case) -> dict:
+    """One run (``{"plan": ..., "sched": ...}``) in the DeepSpeed adapter, on the launcher's
+    gloo group: the tiny GPT from seed 0 and micro-batches 0 .. n - 1, as every run has."""
     from ds_autoplan.models.tiny_gpt import TinyGPT, example_batch
     from ds_autoplan.runtime.deepspeed.dist import init_distributed
-    from ds_autoplan.runtime.launch import report_runs
     from ds_autoplan.schedule import Schedule
-    torch.set_num_threads(1)
-    init_distributed()
-    with open(path) as f:
-        runs = [(r["plan"], r["sched"] and Schedule.from_dict(r["sched"])) for r in json.load(f)]
+    init_distributed()            # DeepSpeed's comm on the launcher's group
+    plan, sched = case["plan"], case["sched"] and Schedule.from_dict(case["sched"])
     torch.manual_seed(0)
     model = TinyGPT(vocab_size=32, hidden=16, num_layers=N_BLOCKS, num_heads=2, seq_len=SEQ)
-    batches = [example_batch(model.cfg, MBS, seed=m) for m in range(runs[0][0]["num_microbatches"])]
-    rank = torch.distributed.get_rank()
-    report_runs(lambda p=p, s=s: _ds_one(p, s, model.layers(), batches, rank) for p, s in runs)
+    batches = [example_batch(model.cfg, MBS, seed=m) for m in range(plan["num_microbatches"])]
+    return _ds_one(plan, sched, model.layers(), batches, torch.distributed.get_rank())
 
 
 # ----------------------------------------------------------------------------- Megatron
@@ -135,6 +133,3 @@ def megatron_case(case) -> dict:
     return _row(setup.pp_rank, fb.schedule, err, scale, fb.peak_bytes,
                 _sim_peak(fb.schedule, by, setup.pp_rank), by)
 
-
-if __name__ == "__main__":
-    deepspeed_main(sys.argv[1])
