@@ -34,3 +34,15 @@ def test_megatron_tracker_states_are_replayed():
         assert torch.equal(tr.get_states()["test-rng"], moved)
     finally:
         tr.set_states(saved)
+
+
+def test_a_process_without_megatron_does_not_import_it(monkeypatch):
+    """The tracker is read only where the process imported Megatron-core's random module
+    (nothing else can hold a state in it): a DeepSpeed rank's first checkpoint or recompute
+    does not pay seconds to import megatron-core for an empty tracker."""
+    import sys
+    monkeypatch.delitem(sys.modules, "megatron.core.tensor_parallel.random", raising=False)
+    st = RngState()
+    assert st.tracker is None
+    assert "megatron.core.tensor_parallel.random" not in sys.modules
+    st.restore()

@@ -5,7 +5,7 @@ the gradient is wrong, and must leave the generators as it found them so that th
 that follow draw what they would without recomputation (torch.utils.checkpoint's
 ``preserve_rng_state``, Megatron's ``CheckpointFunction``).  The state is the CPU generator,
 the current CUDA device's generator (when CUDA is in use) and Megatron-core's CUDA RNG
-tracker (model-parallel / expert-parallel streams), when it is importable.
+tracker (model-parallel / expert-parallel streams), when the process uses it.
 
 A checkpoint saves each rank's state (:meth:`RngState.state_dict`, see
 :func:`ds_autoplan.runtime.checkpoint.save_rank_state`) so that a resumed run draws what the
@@ -14,16 +14,19 @@ uninterrupted one would have.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
 
 def _tracker():
-    try:
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-    except ImportError:     # megatron-core is optional for the DeepSpeed runtime
+    """Megatron-core's CUDA RNG tracker, where this process imported its module: only then
+    can anything have put a state in it.  Importing megatron-core just to read an empty
+    tracker would cost every DeepSpeed rank seconds at its first checkpoint or recompute."""
+    mrandom = sys.modules.get("megatron.core.tensor_parallel.random")
+    if mrandom is None:     # megatron-core is optional for the DeepSpeed runtime
         return None
-    t = get_cuda_rng_tracker()
+    t = mrandom.get_cuda_rng_tracker()
     return t if hasattr(t, "get_states") and hasattr(t, "set_states") else None
 
 
