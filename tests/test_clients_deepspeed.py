@@ -127,17 +127,13 @@ def test_plan_is_for_the_scripts_alexnet_and_keeps_its_config(client, autoplan_1
     assert mbs == 8 or f"ds-autoplan: ds_config train_micro_batch_size_per_gpu: 8 -> {mbs}" in out
 
 
-def test_1f1b_losses_equal_deepspeeds_own_engine(client, autoplan_1f1b):
+def test_1f1b_losses_equal_deepspeeds_own_engine(client, autoplan_1f1b, references):
     """DeepSpeed's PipelineEngine (TrainSchedule) on the unchanged script, with the merged
     config and the plan's cut (same dropout draws per rank): the same losses."""
     rc, out, ours = autoplan_1f1b
     assert rc == 0, out[-4000:]
     plan = json.loads((client / "ds_autoplan_out" / "plan.json").read_text())
-    cuts = [0, plan["layers_per_stage"][0], 22]
-    args = [a if not a.startswith("--deepspeed_config") else
-            f"--deepspeed_config={client / 'ds_autoplan_out' / 'ds_config.autoplan.json'}" for a in ARGS]
-    rc, out, ref = _run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-                         "train.py", *args], client, _env(SHIM_PARTS=",".join(map(str, cuts))))
+    rc, out, ref = references["1f1b"]
     assert rc == 0, out[-4000:]
     assert len(ref) == len(ours) == 2
     err = max(abs(a - b) / abs(b) for a, b in zip(ours, ref))
@@ -183,20 +179,57 @@ def _reference_losses(out: str, gas: int, world: int) -> list[float]:
             for i in range(steps)]
 
 
+@pytest.fixture(scope="module")
+def unrestricted(client):
+    """``get(form, world)``: that unrestricted run's (rc, output, losses, the /dev/shm files it
+    left), launched once per module (the 2-rank ``deepspeed --autoplan`` run also gives the
+    reference launch its config)."""
+    runs = {}
+
+    def get(form: str, world: int):
+        if (form, world) not in runs:
+            before = set(leftovers())
+            rc, out, losses = _unrestricted(form, world, client, f"out-{form}-{world}")
+            runs[form, world] = rc, out, losses, set(leftovers()) - before
+        return runs[form, world]
+    return get
+
+
+@pytest.fixture(scope="module")
+def references(client, autoplan_1f1b, unrestricted):
+    """DeepSpeed's own engines on the unchanged script, one run after the other in the ranks of
+    one 2-rank ``deepspeed`` launch (deepspeedexamples_shim/shim_runs.py): the non-pipelined
+    path (-p 0) under the unrestricted 2-rank plan's merged config (every rank's micro-step
+    losses), then the pipeline engine (TrainSchedule) under the 1F1B plan's merged config and
+    cut (``train_batch`` losses).  {"zero2": (rc, out, per-step losses), "1f1b": (...)}."""
+    assert autoplan_1f1b[0] == 0, autoplan_1f1b[1][-4000:]
+    assert unrestricted("deepspeed", 2)[0] == 0, unrestricted("deepspeed", 2)[1][-4000:]
+    plan = json.loads((client / "ds_autoplan_out" / "plan.json").read_text())
+    cuts = [0, plan["layers_per_stage"][0], 22]
+    zero2 = client / "out-deepspeed-2" / "ds_config.autoplan.json"
+    pipe = client / "ds_autoplan_out" / "ds_config.autoplan.json"
+    runs = [[f"--deepspeed_config={zero2}", "-p", "0", "--steps=2", "--backend", "gloo"],
+            [f"--deepspeed_config={pipe}", *ARGS[1:]]]
+    rc, out, pipe_losses = _run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                                 str(SHIM / "shim_runs.py")], client,
+                                _env(SHIM_PARTS=",".join(map(str, cuts)), SHIM_RUNS=json.dumps(runs)))
+    gas = json.loads(zero2.read_text())["gradient_accumulation_steps"]
+    return {"zero2": (rc, out, _reference_losses(out, gas, 2) if rc == 0 else []),
+            "1f1b": (rc, out, pipe_losses)}
+
+
 @pytest.mark.parametrize("form,world", [("deepspeed", 2), ("launch", 4), ("launch", 2), ("deepspeed", 4)])
-def test_unrestricted_plan_trains_the_unchanged_script(client, form, world):
+def test_unrestricted_plan_trains_the_unchanged_script(client, unrestricted, request, form, world):
     """Without restrictions the planner picks ZeRO-2 without a pipeline on these CPU ranks (the
     AlexNet fits every rank; no pipeline bubble); the script's pipeline layers train in
     DeepSpeed's plain engine through its ``train_batch`` calls, with the losses of DeepSpeed's
     own engine on the script's non-pipelined path (-p 0) under the merged config (1e-6)."""
     out_dir = f"out-{form}-{world}"
-    before = set(leftovers())
-    rc, out, ours = _unrestricted(form, world, client, out_dir)
+    rc, out, ours, left = unrestricted(form, world)
     assert rc == 0, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     # DeepSpeed's CPU allreduce op never unlinks its /dev/shm files (69 MB of RAM per rank and
     # launch); the ranks remove their own at exit
-    left = set(leftovers()) - before
     assert not left, sorted(left)
     assert len(ours) == 2 and all(math.isfinite(x) for x in ours), out[-4000:]
     plan = json.loads((client / out_dir / "plan.json").read_text())
@@ -207,12 +240,8 @@ def test_unrestricted_plan_trains_the_unchanged_script(client, form, world):
     assert f"the script asked for 2 pipeline stages; the plan uses pp=1 (restrict it with {hint})" in out
     if (form, world) != ("deepspeed", 2):
         return
-    cfg = client / out_dir / "ds_config.autoplan.json"
-    args = [f"--deepspeed_config={cfg}", "-p", "0", "--steps=2", "--backend", "gloo"]
-    rc, ref_out, _ = _run([str(BIN / "deepspeed"), "--num_gpus", str(world), "--master_port",
-                           str(free_port()), "train.py", *args], client, _env())
+    rc, ref_out, ref = request.getfixturevalue("references")["zero2"]
     assert rc == 0, ref_out[-4000:]
-    ref = _reference_losses(ref_out, json.loads(cfg.read_text())["gradient_accumulation_steps"], world)
     err = max(abs(a - b) / abs(b) for a, b in zip(ours, ref))
     print(json.dumps({"test": "alexnet_zero2_vs_deepspeed", "ours": ours, "deepspeed": ref, "rel_err": err}))
     assert len(ref) == 2 and err <= 1e-6, (ours, ref)

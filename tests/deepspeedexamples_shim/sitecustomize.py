@@ -4,8 +4,11 @@ rank 0 prints every ``train_batch`` loss (``SHIM_LOSS``; DeepSpeed's pipeline en
 ds_autoplan's plain one), and DeepSpeed's own plain engine every rank's micro-step loss
 (``SHIM_MICRO_LOSS rank loss``); with ``SHIM_PARTS`` (layer
 boundaries, e.g. "0,10,22") DeepSpeed's own PipelineModule uses that partition, so a
-reference run can cut the layers where a plan did."""
+reference run can cut the layers where a plan did.  Each line is one write: the launcher runs
+its ranks unbuffered (``python -u``), where ``print`` writes the text and its newline apart
+and another rank's line could land between them."""
 import os
+import sys
 
 try:          # tests/ranksite's sitecustomize, which this one shadows: py-cpuinfo asked once
     import cached_cpuinfo  # noqa: F401
@@ -17,13 +20,18 @@ import torch
 torch.cuda.set_device = lambda *a, **k: None
 
 
+def _line(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def _logged(cls):
     train_batch = cls.train_batch
 
     def logged(self, *a, **k):
         loss = train_batch(self, *a, **k)
         if torch.distributed.get_rank() == 0:
-            print(f"SHIM_LOSS {float(loss):.10e}", flush=True)
+            _line(f"SHIM_LOSS {float(loss):.10e}")
         return loss
     cls.train_batch = logged
 
@@ -44,7 +52,7 @@ def _patch_deepspeed():
 
     def logged_backward(self, loss, *a, **k):
         if type(self) is DeepSpeedEngine:
-            print(f"SHIM_MICRO_LOSS {torch.distributed.get_rank()} {float(loss):.10e}", flush=True)
+            _line(f"SHIM_MICRO_LOSS {torch.distributed.get_rank()} {float(loss.detach()):.10e}")
         return backward(self, loss, *a, **k)
     DeepSpeedEngine.backward = logged_backward
     parts = os.environ.get("SHIM_PARTS")
