@@ -25,6 +25,18 @@ TOP1 = dict(name="moe64-top1", arch="llama", num_layers=24, hidden=4096, heads=3
             ffn=14336, vocab=32000, seq_len=4096, num_experts=64, moe_topk=1, tie_embeddings=False)
 
 
+@pytest.fixture(scope="module")
+def top1_free():
+    """The free search of TOP1 on 64 H100 (global batch 512), shared by the tests reading it."""
+    return search(TOP1, H100x64, 512, **KW)
+
+
+@pytest.fixture(scope="module")
+def long_free():
+    """The free search of LLaMA-2 7B at 128K tokens on 64 H100 (global batch 64)."""
+    return search("llama2-7b", H100x64, 64, 131072, **KW)
+
+
 def _time(model, cluster, B, fix, seq=None):
     try:
         return search(model, cluster, B, seq, fix=fix, **KW).best.time
@@ -123,10 +135,10 @@ def test_expert_parallelism_search_takes_the_fastest_expert_degree():
     assert free.plan.ep == best
 
 
-def test_expert_parallelism_picked_for_a_64_expert_model_on_64_h100():
+def test_expert_parallelism_picked_for_a_64_expert_model_on_64_h100(top1_free):
     """64 Mixtral-sized experts, top-1: EP > 1 is faster than any ep = 1 plan, and the search
     picks it; the plan carries ep/etp and emits them."""
-    free = search(TOP1, H100x64, 512, **KW)
+    free = top1_free
     dense = _time(TOP1, H100x64, 512, "ep=1")
     assert free.plan.ep > 1 and free.best.time < dense
     assert free.plan.parallel.expert_dp * free.plan.ep * free.plan.etp == free.plan.parallel.stage_ranks
@@ -135,10 +147,10 @@ def test_expert_parallelism_picked_for_a_64_expert_model_on_64_h100():
     assert "--moe-token-dispatcher-type alltoall" in flags
 
 
-def test_context_parallelism_picked_at_128k_tokens_when_faster():
+def test_context_parallelism_picked_at_128k_tokens_when_faster(long_free):
     """LLaMA-2 7B at 128K tokens on 64 H100: the free plan is at least as fast as every fixed
     CP degree, and CP > 1 wherever a fixed CP > 1 beats CP = 1."""
-    free = search("llama2-7b", H100x64, 64, 131072, **KW)
+    free = long_free
     times = {cp: _time("llama2-7b", H100x64, 64, f"cp={cp}", 131072) for cp in (1, 2, 4, 8)}
     assert free.best.time <= min(times.values()) * (1 + 1e-9)
     assert min(times[c] for c in (2, 4, 8)) < times[1]
@@ -185,12 +197,11 @@ def test_fix_and_cost_accept_expert_and_context_degrees(capsys):
     assert (out["yours"]["cp"], out["yours"]["cp_comm"], out["yours"]["tp"]) == (4, "a2a", 2)
 
 
-def test_expert_and_context_plans_emit_what_the_engines_accept(tmp_path):
+def test_expert_and_context_plans_emit_what_the_engines_accept(tmp_path, top1_free, long_free):
     """Megatron-LM's own parser takes the EP/CP flags with the plan's sizes; DeepSpeed's
     config class takes sequence_parallel_size (Ulysses) with the data-parallel batch."""
     from harness.megatron_args import CLIENT, argcheck
-    moe = search(TOP1, H100x64, 512, **KW).plan
-    cp = search("llama2-7b", H100x64, 64, 131072, **KW).plan
+    moe, cp = top1_free.plan, long_free.plan
     flag_lists = []
     for p, m in ((moe, load_model(TOP1)), (cp, load_model("llama2-7b", 131072))):
         flag_lists.append(" ".join(megatron_args(p, m)).split() + [
