@@ -29,15 +29,15 @@ def test_every_builder_valid_and_deadlock_free(name, kw, d):
         kw = {"mem_cap": adaptive_mod.min_cap_units(d)}
     for n in sorted({d, 2 * d + 1, 4 * d}):
         s = build(name, d, n, **kw)
-        validate(s)
+        validate(s)             # (validated here: the simulations below skip their own check)
         c = _costs(s, seed=d * 100 + n, p2p=0.1)
-        res = simulate(s, c)
+        res = simulate(s, c, check=False)
         assert res.makespan > 0
         low = lower(s, c)
         validate(low)
-        assert simulate(low, c).makespan == pytest.approx(res.makespan)  # same timing
+        assert simulate(low, c, check=False).makespan == pytest.approx(res.makespan)  # same timing
         # rendezvous sends: raises DeadlockError on a send/recv ordering cycle
-        assert simulate(low, c, blocking=True).makespan >= res.makespan - 1e-9
+        assert simulate(low, c, blocking=True, check=False).makespan >= res.makespan - 1e-9
 
 
 kinds = st.sampled_from(sorted({n for n, _ in ALL}))
