@@ -1,20 +1,17 @@
-"""Worker of tests/test_checkpoint_faults.py (every rank, DeepSpeed runtime, 2 ranks).
+"""DeepSpeed cases of tests/test_checkpoint_faults.py (every rank, 2 ranks; launcher cases,
+run by ``python -m harness.forked``).
 
-    python tests/checkpoint_faults_deepspeed.py save DIR TAG2 FAULT   # killed inside a save
-    python tests/checkpoint_faults_deepspeed.py load CASES.json       # one result line per case
-
-``save``: train one step, ``engine.save_checkpoint(DIR, tag="t1")``, print the weights'
-digest; train one more step, then save again (to tag ``TAG2``: ``t1`` re-saves the same tag)
-with ``DS_AUTOPLAN_CHECKPOINT_FAULT=FAULT`` (a SIGKILL of one rank inside the save) and print
-the new digest if the save returns.  ``load``: for each case ``{"name", "dir", "tag"}``,
-a fresh engine (other initial weights) loads it; the result is the loaded path, the weights'
-digest and the step -- or the error's one line.
+``save``: train one step, ``engine.save_checkpoint(dir, tag="t1")``, print the weights'
+digest; train one more step, then save again (to tag ``tag2``: ``t1`` re-saves the same tag)
+with ``DS_AUTOPLAN_CHECKPOINT_FAULT=fault`` (a SIGKILL of one rank inside the save) and return
+the new digest if the save returns.  ``load``: one fresh engine (other initial weights) loads
+each of ``cases`` (``{"name", "dir", "tag"}``) and prints the loaded path, the weights' digest
+and the step -- or the error's one line.
 """
 from __future__ import annotations
 
 import json
 import os
-import sys
 
 import torch
 
@@ -49,42 +46,30 @@ def say(**row):
     print(RESULT + json.dumps({"rank": torch.distributed.get_rank(), **row}), flush=True)
 
 
-def save(folder, tag2, fault):
+def save(case) -> dict:
+    from ds_autoplan.runtime.deepspeed.dist import init_distributed
+    init_distributed()           # DeepSpeed's comm on the case's process group
     engine = make_engine(0)
     step(engine)
-    engine.save_checkpoint(folder, tag="t1", client_state={"epoch": 1})
-    say(saved="t1", digest=digest(engine), step=engine.global_steps)
+    engine.save_checkpoint(case["dir"], tag="t1", client_state={"epoch": 1})
+    say(kill=case["name"], saved="t1", digest=digest(engine), step=engine.global_steps)
     step(engine)
-    os.environ["DS_AUTOPLAN_CHECKPOINT_FAULT"] = fault
-    engine.save_checkpoint(folder, tag=tag2, client_state={"epoch": 2})
-    say(saved=tag2, digest=digest(engine), step=engine.global_steps)
+    os.environ["DS_AUTOPLAN_CHECKPOINT_FAULT"] = case["fault"]
+    engine.save_checkpoint(case["dir"], tag=case["tag2"], client_state={"epoch": 2})
+    return {"rank": torch.distributed.get_rank(), "saved": case["tag2"], "digest": digest(engine),
+            "step": engine.global_steps}
 
 
-def load(cases_path):
+def load(job) -> dict:
     from ds_autoplan.runtime.checkpoint import CheckpointError
-    with open(cases_path) as f:
-        cases = json.load(f)
+    from ds_autoplan.runtime.deepspeed.dist import init_distributed
+    init_distributed()
     engine = make_engine(1)
-    for case in cases:
+    for case in job["cases"]:
         try:
             path, client_state = engine.load_checkpoint(case["dir"], tag=case.get("tag"))
             say(name=case["name"], path=path, digest=digest(engine), step=engine.global_steps,
                 client_state=client_state)
         except CheckpointError as e:
             say(name=case["name"], error=str(e))
-
-
-def main():
-    from ds_autoplan.runtime.deepspeed.dist import init_distributed
-    torch.set_num_threads(1)
-    init_distributed()
-    if sys.argv[1] == "save":
-        save(*sys.argv[2:5])
-    else:
-        load(sys.argv[2])
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+    return {"rank": torch.distributed.get_rank(), "loaded": len(job["cases"])}

@@ -1,5 +1,5 @@
-"""Megatron-core cases of tests/test_checkpoint_faults.py (every rank, through
-``python -m ds_autoplan.runtime.launch``; Megatron's DDP, optimizer and dist_checkpointing as in
+"""Megatron-core cases of tests/test_checkpoint_faults.py (every rank; launcher cases, run by
+``python -m harness.forked``; Megatron's DDP, optimizer and dist_checkpointing as in
 tests/resume_megatron.py).
 
 ``killed_resave``: train one step, save to ``dir`` (prints the weights' digest), train one more
@@ -41,7 +41,8 @@ def killed_resave(case) -> dict:
     run.train(data, range(1))
     save_checkpoint(run.chunks, run.opt, case["dir"], plan=run.plan, step=1, scheduler=run.sched,
                     client_state={"epoch": 1})
-    print(RESULT + json.dumps({"rank": dist.get_rank(), "saved": 1, "digest": _digest(run)}), flush=True)
+    print(RESULT + json.dumps({"kill": case["name"], "rank": dist.get_rank(), "saved": 1,
+                               "digest": _digest(run)}), flush=True)
     run.train(data, range(1, 2))
     os.environ["DS_AUTOPLAN_CHECKPOINT_FAULT"] = case["fault"]
     save_checkpoint(run.chunks, run.opt, case["dir"], plan=run.plan, step=2, scheduler=run.sched,

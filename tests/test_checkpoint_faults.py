@@ -335,9 +335,10 @@ def test_checkpoint_info_on_malformed_metadata_is_one_line(tmp_path, capsys, con
     assert "Traceback" not in err
 
 
-# -- the DeepSpeed runtime on 2 ranks ----------------------------------------------------------
+# -- the DeepSpeed and Megatron-core runtimes on 2 ranks: one launch -------------------------
 
 WORKER = str(HERE / "checkpoint_faults_deepspeed.py")
+M_WORKER = str(HERE / "checkpoint_faults_megatron.py")
 RESULT = "AUTOPLAN_RESULT "
 # (name, tag of the second save, fault): a kill of rank 1 while it writes its files, of rank 0
 # after every rank wrote (before the manifest), after the manifest (before the rename), after
@@ -345,25 +346,87 @@ RESULT = "AUTOPLAN_RESULT "
 DS_KILLS = [("resave-rank1-writing", "t1", "file:2@1"), ("resave-before-manifest", "t1", "written@0"),
             ("resave-before-rename", "t1", "manifest@0"), ("newtag-before-latest", "t2", "installed@0"),
             ("newtag-writing-latest", "t2", "latest-tmp@0")]
+# Megatron: a checkpoint re-saved in place, rank 1 killed after dist_checkpointing wrote its files
+M_KILL = "megatron-resave"
+M = "megatron:"        # the Megatron load cases' names in the shared launch
 
 
 def _rows(out):
     return [json.loads(ln[len(RESULT):]) for ln in out.splitlines() if ln.startswith(RESULT)]
 
 
+def _kills(root) -> tuple[list, list]:
+    """The modules the ranks import once, and the kill cases, of the runtimes installed."""
+    import importlib.util
+    warm, kills = [], []
+    if importlib.util.find_spec("deepspeed"):
+        warm += ["deepspeed", "ds_autoplan.runtime.deepspeed.api", "torch._dynamo"]
+        kills += [{"name": n, "fn": WORKER + ":save", "dir": str(root / "ds" / n), "tag2": t, "fault": f}
+                  for n, t, f in DS_KILLS]
+    if importlib.util.find_spec("megatron.core"):
+        warm += ["megatron.core.optimizer", "megatron.core.distributed",
+                 "ds_autoplan.runtime.megatron.checkpoint"]
+        kills.append({"name": M_KILL, "fn": M_WORKER + ":killed_resave",
+                      "dir": str(root / "megatron" / "ck"), "fault": "file@1"})
+    return warm, kills
+
+
 @pytest.fixture(scope="module")
-def ds_kills(tmp_path_factory):
+def faults(tmp_path_factory):
+    """One 2-rank launch (tests/harness/forked.py) for both runtimes: every kill scenario runs
+    in forked children of the ranks, in a process group of their own; then the launch's
+    process group loads what each left, and crafted and damaged copies of it
+    (:func:`_ds_loads`, :func:`_megatron_loads`).  The root folder and every result row."""
+    import threading
+
+    from ds_autoplan.runtime.launch import spawn
+    from harness import ENV
+    root = tmp_path_factory.mktemp("faults")
+    warm, kills = _kills(root)
+    if not kills:
+        pytest.skip("neither deepspeed nor megatron-core is installed")
+    (root / "ds").mkdir()
+    (root / "megatron").mkdir()
+    job, then = root / "job.json", root / "then.json"
+    job.write_text(json.dumps({"warm": warm, "kills": kills, "then": str(then)}))
+    box = {}
+    run = threading.Thread(target=lambda: box.update(outs=spawn(
+        ["-m", "harness.forked", str(job)], 2, timeout=600, grace=5, env=ENV)))
+    run.start()
+    loads = []
+    try:
+        while run.is_alive() and not all(pathlib.Path(f"{job}.done{r}").exists() for r in range(2)):
+            time.sleep(0.1)
+        if run.is_alive():        # every kill is over: the cases of the launch's process group
+            names = {k["name"] for k in kills}
+            loads = (_ds_loads(root / "ds") if DS_KILLS[0][0] in names else []) + \
+                (_megatron_loads(root / "megatron") if M_KILL in names else [])
+    finally:
+        (root / "then.tmp").write_text(json.dumps(loads))      # [] lets the ranks end
+        os.replace(root / "then.tmp", then)
+        run.join()
+    outs = box["outs"]
+    assert all(rc == 0 for rc, _ in outs), outs[0][1][-3000:] + outs[1][1][-3000:]
+    return root, [row for _, out in outs for row in _rows(out)]
+
+
+def _killed(rows, name) -> dict:
+    """Kill case ``name``: one rank was SIGKILLed; rank 0's rows before it, by what they saved."""
+    assert any(r["exit"] == -signal.SIGKILL for r in rows if r.get("kill") == name and "exit" in r), \
+        [r for r in rows if r.get("kill") == name]
+    return {r["saved"]: r for r in rows if r.get("kill") == name and r["rank"] == 0 and "saved" in r}
+
+
+@pytest.fixture(scope="module")
+def ds_kills(faults):
     """Each kill scenario's folder and the digests rank 0 printed before the kill."""
     pytest.importorskip("deepspeed")
-    from ds_autoplan.runtime.launch import spawn
-    root = tmp_path_factory.mktemp("ds-kills")
+    root, rows = faults
     out = {}
-    for name, tag2, fault in DS_KILLS:
-        outs = spawn([WORKER, "save", str(root / name), tag2, fault], 2, timeout=300, grace=5)
-        assert any(rc == -signal.SIGKILL for rc, _ in outs), outs[0][1][-3000:]
-        out[name] = {r["saved"]: r for r in _rows(outs[0][1])}
-        assert "t1" in out[name], outs[0][1][-3000:]
-    return root, out
+    for name, _, _ in DS_KILLS:
+        out[name] = _killed(rows, name)
+        assert "t1" in out[name], [r for r in rows if r.get("kill") == name]
+    return root / "ds", out
 
 
 def _refused_on_both_ranks(rows, name, marker) -> None:
@@ -389,12 +452,9 @@ def _plant(src, dst, rel, obj):
     cf._seal(str(dst))
 
 
-@pytest.fixture(scope="module")
-def ds_loads(ds_kills):
-    """One 2-rank process group loads every kill scenario's ``latest`` and every damaged or
-    crafted copy of a good checkpoint."""
-    from ds_autoplan.runtime.launch import spawn
-    root, _ = ds_kills
+def _ds_loads(root) -> list:
+    """The DeepSpeed load job: one engine loads every kill scenario's ``latest`` and every
+    damaged or crafted copy of a good checkpoint."""
     good = root / "newtag-before-latest" / "t1"
     marker = root / "MARKER"
     cases = [{"name": n, "dir": str(root / n)} for n, _, _ in DS_KILLS]
@@ -418,11 +478,16 @@ def ds_loads(ds_kills):
         else:
             (bad / name / rel).unlink()
         cases.append({"name": name, "dir": str(bad / name)})
-    (root / "cases.json").write_text(json.dumps(cases))
-    outs = spawn([WORKER, "load", str(root / "cases.json")], 2, timeout=300, grace=5)
-    assert all(rc == 0 for rc, _ in outs), outs[0][1][-3000:] + outs[1][1][-3000:]
-    rows = {(r["name"], r["rank"]): r for _, o in outs for r in _rows(o)}
-    return rows, marker
+    return [{"fn": WORKER + ":load", "cases": cases}]
+
+
+@pytest.fixture(scope="module")
+def ds_loads(faults, ds_kills):
+    """Every kill scenario's ``latest`` and every damaged or crafted copy of a good checkpoint,
+    loaded by one engine on 2 ranks: the rows and the marker no load may create."""
+    root, rows = faults
+    return {(r["name"], r["rank"]): r for r in rows if "name" in r and not r["name"].startswith(M)}, \
+        root / "ds" / "MARKER"
 
 
 @pytest.mark.multiproc
@@ -473,29 +538,10 @@ def test_deepspeed_damaged_checkpoint_is_refused_naming_the_file(ds_loads, name,
 
 # -- the Megatron-core runtime on 2 ranks ------------------------------------------------------
 
-M_WORKER = str(HERE / "checkpoint_faults_megatron.py")
-
-
-def _launch(cases, root, world=2):
-    """Every rank's output of ``cases`` run through ds_autoplan.runtime.launch's worker."""
-    from ds_autoplan.runtime.launch import spawn
-    path = root / f"cases-{len(list(root.glob('cases-*')))}.json"
-    path.write_text(json.dumps(cases))
-    return spawn(["-m", "ds_autoplan.runtime.launch", str(path)], world, timeout=400, grace=5)
-
-
-@pytest.fixture(scope="module")
-def megatron_faults(tmp_path_factory):
-    """A Megatron checkpoint re-saved in place and SIGKILLed on rank 1 after
-    dist_checkpointing wrote its files; then one process group loads it and crafted and
-    damaged copies of it."""
-    pytest.importorskip("megatron.core")
-    root = tmp_path_factory.mktemp("megatron-faults")
+def _megatron_loads(root) -> list:
+    """The Megatron load cases (names prefixed by :data:`M`): the killed re-save's folder, and
+    crafted and damaged copies of it."""
     ck = root / "ck"
-    outs = _launch([{"fn": M_WORKER + ":killed_resave", "dir": str(ck), "fault": "file@1"}], root)
-    assert any(rc == -signal.SIGKILL for rc, _ in outs), outs[0][1][-3000:]
-    saved = [r for r in _rows(outs[0][1]) if r.get("saved") == 1]
-    assert saved, outs[0][1][-3000:]
     marker = root / "MARKER"
     bad = root / "bad"
     bad.mkdir()
@@ -521,10 +567,20 @@ def megatron_faults(tmp_path_factory):
     with open(bad / "truncated" / "__1_0.distcp", "r+b") as f:
         f.truncate(1000)
     cases.append({"name": "truncated", "dir": str(bad / "truncated")})
-    outs = _launch([dict(c, fn=M_WORKER + ":load") for c in cases], root)
-    assert all(rc == 0 for rc, _ in outs), outs[0][1][-3000:] + outs[1][1][-3000:]
-    rows = {(r["name"], r["rank"]): r for _, o in outs for r in _rows(o)}
-    return rows, saved[0], marker, ck
+    return [dict(c, name=M + c["name"], fn=M_WORKER + ":load") for c in cases]
+
+
+@pytest.fixture(scope="module")
+def megatron_faults(faults):
+    """A Megatron checkpoint re-saved in place and SIGKILLed on rank 1 after
+    dist_checkpointing wrote its files; then one process group loads it and crafted and
+    damaged copies of it."""
+    pytest.importorskip("megatron.core")
+    root, rows = faults
+    saved = _killed(rows, M_KILL)
+    assert 1 in saved, [r for r in rows if r.get("kill") == M_KILL]
+    loads = {(r["name"][len(M):], r["rank"]): r for r in rows if r.get("name", "").startswith(M)}
+    return loads, saved[1], root / "megatron" / "MARKER", root / "megatron" / "ck"
 
 
 @pytest.mark.multiproc
