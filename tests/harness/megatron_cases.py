@@ -5,6 +5,7 @@ bare name is a function of this module."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 from ds_autoplan.models.megatron_gpt import (MBS, SEQ, build_chunks, build_reference,
                                              copy_weights, data_iter, forward_step, global_name,
@@ -42,9 +43,49 @@ def _plan(case):
                 precision="fp32")
 
 
+_REFERENCES: dict = {}
+
+
+def reference_run(num_layers: int, n: int, steps: int, split: bool, tp: int, sp: bool) -> dict:
+    """The local no-pipeline run every case of this shape compares with (Megatron's
+    forward_backward_no_pipelining of the whole model, :func:`build_reference`): ``steps``
+    training steps on ``data_iter(step)`` with SGD in between, then one forward-only pass on
+    ``data_iter(99)``.  Its initial weights, per-step losses and gradients (by parameter name)
+    and evaluation losses; computed once per process and shape (and tp rank: with ``tp`` > 1
+    the model is sharded like the chunks), since every input of it is fixed."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules as ms
+
+    from ds_autoplan.runtime.megatron import cpu_shim
+    key = (num_layers, n, steps, split, tp, sp, ps.get_tensor_model_parallel_rank())
+    if key in _REFERENCES:
+        return _REFERENCES[key]
+    ref = build_reference(num_layers, split=split, tp=tp, sp=sp)
+    run = {"weights": {k: p.detach().clone() for k, p in ref.named_parameters()},
+           "losses": [], "grads": []}
+    for step in range(steps):
+        with cpu_shim(remap_cuda_factories=True):
+            ref_l = ms.forward_backward_no_pipelining(
+                forward_step_func=forward_step, data_iterator=data_iter(step), model=[ref],
+                num_microbatches=n, seq_length=SEQ, micro_batch_size=MBS)
+        if sp:
+            _allreduce_sp_grads([ref])
+        run["losses"].append([float(x["loss"]) for x in ref_l])
+        run["grads"].append({k: p.grad.clone() for k, p in ref.named_parameters()})
+        sgd(ref.parameters())
+    with cpu_shim(remap_cuda_factories=True), torch.no_grad():
+        ref_l = ms.forward_backward_no_pipelining(
+            forward_step_func=forward_step, data_iterator=data_iter(99), model=[ref],
+            num_microbatches=n, seq_length=SEQ, micro_batch_size=MBS, forward_only=True)
+    run["eval_losses"] = [float(x["loss"]) for x in ref_l]
+    _REFERENCES[key] = run
+    return run
+
+
 def run_case(case) -> dict:
     """One schedule (ours or Megatron's own), 2 training steps; compares with a local
-    no-pipeline run of the same model (Megatron's forward_backward_no_pipelining)."""
+    no-pipeline run of the same model (:func:`reference_run`)."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -63,10 +104,11 @@ def run_case(case) -> dict:
     split = case.get("split", True)
     # tp > 1: a reference with Megatron's own linear layers ("ref_split": False) checks the
     # tensor-parallel communication of the split layers against Megatron's
-    ref = build_reference(L, split=case.get("ref_split", split), tp=plan.tp,
-                          sp=setup.config_overrides["sequence_parallel"])
+    ref = reference_run(L, n, case.get("steps", 2), case.get("ref_split", split), plan.tp,
+                        setup.config_overrides["sequence_parallel"])
     chunks = build_chunks(setup, split=split, **case.get("config", {}))
-    copy_weights(ref, chunks, setup, plan.layers_per_stage)
+    copy_weights(SimpleNamespace(named_parameters=ref["weights"].items), chunks, setup,
+                 plan.layers_per_stage)
     params = [p for m in chunks for p in m.parameters()]
     runner = case.get("runner", "ours")
     tracker = MemTracker(exclude=params) if runner == "ours" else None
@@ -78,10 +120,6 @@ def run_case(case) -> dict:
            "has_w": runner == "ours" and any(a.kind.value == "W" for a in sched.ranks[rank])}
     w_items = _count_w_items(res)
     for step in range(case.get("steps", 2)):
-        with cpu_shim(remap_cuda_factories=True):
-            ref_l = ms.forward_backward_no_pipelining(
-                forward_step_func=forward_step, data_iterator=data_iter(step), model=[ref],
-                num_microbatches=n, seq_length=SEQ, micro_batch_size=MBS)
         its = [data_iter(step) for _ in chunks]
         kw = dict(forward_step_func=forward_step, data_iterator=its if len(chunks) > 1 else its[0],
                   model=chunks, num_microbatches=n, seq_length=SEQ, micro_batch_size=MBS)
@@ -94,19 +132,17 @@ def run_case(case) -> dict:
                 losses = ms.get_forward_backward_func()(**kw)
         res["time"].append(time.perf_counter() - t0)
         if setup.config_overrides["sequence_parallel"]:
-            _allreduce_sp_grads([ref, *chunks])
-        rp = dict(ref.named_parameters())
+            _allreduce_sp_grads(chunks)
         for c, m in enumerate(chunks):
             off = stage_offset(plan.layers_per_stage, setup.stages[c])
             for nme, p in m.named_parameters():
-                g_ref = rp[global_name(nme, off)].grad
+                g_ref = ref["grads"][step][global_name(nme, off)]
                 assert p.grad is not None, f"no gradient for {nme} (stage {setup.stages[c]}) step {step} " + str([q for q, pp in m.named_parameters() if pp.grad is None])
                 res["max_grad_err"] = max(res["max_grad_err"], float((p.grad - g_ref).abs().max()))
                 res["max_grad"] = max(res["max_grad"], float(g_ref.abs().max()))
         res["losses"].append([float(x["loss"]) for x in losses])
-        res["ref_losses"].append([float(x["loss"]) for x in ref_l])
+        res["ref_losses"].append(ref["losses"][step])
         sgd(params)
-        sgd(ref.parameters())
     if runner == "ours" and tracker is not None:
         # simulator with the measured per-(stage, mb) deltas of this rank's actions; other
         # ranks' stages get zeros (only this rank's peak is compared)
@@ -130,9 +166,6 @@ def run_case(case) -> dict:
         res["sim_peak_bytes"] = simulate(sched.compute_only(), costs).peak_memory[rank]
     # one forward-only (evaluation) pass, as Megatron-LM's evaluate() runs it
     with cpu_shim(remap_cuda_factories=True), torch.no_grad():
-        ref_l = ms.forward_backward_no_pipelining(
-            forward_step_func=forward_step, data_iterator=data_iter(99), model=[ref],
-            num_microbatches=n, seq_length=SEQ, micro_batch_size=MBS, forward_only=True)
         its = [data_iter(99) for _ in chunks]
         kw.update(data_iterator=its if len(chunks) > 1 else its[0], forward_only=True)
         if runner == "ours":
@@ -141,7 +174,7 @@ def run_case(case) -> dict:
             losses = ms.get_forward_backward_func()(**kw)
     w_items()
     res["eval_losses"] = [float(x["loss"]) for x in losses]
-    res["ref_eval_losses"] = [float(x["loss"]) for x in ref_l]
+    res["ref_eval_losses"] = ref["eval_losses"]
     dist.barrier()
     return res
 
