@@ -339,7 +339,6 @@ def test_checkpoint_info_on_malformed_metadata_is_one_line(tmp_path, capsys, con
 
 WORKER = str(HERE / "checkpoint_faults_deepspeed.py")
 M_WORKER = str(HERE / "checkpoint_faults_megatron.py")
-RESULT = "AUTOPLAN_RESULT "
 # (name, tag of the second save, fault): a kill of rank 1 while it writes its files, of rank 0
 # after every rank wrote (before the manifest), after the manifest (before the rename), after
 # the rename (before ``latest``), while ``latest`` is replaced
@@ -349,10 +348,6 @@ DS_KILLS = [("resave-rank1-writing", "t1", "file:2@1"), ("resave-before-manifest
 # Megatron: a checkpoint re-saved in place, rank 1 killed after dist_checkpointing wrote its files
 M_KILL = "megatron-resave"
 M = "megatron:"        # the Megatron load cases' names in the shared launch
-
-
-def _rows(out):
-    return [json.loads(ln[len(RESULT):]) for ln in out.splitlines() if ln.startswith(RESULT)]
 
 
 def _kills(root) -> tuple[list, list]:
@@ -377,37 +372,21 @@ def faults(tmp_path_factory):
     in forked children of the ranks, in a process group of their own; then the launch's
     process group loads what each left, and crafted and damaged copies of it
     (:func:`_ds_loads`, :func:`_megatron_loads`).  The root folder and every result row."""
-    import threading
-
-    from ds_autoplan.runtime.launch import spawn
-    from harness import ENV
+    from harness import forked
     root = tmp_path_factory.mktemp("faults")
     warm, kills = _kills(root)
     if not kills:
         pytest.skip("neither deepspeed nor megatron-core is installed")
     (root / "ds").mkdir()
     (root / "megatron").mkdir()
-    job, then = root / "job.json", root / "then.json"
-    job.write_text(json.dumps({"warm": warm, "kills": kills, "then": str(then)}))
-    box = {}
-    run = threading.Thread(target=lambda: box.update(outs=spawn(
-        ["-m", "harness.forked", str(job)], 2, timeout=600, grace=5, env=ENV)))
-    run.start()
-    loads = []
-    try:
-        while run.is_alive() and not all(pathlib.Path(f"{job}.done{r}").exists() for r in range(2)):
-            time.sleep(0.1)
-        if run.is_alive():        # every kill is over: the cases of the launch's process group
-            names = {k["name"] for k in kills}
-            loads = (_ds_loads(root / "ds") if DS_KILLS[0][0] in names else []) + \
-                (_megatron_loads(root / "megatron") if M_KILL in names else [])
-    finally:
-        (root / "then.tmp").write_text(json.dumps(loads))      # [] lets the ranks end
-        os.replace(root / "then.tmp", then)
-        run.join()
-    outs = box["outs"]
+    names = {k["name"] for k in kills}
+
+    def loads():         # every kill is over: the cases of the launch's process group
+        return (_ds_loads(root / "ds") if DS_KILLS[0][0] in names else []) + \
+            (_megatron_loads(root / "megatron") if M_KILL in names else [])
+    outs = forked.run(root, kills, loads, warm, timeout=600, grace=5)
     assert all(rc == 0 for rc, _ in outs), outs[0][1][-3000:] + outs[1][1][-3000:]
-    return root, [row for _, out in outs for row in _rows(out)]
+    return root, forked.rows(outs)
 
 
 def _killed(rows, name) -> dict:

@@ -5,30 +5,55 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from ds_autoplan.runtime.launch import results, spawn  # noqa: E402
-from harness import ENV, group_fixture, joined_groups, registered  # noqa: E402
+from ds_autoplan.runtime.launch import launch  # noqa: E402
+from harness import ENV, forked, group_fixture, joined_groups, registered  # noqa: E402
 
-WORKER = ["-m", "harness.ds_pipeline"]
 SCHEDULES = registered()        # every registered builder but the listed exclusions
 TOL = 1e-5
+FAIL_MODES = ["raise", "kill", "hang"]
 
 
-def run_groups(world, *groups, timeout=240):
-    """Each option group's results, ``{(schedule, rank): row}`` per group: all groups in one
-    process group (harness.ds_pipeline's ``--then``)."""
-    res = [{} for _ in groups]
-    for d in results(WORKER + joined_groups(groups), world, timeout=timeout, env=ENV):
+def by_group(rows, groups: int):
+    """harness.ds_pipeline's rows, ``{(schedule, rank): row}`` per option group."""
+    res = [{} for _ in range(groups)]
+    for d in rows:
         res[d.get("group", 0)][(d["schedule"], d.get("rank"))] = d
     return res
 
 
+def pipeline_case(*groups) -> dict:
+    """A launcher case running harness.ds_pipeline's option groups in one process group."""
+    return {"fn": "harness.ds_pipeline:groups_case", "argv": joined_groups(groups)}
+
+
+def failing_case(mode) -> dict:
+    """harness.forked's case: rank 1 fails (``mode``) in its third layer forward; rank 0's p2p
+    waits give up after 6 s.  ``grace``: how long the other rank may take to end by itself after
+    the first one failed.  Rank 1 fails first when it raises or is killed: rank 0 must stop by
+    itself within it.  A hung rank 1 never ends: rank 0 fails first, and rank 1 is killed after
+    the grace, which then only adds to the run."""
+    return dict(pipeline_case(["--schedules", "v-zb", "--n", "4", "--fail", f"1:{mode}:3"]), name=mode,
+                env={"DS_AUTOPLAN_P2P_TIMEOUT": "6"}, grace=1 if mode == "hang" else 10)
+
+
 @pytest.fixture(scope="module")
-def two_rank_groups():
-    """Plain, ZeRO-1 with stage-aware recompute, DeepSpeed's uniform checkpointing: one
-    2-rank process group."""
-    return run_groups(2, ["--schedules", ",".join(SCHEDULES), "--n", "4"],
-                      ["--schedules", ",".join(SCHEDULES), "--n", "4", "--zero", "1", "--recompute", "1.0"],
-                      ["--ds-ckpt", "1", "--n", "4", "--schedules", "ds-train,1f1b,v-zb"], timeout=400)
+def two_rank_launch(tmp_path_factory):
+    """One 2-rank launch: each failing mode's run in forked children of the ranks
+    (harness.forked), then plain, ZeRO-1 with stage-aware recompute and DeepSpeed's uniform
+    checkpointing in the launch's process group.  Every result row."""
+    groups = pipeline_case(["--schedules", ",".join(SCHEDULES), "--n", "4"],
+                           ["--schedules", ",".join(SCHEDULES), "--n", "4", "--zero", "1", "--recompute", "1.0"],
+                           ["--ds-ckpt", "1", "--n", "4", "--schedules", "ds-train,1f1b,v-zb"])
+    outs = forked.run(tmp_path_factory.mktemp("two-ranks"), [failing_case(m) for m in FAIL_MODES], [groups],
+                      warm=["deepspeed", "ds_autoplan.runtime.deepspeed.api", "torch._dynamo"],
+                      timeout=500, grace=5)
+    assert all(rc == 0 for rc, _ in outs), outs[0][1][-3000:] + outs[1][1][-3000:]
+    return forked.rows(outs)
+
+
+@pytest.fixture(scope="module")
+def two_rank_groups(two_rank_launch):
+    return by_group([d for row in two_rank_launch for d in row.get("rows", [])], 3)
 
 
 two_ranks = group_fixture("two_rank_groups", 0)
@@ -37,13 +62,20 @@ deepspeed_uniform_checkpointing = group_fixture("two_rank_groups", 2)
 
 
 @pytest.fixture(scope="module")
-def four_rank_groups():
+def four_rank_launch():
     """One 4-rank process group: identical blocks (uniform stages, so the paper's memory
     ratios apply; n = 16) for every schedule and TrainSchedule, then pp 2 x dp 2 with ZeRO-1
-    over the data-parallel replicas."""
-    return run_groups(4, ["--model", "blocks", "--blocks", "8", "--n", "16", "--schedules",
-                          "ds-train," + ",".join(SCHEDULES)],
-                      ["--dp", "2", "--zero", "1", "--n", "4", "--schedules", "v-zb,interleaved"], timeout=500)
+    over the data-parallel replicas; then DeepSpeed-Ulysses (:data:`ULYSSES`).  Per rank, the
+    two cases' results."""
+    return launch(4, [pipeline_case(["--model", "blocks", "--blocks", "8", "--n", "16", "--schedules",
+                                     "ds-train," + ",".join(SCHEDULES)],
+                                    ["--dp", "2", "--zero", "1", "--n", "4", "--schedules", "v-zb,interleaved"]),
+                      {"fn": "harness.ds_ulysses:cases_case", "cases": ULYSSES}], timeout=600, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def four_rank_groups(four_rank_launch):
+    return by_group([d for rank in four_rank_launch for d in rank[0]["rows"]], 2)
 
 
 four_ranks = group_fixture("four_rank_groups", 0)
@@ -63,6 +95,7 @@ def _check_equal_and_memory(rows):
         assert abs(d["peak"] - d["sim_peak"]) <= 0.10 * d["sim_peak"], d
 
 
+@pytest.mark.timeout(900)      # the first test pays for its fixture's launch
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_two_ranks_equal_to_unpipelined(two_ranks, name):
     _check_equal_and_memory(_ranks(two_ranks, name, 2))
@@ -104,6 +137,7 @@ def test_recompute_lowers_memory(two_ranks, two_ranks_zero1_recompute):
     assert rec < 0.8 * plain
 
 
+@pytest.mark.timeout(900)      # the first test pays for its fixture's launch
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_four_ranks_equal_to_unpipelined(four_ranks, name):
     _check_equal_and_memory(_ranks(four_ranks, name, 4))
@@ -139,36 +173,28 @@ def test_our_1f1b_matches_deepspeed_trainschedule(four_ranks):
         assert a["peak"] == b["peak"]
 
 
-@pytest.mark.parametrize("mode", ["raise", "kill", "hang"])
-def test_failing_rank_stops_the_others(mode):
-    # grace: how long the launcher lets the other rank exit after the first one failed.
-    # Rank 1 fails first when it raises or is killed: rank 0 must stop by itself within it.
-    # A hung rank 1 never exits: rank 0 fails first (its p2p wait gives up after 6 s) and
-    # rank 1 is killed after the grace, which then only adds to the run.
-    outs = spawn(WORKER + ["--schedules", "v-zb", "--n", "4", "--fail", f"1:{mode}:3"], 2,
-                 timeout=120, grace=1 if mode == "hang" else 10,
-                 env={**ENV, "DS_AUTOPLAN_P2P_TIMEOUT": "6"})
-    (rc0, out0), (rc1, _) = outs
+@pytest.mark.parametrize("mode", FAIL_MODES)
+def test_failing_rank_stops_the_others(two_rank_launch, mode):
+    (rc0, out0), (rc1, _) = [(d["exit"], open(d["out"]).read()) for r in range(2)
+                             for d in two_rank_launch if d.get("kill") == mode and d["rank"] == r and "exit" in d]
     assert rc1 != 0
     assert rc0 not in (0, -9), out0[-3000:]          # rank 0 exits by itself with an error
     assert "PipelineRankError" in out0 and "pipeline rank 1" in out0, out0[-3000:]
 
 
-@pytest.mark.timeout(360)
-def test_context_parallel_ulysses_pp2_sp2(tmp_path):
+# DeepSpeed-Ulysses cases (harness/ds_ulysses.py) of the 4-rank launch
+ULYSSES = [{"pp": 2, "sp": 2, "n": 4, "schedule": "1f1b"},
+           {"pp": 2, "sp": 2, "n": 4, "schedule": "v-half"},
+           {"pp": 2, "sp": 1, "n": 4, "schedule": "1f1b"}]
+
+
+def test_context_parallel_ulysses_pp2_sp2(four_rank_launch):
     """DeepSpeed-Ulysses (DeepSpeed's DistributedAttention) for a plan with context
     parallelism 2 on a 2-stage pipeline (4 ranks), 1F1B and V-Half: every rank holds half of
     each sequence, and the gradients and loss equal the single-process model on whole
     sequences, as those of the same pipeline without sequence parallelism (dp 2) do."""
-    import json
-    from ds_autoplan.runtime.launch import per_rank_results
-    cases = [{"pp": 2, "sp": 2, "n": 4, "schedule": "1f1b"},
-             {"pp": 2, "sp": 2, "n": 4, "schedule": "v-half"},
-             {"pp": 2, "sp": 1, "n": 4, "schedule": "1f1b"}]
-    path = tmp_path / "cases.json"
-    path.write_text(json.dumps(cases))
-    out = per_rank_results(["-m", "harness.ds_ulysses", str(path)], 4, timeout=320, env=ENV)
-    for i, case in enumerate(cases):
+    out = [rank[1]["rows"] for rank in four_rank_launch]
+    for i, case in enumerate(ULYSSES):
         rows = [o[i] for o in out]
         assert sorted(r["stage"] for r in rows) == [0, 0, 1, 1]
         for r in rows:

@@ -240,7 +240,7 @@ def _all_recompute(engine):
     return {s: k + (1 if mod._joined and s == 0 and k else 0) for s, k in enumerate(ks)}
 
 
-def main(argv=None):
+def _parser():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedules", default="1f1b")
     ap.add_argument("--model", choices=["gpt", "blocks"], default="gpt")
@@ -260,12 +260,28 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fail", default="", help="rank:raise|kill|hang:call (failure injection)")
     ap.add_argument("--local_rank", type=int, default=None)   # set by the deepspeed launcher
-    groups = option_groups(sys.argv[1:] if argv is None else argv)
+    return ap
+
+
+def _jobs(argv):
+    """Every option group's runs, on this rank of the process group."""
     from ds_autoplan.runtime.deepspeed.dist import init_distributed
-    torch.set_num_threads(1)
     init_distributed()
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    report_runs(job for g, group in enumerate(groups) for job in _group_jobs(ap.parse_args(group), g, world, rank))
+    ap = _parser()
+    return (job for g, group in enumerate(option_groups(argv)) for job in _group_jobs(ap.parse_args(group), g, world, rank))
+
+
+def main(argv=None):
+    torch.set_num_threads(1)
+    report_runs(_jobs(sys.argv[1:] if argv is None else argv))
+
+
+def groups_case(case) -> dict:
+    """A launcher case (:func:`ds_autoplan.runtime.launch.launch`, ``harness.forked``): the
+    option groups of ``case["argv"]`` on the launcher's process group; their results under
+    ``"rows"``."""
+    return {"rows": [job() for job in _jobs(case["argv"])]}
 
 
 def _group_jobs(args, group, world, rank):

@@ -2,18 +2,16 @@
 pipeline runtime on gloo ranks: pp × sp ranks, each holding 1/sp of every sequence, against
 the single-process model on whole sequences.
 
-    python -m harness.ds_ulysses CASES.json      # on every rank (ds_autoplan.runtime.launch.spawn)
+    launch(4, [{"fn": "harness.ds_ulysses:cases_case", "cases": [case, ...]}], env=harness.ENV)
 
-A case: ``{"pp": 2, "sp": 2, "n": 4, "schedule": "1f1b"}``.  Per case and rank one
-``AUTOPLAN_RESULT`` line: the largest gradient difference (SGD with lr 1: the step is the
-gradient) against the non-pipelined, non-sequence-parallel model, the loss, and how many
-attention cores run as ``DistributedAttention``.
+A case: ``{"pp": 2, "sp": 2, "n": 4, "schedule": "1f1b"}``.  Per case and rank one row: the
+largest gradient difference (SGD with lr 1: the step is the gradient) against the
+non-pipelined, non-sequence-parallel model, the loss, and how many attention cores run as
+``DistributedAttention``.
 """
 from __future__ import annotations
 
 import copy
-import json
-import sys
 
 import torch
 
@@ -73,20 +71,15 @@ def run_case(case, layers0, batches, ref):
                                          for _, f in local for m in f.modules())}
 
 
-def main(path):
+def cases_case(case) -> dict:
+    """A launcher case (:func:`ds_autoplan.runtime.launch.launch`): every case of
+    ``case["cases"]`` on the launcher's process group; this rank's results under ``"rows"``."""
     from ds_autoplan.models.tiny_gpt import TinyGPT, example_batch
     from ds_autoplan.runtime.deepspeed.dist import init_distributed
-    from ds_autoplan.runtime.launch import report_runs
-    torch.set_num_threads(1)
-    init_distributed()
-    with open(path) as f:
-        cases = json.load(f)
+    init_distributed()            # DeepSpeed's comm on the launcher's group
+    cases = case["cases"]
     torch.manual_seed(0)
     model = TinyGPT(vocab_size=32, hidden=16, num_layers=BLOCKS, num_heads=2, seq_len=SEQ)
     batches = [example_batch(model.cfg, MBS, seed=m) for m in range(cases[0]["n"])]
     ref = _reference(model.layers(), batches)
-    report_runs(lambda c=c: run_case(c, model.layers(), batches, ref) for c in cases)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+    return {"rows": [run_case(c, model.layers(), batches, ref) for c in cases]}

@@ -1,19 +1,23 @@
-"""Cases that SIGKILL a rank, all in one launch (tests).
+"""Cases that kill or stop a rank, all in one launch (tests).
 
     python -m harness.forked JOB.json        # on every rank (ds_autoplan.runtime.launch.spawn)
 
-``JOB``: ``{"warm": [module, ...], "kills": [case, ...], "then": CASES.json}``.  A rank imports
-the ``warm`` modules and every kill case's function once, then runs each kill case in a forked
-child process: the children of all ranks form a process group of their own (a file store
-beside the case's ``dir``), so a case may SIGKILL a rank (``DS_AUTOPLAN_CHECKPOINT_FAULT``)
-without ending the launch, and the next case does not pay the ranks' start-up (seconds of
-imports) again.  A case is ``{"name", "fn", ...}`` as for :func:`ds_autoplan.runtime.launch.launch`;
-the child prints ``fn``'s result with ``"kill": name`` added, and the rank then prints the
-child's exit status, ``{"kill": name, "rank": r, "exit": status, "seconds": s}`` (-9:
-SIGKILLed).
+``JOB``: ``{"warm": [module, ...], "kills": [case, ...], "then": CASES.json}``.
+A rank imports the ``warm`` modules and every kill case's function once, then runs each kill
+case in a forked child process: the children of all ranks form a process group of their own
+(a file store beside JOB), so a case may SIGKILL, fail or hang a rank without ending the
+launch, and the next case does not pay the ranks' start-up (seconds of imports) again.
 
-Then each rank writes ``JOB.json.done<rank>``, waits for the ``then`` file (the test writes it
-from what the kills left) and runs those cases in the launch's own process group, as
+A case is ``{"name", "fn", ...}`` as for :func:`ds_autoplan.runtime.launch.launch`, with
+optional ``"env"`` (set in the child before ``fn`` runs) and ``"grace"`` (default 5 s).  As the
+launcher does for ranks: once one rank's child has failed, every other rank's child still
+running gets ``grace`` seconds to end by itself, then is killed.  The child prints ``fn``'s
+result with ``"kill": name`` added; its output goes to ``JOB.json.<i>.out<rank>`` and is then
+copied to the rank's; the rank prints ``{"kill": name, "rank": r, "exit": status, "out": that
+file}`` (status -9: SIGKILLed).
+
+Then each rank writes ``JOB.json.done<rank>``, waits for the ``then`` file (the test may write
+it from what the kills left) and runs those cases in the launch's own process group, as
 ``python -m ds_autoplan.runtime.launch CASES.json`` does.
 """
 from __future__ import annotations
@@ -32,15 +36,30 @@ from ds_autoplan.runtime import launch
 CHILD_TIMEOUT = 240.0     # a kill case's children end in seconds; past this they are killed
 
 
-def _child(case: dict, rank: int, world: int) -> None:
+def _child(case: dict, files: str, rank: int, world: int) -> None:
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"file://{case['dir']}.store", rank=rank,
+    with open(f"{files}.out{rank}", "w") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    os.environ.update(case.get("env", {}))
+    dist.init_process_group("gloo", init_method=f"file://{files}.store", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=90))
     row = launch.import_fn(case["fn"])(case)
     print(launch.RESULT + json.dumps({**row, "kill": case["name"]}), flush=True)
 
 
-def _forked(case: dict, rank: int, world: int) -> int:
+def _peer_failed(files: str, rank: int, world: int) -> bool:
+    for r in range(world):
+        try:
+            with open(f"{files}.exit{r}") as f:
+                if r != rank and int(f.read()) != 0:
+                    return True
+        except (OSError, ValueError):      # not there yet, or being written
+            pass
+    return False
+
+
+def _forked(case: dict, files: str, rank: int, world: int) -> int:
     """Run ``case`` in a child process; its exit status (negative: the signal that ended it)."""
     sys.stdout.flush()
     sys.stderr.flush()
@@ -48,7 +67,7 @@ def _forked(case: dict, rank: int, world: int) -> int:
     if pid == 0:
         code = 0
         try:
-            _child(case, rank, world)
+            _child(case, files, rank, world)
         except BaseException:
             traceback.print_exc()
             code = 1
@@ -57,15 +76,54 @@ def _forked(case: dict, rank: int, world: int) -> int:
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            return os.waitstatus_to_exitcode(status)
+            break
+        if deadline > time.time() + case.get("grace", 5.0) and _peer_failed(files, rank, world):
+            deadline = time.time() + case.get("grace", 5.0)
         if time.time() > deadline:
             os.kill(pid, signal.SIGKILL)
         time.sleep(0.05)
+    code = os.waitstatus_to_exitcode(status)
+    with open(f"{files}.exit{rank}.tmp", "w") as f:
+        f.write(str(code))
+    os.replace(f"{files}.exit{rank}.tmp", f"{files}.exit{rank}")
+    with open(f"{files}.out{rank}") as f:
+        sys.stdout.write(f.read())
+    return code
 
 
-def _wait_for(path: str) -> None:
-    while not os.path.exists(path):
-        time.sleep(0.05)
+def run(folder, kills: list, then, warm=(), world: int = 2, **kw) -> list[tuple[int, str]]:
+    """Launcher side: :func:`~ds_autoplan.runtime.launch.spawn` a job of ``kills`` on ``world``
+    ranks (files in ``folder``); ``then``: the cases of the launch's own process group, or a
+    function returning them once every kill case is over (it runs here, e.g. to copy and damage
+    what the kills left).  Every rank's ``(returncode, output)``; ``kw`` goes to spawn."""
+    import threading
+
+    from harness import ENV
+    job, then_path = os.path.join(folder, "job.json"), os.path.join(folder, "then.json")
+    with open(job, "w") as f:
+        json.dump({"warm": list(warm), "kills": kills, "then": then_path}, f)
+    box: dict = {}
+    ranks = threading.Thread(target=lambda: box.update(outs=launch.spawn(
+        ["-m", __name__, job], world, env=ENV, **kw)))
+    ranks.start()
+    cases: list = []
+    try:
+        while ranks.is_alive() and not all(os.path.exists(f"{job}.done{r}") for r in range(world)):
+            time.sleep(0.1)
+        if ranks.is_alive():
+            cases = then() if callable(then) else then
+    finally:                  # always written: the ranks wait for it ([] lets them end)
+        with open(f"{then_path}.tmp", "w") as f:
+            json.dump(cases, f)
+        os.replace(f"{then_path}.tmp", then_path)
+        ranks.join()
+    return box["outs"]
+
+
+def rows(outs) -> list[dict]:
+    """Every ``AUTOPLAN_RESULT`` row of :func:`run`'s outputs (all ranks, kills and cases)."""
+    n = len(launch.RESULT)
+    return [json.loads(ln[n:]) for _, out in outs for ln in out.splitlines() if ln.startswith(launch.RESULT)]
 
 
 def main(job_path: str) -> None:
@@ -78,14 +136,15 @@ def main(job_path: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     for case in job["kills"]:
         launch.import_fn(case["fn"])
-    for case in job["kills"]:
-        start = time.time()
-        status = _forked(case, rank, world)
+    for i, case in enumerate(job["kills"]):
+        files = f"{job_path}.{i}"
+        status = _forked(case, files, rank, world)
         print(launch.RESULT + json.dumps({"kill": case["name"], "rank": rank, "exit": status,
-                                          "seconds": round(time.time() - start, 2)}), flush=True)
+                                          "out": f"{files}.out{rank}"}), flush=True)
     with open(f"{job_path}.done{rank}", "w"):
         pass
-    _wait_for(job["then"])
+    while not os.path.exists(job["then"]):
+        time.sleep(0.05)
     launch._worker(job["then"])
 
 
