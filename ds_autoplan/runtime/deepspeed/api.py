@@ -11,7 +11,7 @@ import torch
 
 from ...schedule import Schedule, ScheduleError, build
 from ...schedule.passes import plan_schedule
-from ..common import check_world
+from ..common import accept, check_world
 from ..watchdog import process_group_timeout, startup_watchdog
 
 
@@ -137,6 +137,9 @@ def build_module(model_or_layers, plan, *, schedule: Schedule | None = None, los
     sched = plan_schedule(plan, schedule)      # the plan's R: schedule/passes.py, as Megatron's
     if world is not None:
         check_layout(plan, world, sched.num_ranks, module_kwargs.get("topology"))
+    # a list that is invalid or would hang is refused now, not after DeepSpeed has built the
+    # engine and its optimizer (seconds); the engine checks it against its stages again
+    accept(sched, num_ranks=sched.num_ranks, who="DeepSpeed adapter")
     S = sched.num_stages
     lps = plan.layers_per_stage if len(plan.layers_per_stage) == S else None
     rec = plan.recompute_per_stage if len(plan.recompute_per_stage) == S else None
