@@ -23,6 +23,11 @@ Test-only extras, switched by environment variables:
 
 When the script is done the rank ends at once (:func:`_exit_now`), without the interpreter's
 teardown of the modules megatron-core imports.
+
+    torchrun --nproc_per_node 2 tests/megatron_lm_cpu.py --runs JOB.json
+
+runs the script several times in one launch, each run in forked children of the ranks (their
+imports paid once, see :func:`runs`).
 """
 from __future__ import annotations
 
@@ -237,11 +242,8 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def main() -> None:
-    script = sys.argv[1]
-    sys.argv = sys.argv[1:]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    _stub_cuda()
+def _run_script(script: str) -> None:
+    """Run ``script`` as ``__main__`` with the hooks, then end the rank (:func:`_exit_now`)."""
     from ds_autoplan.runtime.megatron import cpu_shim
     _install_hooks()
     code = 0
@@ -253,6 +255,81 @@ def main() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     _exit_now(code)
+
+
+RUN_TIMEOUT = 300.0     # a forked run ends in seconds; past this it is killed
+
+
+def _forked_run(run: dict, rank: int, world: int) -> int:
+    """One run of :func:`runs` in a child process; its exit status (negative: a signal)."""
+    import signal
+    import time
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fd = os.open(run["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.environ.update(run["env"])
+            sys.argv = list(run["argv"])
+            import datetime
+            torch.distributed.init_process_group(
+                "gloo", init_method=f"file://{run['store']}", rank=rank, world_size=world,
+                timeout=datetime.timedelta(seconds=120))
+            _run_script(sys.argv[0])
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+    deadline = time.time() + RUN_TIMEOUT
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.time() > deadline:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def runs(job: str) -> None:
+    """``--runs JOB.json``: several runs of one script in this launch, each in a forked child
+    of this rank after the imports (megatron-core and Megatron-LM's, seconds per rank) are paid
+    once.  ``JOB``: a list of ``{"tag", "argv": [script, flags...], "env", "log", "store"}``.
+    A run's children (one per rank) form a process group of their own (the file store
+    ``store``; Megatron-LM then skips its own ``init_process_group``), write their output to
+    ``log`` and see ``env`` added; each rank prints ``MLM_CPU_RUN {"tag", "rank", "exit"}``
+    after each run.  The rank exits non-zero if a run failed."""
+    with open(job) as f:
+        todo = json.load(f)
+    script = todo[0]["argv"][0]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    _stub_cuda()
+    _stub_triton_kernels()
+    _stub_rl_utils()
+    from ds_autoplan.runtime.megatron import cpu_shim
+    with cpu_shim(remap_cuda_factories=True):
+        runpy.run_path(script, run_name="megatron_lm_cpu_warm")     # its imports, not its main
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    failed = False
+    for run in todo:
+        code = _forked_run(run, rank, world)
+        failed |= code != 0
+        print("MLM_CPU_RUN " + json.dumps({"tag": run["tag"], "rank": rank, "exit": code}), flush=True)
+    _exit_now(1 if failed else 0)
+
+
+def main() -> None:
+    if sys.argv[1] == "--runs":
+        runs(sys.argv[2])
+    script = sys.argv[1]
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    _stub_cuda()
+    _run_script(script)
 
 
 if __name__ == "__main__":

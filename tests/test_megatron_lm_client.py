@@ -14,6 +14,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -64,16 +65,62 @@ def _train_command(train: str, schedule: str, out: pathlib.Path, ours: bool) -> 
     return f"{cmd} {CPU_FLAGS}"
 
 
-def _run(cmd: str, cwd: pathlib.Path, tag: str, tmp: pathlib.Path, **env) -> SimpleNamespace:
-    losses, report = tmp / f"{tag}.losses", tmp / f"{tag}.report"
+def _outputs(tag: str, tmp: pathlib.Path) -> dict:
+    """Where the shim writes a run's losses and report (MLM_CPU_LOSSES / MLM_CPU_REPORT)."""
+    return {"MLM_CPU_LOSSES": str(tmp / f"{tag}.losses"), "MLM_CPU_REPORT": str(tmp / f"{tag}.report")}
+
+
+def _launch(cmd: str, cwd: pathlib.Path, **env) -> subprocess.CompletedProcess:
     e = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
              PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
-             MLM_CPU_INIT_BY_NAME="1", MLM_CPU_LOSSES=str(losses), MLM_CPU_REPORT=str(report), **env)
-    r = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=e, capture_output=True, text=True, timeout=420)
+             MLM_CPU_INIT_BY_NAME="1", **env)
+    return subprocess.run(["bash", "-c", cmd], cwd=cwd, env=e, capture_output=True, text=True, timeout=420)
+
+
+def _result(rc: int, out: str, cmd: str, tag: str, tmp: pathlib.Path) -> SimpleNamespace:
     read = (lambda p: [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else [])
-    return SimpleNamespace(rc=r.returncode, out=r.stdout + r.stderr, cmd=cmd,
-                           losses=[x["lm loss"] for x in read(losses)],
-                           report=sorted(read(report), key=lambda x: x["rank"]))
+    files = _outputs(tag, tmp)
+    return SimpleNamespace(rc=rc, out=out, cmd=cmd,
+                           losses=[x["lm loss"] for x in read(pathlib.Path(files["MLM_CPU_LOSSES"]))],
+                           report=sorted(read(pathlib.Path(files["MLM_CPU_REPORT"])), key=lambda x: x["rank"]))
+
+
+def _run(cmd: str, cwd: pathlib.Path, tag: str, tmp: pathlib.Path, **env) -> SimpleNamespace:
+    r = _launch(cmd, cwd, **_outputs(tag, tmp), **env)
+    return _result(r.returncode, r.stdout + r.stderr, cmd, tag, tmp)
+
+
+def _forked_runs(cmds: dict, cwd: pathlib.Path, tmp: pathlib.Path, nproc: int) -> dict:
+    """``{tag: (cmd, env)}``, commands as :func:`_run` takes them (``VAR=x ... torchrun ...
+    SHIM pretrain_gpt.py $(cat FILE) flags``), run in ONE launch of ``nproc`` ranks: each
+    command's script and flags (``$(cat FILE)`` expanded as the shell does) run in forked
+    children of the ranks, with the command's variables and ``env`` (the shim's ``--runs``:
+    the ranks' imports are paid once).  Per tag: what :func:`_run` returns, with that run's
+    output and its worst exit status over the ranks."""
+    job, launch_out = tmp / f"runs-{'+'.join(cmds)}.json", ""
+    todo = []
+    for tag, (cmd, env) in cmds.items():
+        assigned, rest = re.match(r"((?:\w+=\S+ )*)(.*)", cmd).groups()
+        script_args = rest.split(f" {SHIM} ", 1)[1]
+        script_args = re.sub(r"\$\(cat (\S+)\)", lambda m: pathlib.Path(m.group(1)).read_text().strip(),
+                             script_args)
+        todo.append({"tag": tag, "argv": shlex.split(script_args), "log": str(tmp / f"{tag}.log"),
+                     "store": str(tmp / f"{tag}.store"),
+                     "env": {**dict(a.split("=", 1) for a in assigned.split()), **env, **_outputs(tag, tmp)}})
+    job.write_text(json.dumps(todo))
+    r = _launch(f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node {nproc} "
+                f"{SHIM} --runs {job}", cwd)
+    launch_out = r.stdout + r.stderr
+    done = [json.loads(x) for x in re.findall(r"MLM_CPU_RUN (\{.*\})", launch_out)]
+    res = {}
+    for run in todo:
+        codes = [d["exit"] for d in done if d["tag"] == run["tag"]]
+        rc = max(codes, key=abs) if len(codes) == nproc else (r.returncode or -1)
+        log = pathlib.Path(run["log"])
+        out = log.read_text() if log.exists() else ""
+        res[run["tag"]] = _result(rc, out if rc == 0 else out + "\n--- launch ---\n" + launch_out,
+                                  cmds[run["tag"]][0], run["tag"], tmp)
+    return res
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +141,8 @@ def client(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(client):
     """Every schedule through the patch, and Megatron's own 1F1B / interleaved on the same
-    argument files (one 2-rank launch each)."""
+    argument files (one 2-rank launch each; the runs that are not the README command,
+    Megatron's own and the recompute one, share one launch: forked runs)."""
     _, train = readme_commands()
     tmp = client.parent
     res = {}
@@ -104,10 +152,11 @@ def runs(client):
         res[s] = _run(_train_command(train, s, tmp / s, ours=True), client, s, tmp)
         sched = Plan.load(tmp / s / "plan.json").build_schedule()
         res[s].has_w = any(a.kind == Kind.W for r in sched.ranks for a in r)
-    for s in ("1f1b", "interleaved"):
-        res["megatron-" + s] = _run(_train_command(train, s, tmp / s, ours=False), client,
-                                    "megatron-" + s, tmp, MLM_CPU_SERIAL_P2P="1")
-    res["1f1b-recompute"] = _run(_recompute_command(train, tmp), client, "1f1b-recompute", tmp)
+    # the commands that are not the README's share one launch (forked runs)
+    res.update(_forked_runs({**{"megatron-" + s: (_train_command(train, s, tmp / s, ours=False),
+                                                 {"MLM_CPU_SERIAL_P2P": "1"})
+                                for s in ("1f1b", "interleaved")},
+                             "1f1b-recompute": (_recompute_command(train, tmp), {})}, client, tmp, 2))
     print(json.dumps({"megatron_lm_losses": {k: r.losses for k, r in res.items()}}))   # pytest -s
     return res
 
@@ -257,8 +306,9 @@ def test_pretrain_gpt_moe_expert_parallel_v_half(client):
     for f in ("--num-experts 4", "--moe-router-topk 2", "--disable-bias-linear",
               "--expert-model-parallel-size 2", "--moe-token-dispatcher-type alltoall"):
         assert f in flags, flags
-    ours = _run(_moe_command(ours_dir, True), client, "moe-v-half", tmp)
-    theirs = _run(_moe_command(theirs_dir, False), client, "moe-megatron-1f1b", tmp)
+    both = _forked_runs({"moe-v-half": (_moe_command(ours_dir, True), {}),
+                         "moe-megatron-1f1b": (_moe_command(theirs_dir, False), {})}, client, tmp, 4)
+    ours, theirs = both["moe-v-half"], both["moe-megatron-1f1b"]
     print(json.dumps({"moe_losses": {"v-half": ours.losses, "megatron-1f1b": theirs.losses}}))
     _ok(ours)
     _ok(theirs)
