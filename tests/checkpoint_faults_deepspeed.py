@@ -52,7 +52,7 @@ def save(case) -> dict:
     engine = make_engine(0)
     step(engine)
     engine.save_checkpoint(case["dir"], tag="t1", client_state={"epoch": 1})
-    say(kill=case["name"], saved="t1", digest=digest(engine), step=engine.global_steps)
+    say(forked=case["name"], saved="t1", digest=digest(engine), step=engine.global_steps)
     step(engine)
     os.environ["DS_AUTOPLAN_CHECKPOINT_FAULT"] = case["fault"]
     engine.save_checkpoint(case["dir"], tag=case["tag2"], client_state={"epoch": 2})

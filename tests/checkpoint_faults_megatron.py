@@ -41,7 +41,7 @@ def killed_resave(case) -> dict:
     run.train(data, range(1))
     save_checkpoint(run.chunks, run.opt, case["dir"], plan=run.plan, step=1, scheduler=run.sched,
                     client_state={"epoch": 1})
-    print(RESULT + json.dumps({"kill": case["name"], "rank": dist.get_rank(), "saved": 1,
+    print(RESULT + json.dumps({"forked": case["name"], "rank": dist.get_rank(), "saved": 1,
                                "digest": _digest(run)}), flush=True)
     run.train(data, range(1, 2))
     os.environ["DS_AUTOPLAN_CHECKPOINT_FAULT"] = case["fault"]

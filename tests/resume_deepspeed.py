@@ -1,9 +1,8 @@
-"""Worker of tests/test_resume.py (every rank): train a tiny GPT under plan A, save a
-checkpoint after 3 steps, train 3 more (the uninterrupted run); then build plan B's engine
-from *other* initial weights, load the checkpoint and train the same 3 steps (the resumed
-run).  Cases run one after another in one process group; each prints one result line.
-
-    python tests/resume_deepspeed.py CASES.json
+"""DeepSpeed cases of tests/test_resume.py (every rank; a launcher case, :func:`cases_case`):
+train a tiny GPT under plan A, save a checkpoint after 3 steps, train 3 more (the
+uninterrupted run); then build plan B's engine from *other* initial weights, load the
+checkpoint and train the same 3 steps (the resumed run).  Cases run one after another in one
+process group; each gives one result row.
 
 A case: ``{"name", "dir", "a": spec or absent, "b": spec or absent, "api": "engine"}``; a
 spec is ``{"schedule", "pp", "dp", "zero", "sched", "dropout"}`` (``sched``: DeepSpeed's
@@ -14,10 +13,7 @@ client_state) instead of the module functions.
 """
 from __future__ import annotations
 
-import functools
-import json
 import random
-import sys
 
 import numpy as np
 import torch
@@ -141,16 +137,10 @@ def run_case(case, data):
     return res
 
 
-def main(path):
+def cases_case(case) -> dict:
+    """A launcher case (``harness.forked``): every case of ``case["cases"]`` on the launcher's
+    process group; this rank's results under ``"rows"``."""
     from ds_autoplan.runtime.deepspeed.dist import init_distributed
-    from ds_autoplan.runtime.launch import report_runs
-    torch.set_num_threads(1)
-    init_distributed()
-    with open(path) as f:
-        cases = json.load(f)
+    init_distributed()            # DeepSpeed's comm on the launcher's group
     data = batches()
-    report_runs(functools.partial(run_case, c, data) for c in cases)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+    return {"group": case["group"], "rows": [run_case(c, data) for c in case["cases"]]}

@@ -153,3 +153,9 @@ def resume_case(case) -> dict:
         res["stages"] = run.setup.stages
     dist.barrier()
     return res
+
+
+def resume_cases(case) -> dict:
+    """A launcher case (``harness.forked``): :func:`resume_case` for every case of
+    ``case["cases"]``; this rank's results under ``"rows"``."""
+    return {"group": case["group"], "rows": [resume_case(c) for c in case["cases"]]}

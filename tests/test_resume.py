@@ -1,8 +1,8 @@
 """Re-plan and resume: a checkpoint saved under plan A loads under plan B
 (other schedule, partition, pp, dp, ZeRO stage) and training continues exactly as the
 uninterrupted run under A (fp32, Adam: the optimizer state must travel too).  Per framework
-one 2-rank and one 4-rank process group; the 4-rank group also loads a checkpoint the 2-rank
-group wrote (pp2 dp1 -> pp2 dp2, pp2 -> pp4).  With a warm-up/decay learning-rate scheduler
+one 2-rank and one 4-rank process group (all in one launch); the 4-rank group also loads a
+checkpoint the 2-rank group wrote (pp2 dp1 -> pp2 dp2, pp2 -> pp4).  With a warm-up/decay learning-rate scheduler
 (DeepSpeed's WarmupDecayLR, Megatron-core's OptimizerParamScheduler) the learning rates continue
 too; with dropout, a resume under the same plan draws the same masks (each rank's generators are
 saved).  DeepSpeed: tests/resume_deepspeed.py (also through ``engine.save_checkpoint`` /
@@ -15,11 +15,10 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from ds_autoplan.runtime.launch import launch, results  # noqa: E402
 from resume_deepspeed import SCHEDULER  # noqa: E402  (the workers' WarmupDecayLR config)
 
-WORKER = str(pathlib.Path(__file__).with_name("resume_deepspeed.py"))
-MEGATRON_CASE = str(pathlib.Path(__file__).with_name("resume_megatron.py")) + ":resume_case"
+DS_CASES = str(pathlib.Path(__file__).with_name("resume_deepspeed.py")) + ":cases_case"
+MEGATRON_CASES = str(pathlib.Path(__file__).with_name("resume_megatron.py")) + ":resume_cases"
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_deepspeed.py"
 TOL = 1e-6
 SCHED = "v-half->1f1b warm-up/decay lr"
@@ -52,42 +51,61 @@ def cases(ckpt, world, tag):
                  b=spec("1f1b", pp=4, sched=True))]
 
 
-def _deepspeed(ckpt, world):
-    path = ckpt / f"cases{world}.json"
-    path.write_text(json.dumps(cases(ckpt, world, "ds")))
-    rows = results([WORKER, str(path)], world, timeout=300 * world)
-    return {(r["name"], r["rank"]): r for r in rows}
-
-
-def _megatron(ckpt, world):
-    pytest.importorskip("megatron.core")
-    todo = [dict(c, fn=MEGATRON_CASE) for c in cases(ckpt, world, "m")]
-    return {(r["name"], r["rank"]): r for rows in launch(world, todo, timeout=300 * world) for r in rows}
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return tmp_path_factory.mktemp("resume")
 
 
 @pytest.fixture(scope="module")
-def two_ranks(ckpt):
-    return _deepspeed(ckpt, 2)
+def groups(ckpt):
+    """One 4-rank launch (tests/harness/forked.py): ranks 0 and 1 run both frameworks' 2-rank
+    cases in forked children (a 2-rank process group of their own), then the four ranks run
+    the 4-rank cases, which load checkpoints the 2-rank ones wrote.  Per group ("ds2", "ds4",
+    "m2", "m4"), ``{(case name, rank): row}``."""
+    import importlib.util
+
+    from harness import forked
+    megatron = importlib.util.find_spec("megatron.core") is not None
+    two = [{"name": "ds2", "group": "ds2", "fn": DS_CASES, "cases": cases(ckpt, 2, "ds"), "world": 2}]
+    four = [{"group": "ds4", "fn": DS_CASES, "cases": cases(ckpt, 4, "ds")}]
+    if megatron:
+        two.append({"name": "m2", "group": "m2", "fn": MEGATRON_CASES, "cases": cases(ckpt, 2, "m"), "world": 2})
+        four.append({"group": "m4", "fn": MEGATRON_CASES, "cases": cases(ckpt, 4, "m")})
+    outs = forked.run(ckpt, two, four, forked.DEEPSPEED + (forked.MEGATRON if megatron else []),
+                      world=4, timeout=1200, grace=5)
+    assert all(rc == 0 for rc, _ in outs), "\n".join(out[-3000:] for _, out in outs)
+    rows = forked.rows(outs)
+    bad = [r for r in rows if r.get("exit", 0) != 0]
+    assert not bad, "\n".join(open(r["out"]).read()[-3000:] for r in bad)
+    res: dict = {}
+    for row in rows:
+        if "rows" in row:
+            res.setdefault(row["group"], {}).update({(r["name"], r["rank"]): r for r in row["rows"]})
+    return res
 
 
 @pytest.fixture(scope="module")
-def four_ranks(ckpt, two_ranks):
-    return _deepspeed(ckpt, 4)
+def two_ranks(groups):
+    return groups["ds2"]
 
 
 @pytest.fixture(scope="module")
-def megatron_two_ranks(ckpt):
-    return _megatron(ckpt, 2)
+def four_ranks(groups):
+    return groups["ds4"]
 
 
 @pytest.fixture(scope="module")
-def megatron_four_ranks(ckpt, megatron_two_ranks):
-    return _megatron(ckpt, 4)
+def megatron_two_ranks(groups):
+    if "m2" not in groups:       # (not imported here: seconds, for a name)
+        pytest.skip("megatron-core is not installed")
+    return groups["m2"]
+
+
+@pytest.fixture(scope="module")
+def megatron_four_ranks(groups):
+    if "m4" not in groups:
+        pytest.skip("megatron-core is not installed")
+    return groups["m4"]
 
 
 def _close(a, b):
@@ -104,6 +122,7 @@ def _assert_resumed(res, name, world, want=None):
             assert _close(row["lr_b"], row["lr_a"][3:]), row
 
 
+@pytest.mark.timeout(900)      # the first test pays for the fixture's launch
 @pytest.mark.parametrize("name", ["v-half->1f1b", "1f1b->v-zb"])
 def test_resume_under_another_schedule_two_ranks(two_ranks, name):
     _assert_resumed(two_ranks, name, 2)

@@ -45,7 +45,7 @@ def two_rank_launch(tmp_path_factory):
                            ["--schedules", ",".join(SCHEDULES), "--n", "4", "--zero", "1", "--recompute", "1.0"],
                            ["--ds-ckpt", "1", "--n", "4", "--schedules", "ds-train,1f1b,v-zb"])
     outs = forked.run(tmp_path_factory.mktemp("two-ranks"), [failing_case(m) for m in FAIL_MODES], [groups],
-                      warm=["deepspeed", "ds_autoplan.runtime.deepspeed.api", "torch._dynamo"],
+                      warm=forked.DEEPSPEED,
                       timeout=500, grace=5)
     assert all(rc == 0 for rc, _ in outs), outs[0][1][-3000:] + outs[1][1][-3000:]
     return forked.rows(outs)
@@ -176,7 +176,7 @@ def test_our_1f1b_matches_deepspeed_trainschedule(four_ranks):
 @pytest.mark.parametrize("mode", FAIL_MODES)
 def test_failing_rank_stops_the_others(two_rank_launch, mode):
     (rc0, out0), (rc1, _) = [(d["exit"], open(d["out"]).read()) for r in range(2)
-                             for d in two_rank_launch if d.get("kill") == mode and d["rank"] == r and "exit" in d]
+                             for d in two_rank_launch if d.get("forked") == mode and d["rank"] == r and "exit" in d]
     assert rc1 != 0
     assert rc0 not in (0, -9), out0[-3000:]          # rank 0 exits by itself with an error
     assert "PipelineRankError" in out0 and "pipeline rank 1" in out0, out0[-3000:]

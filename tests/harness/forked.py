@@ -1,23 +1,25 @@
-"""Cases that kill or stop a rank, all in one launch (tests).
+"""Cases in process groups of their own, all in one launch (tests): cases that kill, fail or
+hang a rank, and cases on fewer ranks than the launch.
 
     python -m harness.forked JOB.json        # on every rank (ds_autoplan.runtime.launch.spawn)
 
-``JOB``: ``{"warm": [module, ...], "kills": [case, ...], "then": CASES.json}``.
-A rank imports the ``warm`` modules and every kill case's function once, then runs each kill
-case in a forked child process: the children of all ranks form a process group of their own
-(a file store beside JOB), so a case may SIGKILL, fail or hang a rank without ending the
-launch, and the next case does not pay the ranks' start-up (seconds of imports) again.
+``JOB``: ``{"warm": [module, ...], "forked": [case, ...], "then": CASES.json}``.  A rank
+imports the ``warm`` modules and every forked case's function once, then runs each forked case
+in a child process (``os.fork``): the children form a process group of their own (a file store
+beside JOB), so a case may SIGKILL, fail or hang a rank without ending the launch, and the next
+case does not pay the ranks' start-up (seconds of imports) again.
 
 A case is ``{"name", "fn", ...}`` as for :func:`ds_autoplan.runtime.launch.launch`, with
-optional ``"env"`` (set in the child before ``fn`` runs) and ``"grace"`` (default 5 s).  As the
-launcher does for ranks: once one rank's child has failed, every other rank's child still
-running gets ``grace`` seconds to end by itself, then is killed.  The child prints ``fn``'s
-result with ``"kill": name`` added; its output goes to ``JOB.json.<i>.out<rank>`` and is then
-copied to the rank's; the rank prints ``{"kill": name, "rank": r, "exit": status, "out": that
-file}`` (status -9: SIGKILLed).
+optional ``"world"`` (its ranks: the launch's first ones, default all), ``"env"`` (set in the
+child before ``fn`` runs) and ``"grace"`` (default 5 s).  As the launcher does for ranks: once
+one rank's child has failed, every other rank's child still running gets ``grace`` seconds to
+end by itself, then is killed.  The child prints ``fn``'s result with ``"forked": name``
+added; its output goes to ``JOB.json.<i>.out<rank>`` and is then copied to the rank's; the
+rank prints ``{"forked": name, "rank": r, "exit": status, "out": that file}`` (status -9:
+SIGKILLed).
 
 Then each rank writes ``JOB.json.done<rank>``, waits for the ``then`` file (the test may write
-it from what the kills left) and runs those cases in the launch's own process group, as
+it from what the forked cases left) and runs those cases in the launch's own process group, as
 ``python -m ds_autoplan.runtime.launch CASES.json`` does.
 """
 from __future__ import annotations
@@ -33,7 +35,11 @@ import traceback
 
 from ds_autoplan.runtime import launch
 
-CHILD_TIMEOUT = 240.0     # a kill case's children end in seconds; past this they are killed
+# what the DeepSpeed and the Megatron-core runtimes' cases import (warm)
+DEEPSPEED = ["deepspeed", "ds_autoplan.runtime.deepspeed.api", "torch._dynamo"]
+MEGATRON = ["megatron.core.optimizer", "megatron.core.distributed", "ds_autoplan.runtime.megatron.checkpoint",
+            "ds_autoplan.models.megatron_gpt"]
+CHILD_TIMEOUT = 300.0     # a forked case's children end in seconds; past this they are killed
 
 
 def _child(case: dict, files: str, rank: int, world: int) -> None:
@@ -41,11 +47,11 @@ def _child(case: dict, files: str, rank: int, world: int) -> None:
     with open(f"{files}.out{rank}", "w") as out:
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
-    os.environ.update(case.get("env", {}))
+    os.environ.update(case.get("env", {}), WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{files}.store", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=90))
     row = launch.import_fn(case["fn"])(case)
-    print(launch.RESULT + json.dumps({**row, "kill": case["name"]}), flush=True)
+    print(launch.RESULT + json.dumps({**row, "forked": case["name"]}), flush=True)
 
 
 def _peer_failed(files: str, rank: int, world: int) -> bool:
@@ -91,17 +97,17 @@ def _forked(case: dict, files: str, rank: int, world: int) -> int:
     return code
 
 
-def run(folder, kills: list, then, warm=(), world: int = 2, **kw) -> list[tuple[int, str]]:
-    """Launcher side: :func:`~ds_autoplan.runtime.launch.spawn` a job of ``kills`` on ``world``
-    ranks (files in ``folder``); ``then``: the cases of the launch's own process group, or a
-    function returning them once every kill case is over (it runs here, e.g. to copy and damage
-    what the kills left).  Every rank's ``(returncode, output)``; ``kw`` goes to spawn."""
+def run(folder, forked: list, then, warm=(), world: int = 2, **kw) -> list[tuple[int, str]]:
+    """Launcher side: :func:`~ds_autoplan.runtime.launch.spawn` a job of ``forked`` cases on
+    ``world`` ranks (files in ``folder``); ``then``: the cases of the launch's own process group,
+    or a function returning them once every forked case is over (it runs here, e.g. to copy and
+    damage what they left).  Every rank's ``(returncode, output)``; ``kw`` goes to spawn."""
     import threading
 
     from harness import ENV
     job, then_path = os.path.join(folder, "job.json"), os.path.join(folder, "then.json")
     with open(job, "w") as f:
-        json.dump({"warm": list(warm), "kills": kills, "then": then_path}, f)
+        json.dump({"warm": list(warm), "forked": forked, "then": then_path}, f)
     box: dict = {}
     ranks = threading.Thread(target=lambda: box.update(outs=launch.spawn(
         ["-m", __name__, job], world, env=ENV, **kw)))
@@ -121,7 +127,7 @@ def run(folder, kills: list, then, warm=(), world: int = 2, **kw) -> list[tuple[
 
 
 def rows(outs) -> list[dict]:
-    """Every ``AUTOPLAN_RESULT`` row of :func:`run`'s outputs (all ranks, kills and cases)."""
+    """Every ``AUTOPLAN_RESULT`` row of :func:`run`'s outputs (all ranks and cases)."""
     n = len(launch.RESULT)
     return [json.loads(ln[n:]) for _, out in outs for ln in out.splitlines() if ln.startswith(launch.RESULT)]
 
@@ -134,13 +140,14 @@ def main(job_path: str) -> None:
     for mod in job.get("warm", []):
         importlib.import_module(mod)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    for case in job["kills"]:
+    for case in job["forked"]:
         launch.import_fn(case["fn"])
-    for i, case in enumerate(job["kills"]):
+    for i, case in enumerate(job["forked"]):
         files = f"{job_path}.{i}"
-        status = _forked(case, files, rank, world)
-        print(launch.RESULT + json.dumps({"kill": case["name"], "rank": rank, "exit": status,
-                                          "out": f"{files}.out{rank}"}), flush=True)
+        if rank < case.get("world", world):
+            status = _forked(case, files, rank, case.get("world", world))
+            print(launch.RESULT + json.dumps({"forked": case["name"], "rank": rank, "exit": status,
+                                              "out": f"{files}.out{rank}"}), flush=True)
     with open(f"{job_path}.done{rank}", "w"):
         pass
     while not os.path.exists(job["then"]):
