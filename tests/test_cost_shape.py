@@ -257,7 +257,7 @@ def test_published_runs_within_issue_bounds():
 
 
 # -- headroom ------------------------------------------------------------------------------------
-def test_headroom_default_flag_and_report(tmp_path):
+def test_headroom_default_flag_and_report(tmp_path, capsys):
     """A cluster-derived budget keeps 5% of device memory free by default; an explicit
     --memory-budget-gb is a cap (no default headroom); --headroom-gb sets it; plan and report
     show it, and the plan's peak stays under the budget."""
@@ -271,11 +271,10 @@ def test_headroom_default_flag_and_report(tmp_path):
         usable_budget(c, headroom_gb=-1)
     with pytest.raises(SpecError, match="leaves no budget"):
         usable_budget(c, budget_gb=2, headroom_gb=3)
-    out = subprocess.run([sys.executable, "-m", "ds_autoplan", "plan", "--model", "gpt3-1.3b", "--cluster",
-                          "8xa100-80gb", "--global-batch", "64", "--no-wide", "--headroom-gb", "10",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "/ 66.0 GB (headroom 10.0 GB kept free" in out.stdout
+    from ds_autoplan.cli import main
+    assert main(["plan", "--model", "gpt3-1.3b", "--cluster", "8xa100-80gb", "--global-batch", "64",
+                 "--no-wide", "--headroom-gb", "10", "--out", str(tmp_path)]) == 0
+    assert "/ 66.0 GB (headroom 10.0 GB kept free" in capsys.readouterr().out
     assert "headroom 10.0 GB" in (tmp_path / "report.md").read_text()
 
 
