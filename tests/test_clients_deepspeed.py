@@ -6,7 +6,11 @@ stand-in with random CIFAR-like tensors, ``torch.cuda.set_device`` neutralised, 
 The plan is for AlexNet's 22 layers (profiled in the ranks); the script's ds_config.json keeps
 its optimizer and logging, only parallel/batch/schedule keys change (reported); 1F1B losses
 equal DeepSpeed's own engine (TrainSchedule) run with the same config and partition; V-ZB
-trains; a script that passes no PipelineModule is refused with one message."""
+trains; a script that passes no PipelineModule is refused with one message.
+
+The module's launches start at set-up and run in the background, two 2-rank launches at a time
+(a 4-rank one alone; tests/harness/background.py), with DeepSpeed's launcher patched for the
+whole module; each test reads its launch's outcome."""
 import hashlib
 import json
 import math
@@ -24,6 +28,7 @@ pytest.importorskip("deepspeed")
 
 from ds_autoplan.cli import patch_cmd  # noqa: E402
 from harness import CLIENTS_SKIP, clients_dir  # noqa: E402
+from harness.background import Launches, wanted  # noqa: E402
 from ds_autoplan.runtime.launch import free_port  # noqa: E402
 from ds_autoplan.runtime.deepspeed.shm import leftovers  # noqa: E402
 
@@ -37,7 +42,10 @@ ALEXNET = ["Conv2d", "ReLU", "MaxPool2d", "Conv2d", "ReLU", "MaxPool2d", "Conv2d
            "ReLU", "Conv2d", "ReLU", "MaxPool2d", "AdaptiveAvgPool2d", "<lambda>", "Dropout", "Linear",
            "ReLU", "Dropout", "Linear", "ReLU", "Linear"]
 
-pytestmark = pytest.mark.skipif(not CLIENT.is_dir(), reason=f"{CLIENTS_SKIP} ({CLIENT} not found)")
+# a test waits for its launch behind the ones started before it (fixture launches): beyond the
+# 300 s per test of pyproject.toml on a loaded machine; each launch has its own timeout
+pytestmark = [pytest.mark.skipif(not CLIENT.is_dir(), reason=f"{CLIENTS_SKIP} ({CLIENT} not found)"),
+              pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
@@ -83,30 +91,75 @@ def _readme_commands() -> dict:
     return out
 
 
-def _run_patched(argv, cwd, env):
-    """``deepspeed --autoplan ...``: the launcher patched for the run, then restored byte for
-    byte."""
+def _readme_run(launcher: str, client: Path):
+    env, argv = _readme_commands()[launcher]          # its port chosen now
+    return _run(argv, client, _env(**env))
+
+
+@pytest.fixture(scope="module")
+def patched_runner():
+    """``deepspeed --autoplan`` for the module's launches: DeepSpeed's launcher patched before
+    the first, then restored byte for byte (asserted) after the last."""
     path = Path(patch_cmd.runner_file()[0])
     before = path.read_bytes()
     try:
         if patch_cmd.MARK not in before.decode():
             path.write_text(patch_cmd.patched(before.decode()))
-        res = _run(argv, cwd, env)
+        yield
     finally:
         path.write_bytes(before)
     assert hashlib.sha256(path.read_bytes()).digest() == hashlib.sha256(before).digest()
-    return res
+
+
+def _own_leftovers(port: int, before: set) -> set:
+    """The /dev/shm files of the launch on ``port`` that no live process maps (not in
+    ``before``); DeepSpeed's CPU allreduce op names each file by the launch's master port."""
+    return {n for n in set(leftovers()) - before if n.split("_")[-2] == str(port)}
 
 
 @pytest.fixture(scope="module")
-def autoplan_1f1b(client):
-    """The README's `deepspeed --autoplan` line."""
-    env, argv = _readme_commands()["deepspeed"]
-    return _run_patched(argv, client, _env(**env))
+def launches(client, patched_runner, tmp_path_factory, request):
+    """The module's launches that its selected tests read (their ``launches`` marks), started
+    here (harness.background, 4 ranks at a time: two 2-rank launches side by side, a 4-rank one
+    alone; in the order the tests read them, the one 2-rank launch without a partner the
+    lightest, a refusal).
+
+    ``"1f1b"``: the README's ``deepspeed --autoplan`` line; ``"v-zb"``: its ``ds-autoplan
+    launch`` line; ``(form, world)``: the unrestricted runs (:func:`_unrestricted`: rc,
+    output, losses, the /dev/shm files the launch left); ``"references"``: DeepSpeed's own
+    engines on the unchanged script, one run after the other in the ranks of one 2-rank
+    ``deepspeed`` launch (deepspeedexamples_shim/shim_runs.py): the non-pipelined path (-p 0)
+    under the unrestricted 2-rank plan's merged config (every rank's micro-step losses), then
+    the pipeline engine (TrainSchedule) under the 1F1B plan's merged config and cut
+    (``train_batch`` losses), ``{"zero2": (rc, out, per-step losses), "1f1b": (...)}``; the
+    two refusals."""
+    nodata = tmp_path_factory.mktemp("nodata")
+    (nodata / "train_nodata.py").write_text(NO_DATA_SCRIPT)
+    jobs = Launches(ranks=4)
+    jobs.add("1f1b", 2, lambda: _readme_run("deepspeed", client))
+    jobs.add(("deepspeed", 2), 2, lambda: _unrestricted("deepspeed", 2, client))
+    jobs.add("references", 2, lambda: _references(client, jobs.result("1f1b"), jobs.result(("deepspeed", 2))),
+             after=["1f1b", ("deepspeed", 2)])
+    jobs.add("v-zb", 2, lambda: _readme_run("ds-autoplan", client))
+    jobs.add(("launch", 2), 2, lambda: _unrestricted("launch", 2, client))
+    # -p 0: the script's non-pipelined path (deepspeed.initialize(model=AlexNet(...)))
+    jobs.add("no-pipeline-module", 2, lambda: _run(_launcher("--out", "out-base", args=[
+        "--deepspeed_config=ds_config.json", "-p", "0", "--backend", "gloo"]), client, _env(), timeout=300))
+    jobs.add("no-example-input", 2, lambda: _run(
+        [sys.executable, "-m", "ds_autoplan", "launch", "--num_gpus", "2", "--master_port", str(free_port()),
+         "train_nodata.py"], nodata, _env(), timeout=300))
+    jobs.add(("launch", 4), 4, lambda: _unrestricted("launch", 4, client))
+    jobs.add(("deepspeed", 4), 4, lambda: _unrestricted("deepspeed", 4, client))
+    jobs.start(wanted(request))
+    try:
+        yield jobs
+    finally:
+        jobs.close()
 
 
-def test_plan_is_for_the_scripts_alexnet_and_keeps_its_config(client, autoplan_1f1b):
-    rc, out, losses = autoplan_1f1b
+@pytest.mark.launches("1f1b")
+def test_plan_is_for_the_scripts_alexnet_and_keeps_its_config(client, launches):
+    rc, out, losses = launches.result("1f1b")
     assert rc == 0, out[-4000:]
     assert len(losses) == 2, out[-4000:]
     plan = json.loads((client / "ds_autoplan_out" / "plan.json").read_text())
@@ -127,13 +180,14 @@ def test_plan_is_for_the_scripts_alexnet_and_keeps_its_config(client, autoplan_1
     assert mbs == 8 or f"ds-autoplan: ds_config train_micro_batch_size_per_gpu: 8 -> {mbs}" in out
 
 
-def test_1f1b_losses_equal_deepspeeds_own_engine(client, autoplan_1f1b, references):
+@pytest.mark.launches("1f1b", "references")
+def test_1f1b_losses_equal_deepspeeds_own_engine(client, launches):
     """DeepSpeed's PipelineEngine (TrainSchedule) on the unchanged script, with the merged
     config and the plan's cut (same dropout draws per rank): the same losses."""
-    rc, out, ours = autoplan_1f1b
+    rc, out, ours = launches.result("1f1b")
     assert rc == 0, out[-4000:]
     plan = json.loads((client / "ds_autoplan_out" / "plan.json").read_text())
-    rc, out, ref = references["1f1b"]
+    rc, out, ref = launches.result("references")["1f1b"]
     assert rc == 0, out[-4000:]
     assert len(ref) == len(ours) == 2
     err = max(abs(a - b) / abs(b) for a, b in zip(ours, ref))
@@ -142,9 +196,9 @@ def test_1f1b_losses_equal_deepspeeds_own_engine(client, autoplan_1f1b, referenc
     assert err <= 1e-6, (ours, ref)
 
 
-def test_v_zb_trains_through_ds_autoplan_launch(client):
-    env, argv = _readme_commands()["ds-autoplan"]
-    rc, out, losses = _run(argv, client, _env(**env))
+@pytest.mark.launches("v-zb")
+def test_v_zb_trains_through_ds_autoplan_launch(client, launches):
+    rc, out, losses = launches.result("v-zb")
     assert rc == 0, out[-4000:]
     plan = json.loads((client / "out-vzb" / "plan.json").read_text())
     assert plan["schedule"] == "v-zb" and len(plan["layers_per_stage"]) == 4
@@ -152,17 +206,40 @@ def test_v_zb_trains_through_ds_autoplan_launch(client):
 
 
 # -- no restriction: the planner chooses, whatever engine runs it -------------------------------
-def _unrestricted(form: str, world: int, client: Path, out: str):
+def _unrestricted(form: str, world: int, client: Path):
     """The README's example without --pp / --schedules (DS_AUTOPLAN_PP, _SCHEDULES): ``form``
     'deepspeed' (``deepspeed --autoplan``, options from the environment) or 'launch'
-    (``ds-autoplan launch``, flags); global batch 32 keeps the CPU run short."""
-    port = ["--master_port", str(free_port())]
+    (``ds-autoplan launch``, flags); global batch 32 keeps the CPU run short.  Plan and config
+    under ``out-{form}-{world}``; (rc, output, losses, the /dev/shm files the launch left)."""
+    port, out = free_port(), f"out-{form}-{world}"
+    before = set(leftovers())
     if form == "deepspeed":
-        argv = [str(BIN / "deepspeed"), "--autoplan", "--num_gpus", str(world), *port, "train.py", *ARGS]
-        return _run_patched(argv, client, _env(DS_AUTOPLAN_GLOBAL_BATCH="32", DS_AUTOPLAN_OUT=out))
-    argv = [sys.executable, "-m", "ds_autoplan", "launch", "--global-batch", "32", "--out", out,
-            "--num_gpus", str(world), *port, "train.py", *ARGS]
-    return _run(argv, client, _env())
+        argv = [str(BIN / "deepspeed"), "--autoplan", "--num_gpus", str(world), "--master_port", str(port),
+                "train.py", *ARGS]
+        res = _run(argv, client, _env(DS_AUTOPLAN_GLOBAL_BATCH="32", DS_AUTOPLAN_OUT=out))
+    else:
+        argv = [sys.executable, "-m", "ds_autoplan", "launch", "--global-batch", "32", "--out", out,
+                "--num_gpus", str(world), "--master_port", str(port), "train.py", *ARGS]
+        res = _run(argv, client, _env())
+    return (*res, _own_leftovers(port, before))
+
+
+def _references(client: Path, pipe_run, zero2_run) -> dict:
+    """See :func:`launches` ("references")."""
+    assert pipe_run[0] == 0, pipe_run[1][-4000:]
+    assert zero2_run[0] == 0, zero2_run[1][-4000:]
+    plan = json.loads((client / "ds_autoplan_out" / "plan.json").read_text())
+    cuts = [0, plan["layers_per_stage"][0], 22]
+    zero2 = client / "out-deepspeed-2" / "ds_config.autoplan.json"
+    pipe = client / "ds_autoplan_out" / "ds_config.autoplan.json"
+    runs = [[f"--deepspeed_config={zero2}", "-p", "0", "--steps=2", "--backend", "gloo"],
+            [f"--deepspeed_config={pipe}", *ARGS[1:]]]
+    rc, out, pipe_losses = _run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                                 str(SHIM / "shim_runs.py")], client,
+                                _env(SHIM_PARTS=",".join(map(str, cuts)), SHIM_RUNS=json.dumps(runs)))
+    gas = json.loads(zero2.read_text())["gradient_accumulation_steps"]
+    return {"zero2": (rc, out, _reference_losses(out, gas, 2) if rc == 0 else []),
+            "1f1b": (rc, out, pipe_losses)}
 
 
 def _reference_losses(out: str, gas: int, world: int) -> list[float]:
@@ -179,53 +256,18 @@ def _reference_losses(out: str, gas: int, world: int) -> list[float]:
             for i in range(steps)]
 
 
-@pytest.fixture(scope="module")
-def unrestricted(client):
-    """``get(form, world)``: that unrestricted run's (rc, output, losses, the /dev/shm files it
-    left), launched once per module (the 2-rank ``deepspeed --autoplan`` run also gives the
-    reference launch its config)."""
-    runs = {}
-
-    def get(form: str, world: int):
-        if (form, world) not in runs:
-            before = set(leftovers())
-            rc, out, losses = _unrestricted(form, world, client, f"out-{form}-{world}")
-            runs[form, world] = rc, out, losses, set(leftovers()) - before
-        return runs[form, world]
-    return get
-
-
-@pytest.fixture(scope="module")
-def references(client, autoplan_1f1b, unrestricted):
-    """DeepSpeed's own engines on the unchanged script, one run after the other in the ranks of
-    one 2-rank ``deepspeed`` launch (deepspeedexamples_shim/shim_runs.py): the non-pipelined
-    path (-p 0) under the unrestricted 2-rank plan's merged config (every rank's micro-step
-    losses), then the pipeline engine (TrainSchedule) under the 1F1B plan's merged config and
-    cut (``train_batch`` losses).  {"zero2": (rc, out, per-step losses), "1f1b": (...)}."""
-    assert autoplan_1f1b[0] == 0, autoplan_1f1b[1][-4000:]
-    assert unrestricted("deepspeed", 2)[0] == 0, unrestricted("deepspeed", 2)[1][-4000:]
-    plan = json.loads((client / "ds_autoplan_out" / "plan.json").read_text())
-    cuts = [0, plan["layers_per_stage"][0], 22]
-    zero2 = client / "out-deepspeed-2" / "ds_config.autoplan.json"
-    pipe = client / "ds_autoplan_out" / "ds_config.autoplan.json"
-    runs = [[f"--deepspeed_config={zero2}", "-p", "0", "--steps=2", "--backend", "gloo"],
-            [f"--deepspeed_config={pipe}", *ARGS[1:]]]
-    rc, out, pipe_losses = _run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-                                 str(SHIM / "shim_runs.py")], client,
-                                _env(SHIM_PARTS=",".join(map(str, cuts)), SHIM_RUNS=json.dumps(runs)))
-    gas = json.loads(zero2.read_text())["gradient_accumulation_steps"]
-    return {"zero2": (rc, out, _reference_losses(out, gas, 2) if rc == 0 else []),
-            "1f1b": (rc, out, pipe_losses)}
-
-
-@pytest.mark.parametrize("form,world", [("deepspeed", 2), ("launch", 4), ("launch", 2), ("deepspeed", 4)])
-def test_unrestricted_plan_trains_the_unchanged_script(client, unrestricted, request, form, world):
+@pytest.mark.parametrize("form,world", [
+    pytest.param("deepspeed", 2, marks=pytest.mark.launches(("deepspeed", 2), "references")),
+    pytest.param("launch", 4, marks=pytest.mark.launches(("launch", 4))),
+    pytest.param("launch", 2, marks=pytest.mark.launches(("launch", 2))),
+    pytest.param("deepspeed", 4, marks=pytest.mark.launches(("deepspeed", 4)))])
+def test_unrestricted_plan_trains_the_unchanged_script(client, launches, form, world):
     """Without restrictions the planner picks ZeRO-2 without a pipeline on these CPU ranks (the
     AlexNet fits every rank; no pipeline bubble); the script's pipeline layers train in
     DeepSpeed's plain engine through its ``train_batch`` calls, with the losses of DeepSpeed's
     own engine on the script's non-pipelined path (-p 0) under the merged config (1e-6)."""
     out_dir = f"out-{form}-{world}"
-    rc, out, ours, left = unrestricted(form, world)
+    rc, out, ours, left = launches.result((form, world))
     assert rc == 0, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     # DeepSpeed's CPU allreduce op never unlinks its /dev/shm files (69 MB of RAM per rank and
@@ -240,7 +282,7 @@ def test_unrestricted_plan_trains_the_unchanged_script(client, unrestricted, req
     assert f"the script asked for 2 pipeline stages; the plan uses pp=1 (restrict it with {hint})" in out
     if (form, world) != ("deepspeed", 2):
         return
-    rc, ref_out, ref = request.getfixturevalue("references")["zero2"]
+    rc, ref_out, ref = launches.result("references")["zero2"]
     assert rc == 0, ref_out[-4000:]
     err = max(abs(a - b) / abs(b) for a, b in zip(ours, ref))
     print(json.dumps({"test": "alexnet_zero2_vs_deepspeed", "ours": ours, "deepspeed": ref, "rel_err": err}))
@@ -252,10 +294,9 @@ def _launcher(*extra, args=ARGS):
             "--master_port", str(free_port()), "train.py", *args]
 
 
-def test_a_model_that_is_no_pipeline_module_is_refused(client):
-    # -p 0: the script's non-pipelined path (deepspeed.initialize(model=AlexNet(...)))
-    rc, out, _ = _run(_launcher("--out", "out-base", args=["--deepspeed_config=ds_config.json", "-p", "0",
-                                                          "--backend", "gloo"]), client, _env(), timeout=300)
+@pytest.mark.launches("no-pipeline-module")
+def test_a_model_that_is_no_pipeline_module_is_refused(launches):
+    rc, out, _ = launches.result("no-pipeline-module")
     assert rc != 0
     assert "ds-autoplan: error: the script passes AlexNet to deepspeed.initialize, not a " \
            "deepspeed.pipe.PipelineModule" in out
@@ -326,10 +367,9 @@ deepspeed.initialize(model=net, config={"train_batch_size": 8, "train_micro_batc
 """
 
 
-def test_a_pipeline_without_example_input_is_refused(tmp_path):
-    (tmp_path / "train_nodata.py").write_text(NO_DATA_SCRIPT)
-    rc, out, _ = _run([sys.executable, "-m", "ds_autoplan", "launch", "--num_gpus", "2", "--master_port",
-                       str(free_port()), "train_nodata.py"], tmp_path, _env(), timeout=300)
+@pytest.mark.launches("no-example-input")
+def test_a_pipeline_without_example_input_is_refused(launches):
+    rc, out, _ = launches.result("no-example-input")
     assert rc != 0
     assert "ds-autoplan: error: cannot profile the script's 3 layers: deepspeed.initialize got no " \
            "training_data" in out
