@@ -32,6 +32,17 @@ def test_sweep_removes_only_unmapped_files_of_this_user(tmp_path):
     assert all(os.path.exists(p) for p in (live, other, unrelated))
 
 
+def test_a_launch_sweeps_only_its_own_files(tmp_path):
+    """A launch that ends removes its own ranks' files, not those of a launch on another port
+    whose ranks are starting (a file exists unmapped until its rank has written and mapped it)."""
+    uid = os.getuid()
+    mine = _make(tmp_path, f"{shm.PREFIX}_{uid}_127.0.0.1_29500_1")
+    starting = _make(tmp_path, f"{shm.PREFIX}_{uid}_127.0.0.1_29501_0")
+    assert shm.leftovers(str(tmp_path), port=29500) == [os.path.basename(mine)]
+    assert shm.sweep(str(tmp_path), port=29500) == [os.path.basename(mine)]
+    assert not os.path.exists(mine) and os.path.exists(starting)
+
+
 def test_a_rank_removes_its_own_file_at_exit(tmp_path, monkeypatch):
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29999", RANK="3")
     name = shm.own_name(env)

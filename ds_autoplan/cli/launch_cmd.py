@@ -172,7 +172,9 @@ def run(args) -> int:
     try:
         runner.main(argv[:cut] + ["--module", a.user_script] + a.user_args)
     finally:
-        sweep()         # the shared-memory files of ranks that did not exit by themselves
+        # the shared-memory files of this launch's ranks that did not exit by themselves (not
+        # those of another launch, which may be starting beside this one)
+        sweep(port=a.master_port)
     return 0
 
 

@@ -55,11 +55,16 @@ def _mapped(prefix: str) -> set[str]:
     return names
 
 
-def leftovers(shm_dir: str = SHM_DIR) -> list[str]:
-    """This user's op files in ``shm_dir`` that no live process maps (left behind)."""
+def leftovers(shm_dir: str = SHM_DIR, port: int | None = None) -> list[str]:
+    """This user's op files in ``shm_dir`` that no live process maps (left behind); with
+    ``port``, only those of the launch on that master port.  A rank's file exists unmapped for
+    a moment while the op starts (created, 69 MB written, then mapped): a launch that ends
+    sweeps its own files only, never those of another launch starting beside it (whose ranks
+    would wait for the removed file for ever)."""
     prefix = f"{PREFIX}_{os.getuid()}_"
     try:
-        ours = [n for n in os.listdir(shm_dir) if n.startswith(prefix)]
+        ours = [n for n in os.listdir(shm_dir) if n.startswith(prefix)
+                and (port is None or n.split("_")[-2] == str(port))]
     except OSError:                # no /dev/shm (not Linux)
         return []
     if not ours:
@@ -68,9 +73,9 @@ def leftovers(shm_dir: str = SHM_DIR) -> list[str]:
     return [n for n in ours if n not in live]
 
 
-def sweep(shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove :func:`leftovers`; the names removed."""
-    gone = leftovers(shm_dir)
+def sweep(shm_dir: str = SHM_DIR, port: int | None = None) -> list[str]:
+    """Remove :func:`leftovers` (of the launch on ``port``); the names removed."""
+    gone = leftovers(shm_dir, port)
     for n in gone:
         _unlink(os.path.join(shm_dir, n))
     return gone
