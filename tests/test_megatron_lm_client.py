@@ -70,11 +70,11 @@ def _outputs(tag: str, tmp: pathlib.Path) -> dict:
     return {"MLM_CPU_LOSSES": str(tmp / f"{tag}.losses"), "MLM_CPU_REPORT": str(tmp / f"{tag}.report")}
 
 
-def _launch(cmd: str, cwd: pathlib.Path, **env) -> subprocess.CompletedProcess:
+def _launch(cmd: str, cwd: pathlib.Path, timeout: float = 420, **env) -> subprocess.CompletedProcess:
     e = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
              PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
              MLM_CPU_INIT_BY_NAME="1", **env)
-    return subprocess.run(["bash", "-c", cmd], cwd=cwd, env=e, capture_output=True, text=True, timeout=420)
+    return subprocess.run(["bash", "-c", cmd], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
 
 
 def _result(rc: int, out: str, cmd: str, tag: str, tmp: pathlib.Path) -> SimpleNamespace:
@@ -97,7 +97,7 @@ def _forked_runs(cmds: dict, cwd: pathlib.Path, tmp: pathlib.Path, nproc: int) -
     children of the ranks, with the command's variables and ``env`` (the shim's ``--runs``:
     the ranks' imports are paid once).  Per tag: what :func:`_run` returns, with that run's
     output and its worst exit status over the ranks."""
-    job, launch_out = tmp / f"runs-{'+'.join(cmds)}.json", ""
+    job = tmp / f"runs-{'+'.join(cmds)}.json"
     todo = []
     for tag, (cmd, env) in cmds.items():
         assigned, rest = re.match(r"((?:\w+=\S+ )*)(.*)", cmd).groups()
@@ -109,7 +109,7 @@ def _forked_runs(cmds: dict, cwd: pathlib.Path, tmp: pathlib.Path, nproc: int) -
                      "env": {**dict(a.split("=", 1) for a in assigned.split()), **env, **_outputs(tag, tmp)}})
     job.write_text(json.dumps(todo))
     r = _launch(f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node {nproc} "
-                f"{SHIM} --runs {job}", cwd)
+                f"{SHIM} --runs {job}", cwd, timeout=420 * len(todo))     # as much as separate launches
     launch_out = r.stdout + r.stderr
     done = [json.loads(x) for x in re.findall(r"MLM_CPU_RUN (\{.*\})", launch_out)]
     res = {}
