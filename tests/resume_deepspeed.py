@@ -143,4 +143,4 @@ def cases_case(case) -> dict:
     from ds_autoplan.runtime.deepspeed.dist import init_distributed
     init_distributed()            # DeepSpeed's comm on the launcher's group
     data = batches()
-    return {"group": case["group"], "rows": [run_case(c, data) for c in case["cases"]]}
+    return {"rows": [run_case(c, data) for c in case["cases"]]}

@@ -158,4 +158,4 @@ def resume_case(case) -> dict:
 def resume_cases(case) -> dict:
     """A launcher case (``harness.forked``): :func:`resume_case` for every case of
     ``case["cases"]``; this rank's results under ``"rows"``."""
-    return {"group": case["group"], "rows": [resume_case(c) for c in case["cases"]]}
+    return {"rows": [resume_case(c) for c in case["cases"]]}

@@ -66,11 +66,11 @@ def groups(ckpt):
 
     from harness import forked
     megatron = importlib.util.find_spec("megatron.core") is not None
-    two = [{"name": "ds2", "group": "ds2", "fn": DS_CASES, "cases": cases(ckpt, 2, "ds"), "world": 2}]
-    four = [{"group": "ds4", "fn": DS_CASES, "cases": cases(ckpt, 4, "ds")}]
+    two = [{"name": "ds2", "fn": DS_CASES, "cases": cases(ckpt, 2, "ds"), "world": 2}]
+    four = [{"name": "ds4", "fn": DS_CASES, "cases": cases(ckpt, 4, "ds")}]
     if megatron:
-        two.append({"name": "m2", "group": "m2", "fn": MEGATRON_CASES, "cases": cases(ckpt, 2, "m"), "world": 2})
-        four.append({"group": "m4", "fn": MEGATRON_CASES, "cases": cases(ckpt, 4, "m")})
+        two.append({"name": "m2", "fn": MEGATRON_CASES, "cases": cases(ckpt, 2, "m"), "world": 2})
+        four.append({"name": "m4", "fn": MEGATRON_CASES, "cases": cases(ckpt, 4, "m")})
     outs = forked.run(ckpt, two, four, forked.DEEPSPEED + (forked.MEGATRON if megatron else []),
                       world=4, timeout=1200, grace=5)
     assert all(rc == 0 for rc, _ in outs), "\n".join(out[-3000:] for _, out in outs)
@@ -80,7 +80,8 @@ def groups(ckpt):
     res: dict = {}
     for row in rows:
         if "rows" in row:
-            res.setdefault(row["group"], {}).update({(r["name"], r["rank"]): r for r in row["rows"]})
+            res.setdefault(row.get("forked") or row["then"], {}).update(
+                {(r["name"], r["rank"]): r for r in row["rows"]})
     return res
 
 

@@ -5,8 +5,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from ds_autoplan.runtime.launch import launch  # noqa: E402
-from harness import ENV, forked, group_fixture, joined_groups, registered  # noqa: E402
+from harness import forked, group_fixture, joined_groups, registered  # noqa: E402
 
 SCHEDULES = registered()        # every registered builder but the listed exclusions
 TOL = 1e-5
@@ -27,33 +26,49 @@ def pipeline_case(*groups) -> dict:
 
 
 def failing_case(mode) -> dict:
-    """harness.forked's case: rank 1 fails (``mode``) in its third layer forward; rank 0's p2p
-    waits give up after 6 s.  ``grace``: how long the other rank may take to end by itself after
-    the first one failed.  Rank 1 fails first when it raises or is killed: rank 0 must stop by
-    itself within it.  A hung rank 1 never ends: rank 0 fails first, and rank 1 is killed after
-    the grace, which then only adds to the run."""
+    """harness.forked's case on 2 ranks: rank 1 fails (``mode``) in its third layer forward;
+    rank 0's p2p waits give up after 6 s.  ``grace``: how long the other rank may take to end by
+    itself after the first one failed.  Rank 1 fails first when it raises or is killed: rank 0
+    must stop by itself within it.  A hung rank 1 never ends: rank 0 fails first, and rank 1 is
+    killed after the grace, which then only adds to the run."""
     return dict(pipeline_case(["--schedules", "v-zb", "--n", "4", "--fail", f"1:{mode}:3"]), name=mode,
-                env={"DS_AUTOPLAN_P2P_TIMEOUT": "6"}, grace=1 if mode == "hang" else 10)
+                world=2, env={"DS_AUTOPLAN_P2P_TIMEOUT": "6"}, grace=1 if mode == "hang" else 10)
 
 
 @pytest.fixture(scope="module")
-def two_rank_launch(tmp_path_factory):
-    """One 2-rank launch: each failing mode's run in forked children of the ranks
-    (harness.forked), then plain, ZeRO-1 with stage-aware recompute and DeepSpeed's uniform
-    checkpointing in the launch's process group.  Every result row."""
-    groups = pipeline_case(["--schedules", ",".join(SCHEDULES), "--n", "4"],
-                           ["--schedules", ",".join(SCHEDULES), "--n", "4", "--zero", "1", "--recompute", "1.0"],
-                           ["--ds-ckpt", "1", "--n", "4", "--schedules", "ds-train,1f1b,v-zb"])
-    outs = forked.run(tmp_path_factory.mktemp("two-ranks"), [failing_case(m) for m in FAIL_MODES], [groups],
-                      warm=forked.DEEPSPEED,
-                      timeout=500, grace=5)
-    assert all(rc == 0 for rc, _ in outs), outs[0][1][-3000:] + outs[1][1][-3000:]
-    return forked.rows(outs)
+def launch_rows(tmp_path_factory):
+    """One 4-rank launch (harness.forked).  Ranks 0 and 1, in forked children with a 2-rank
+    process group of their own: each failing mode's run, then plain, ZeRO-1 with stage-aware
+    recompute and DeepSpeed's uniform checkpointing ("two ranks").  Then the four ranks:
+    identical blocks (uniform stages, so the paper's memory ratios apply; n = 16) for every
+    schedule and TrainSchedule, then pp 2 x dp 2 with ZeRO-1 over the data-parallel replicas
+    ("four ranks"), and DeepSpeed-Ulysses (:data:`ULYSSES`).  Every result row."""
+    two = [failing_case(m) for m in FAIL_MODES] + [dict(pipeline_case(
+        ["--schedules", ",".join(SCHEDULES), "--n", "4"],
+        ["--schedules", ",".join(SCHEDULES), "--n", "4", "--zero", "1", "--recompute", "1.0"],
+        ["--ds-ckpt", "1", "--n", "4", "--schedules", "ds-train,1f1b,v-zb"]), name="two ranks", world=2)]
+    four = [dict(pipeline_case(["--model", "blocks", "--blocks", "8", "--n", "16", "--schedules",
+                                "ds-train," + ",".join(SCHEDULES)],
+                               ["--dp", "2", "--zero", "1", "--n", "4", "--schedules", "v-zb,interleaved"]),
+                 name="four ranks"),
+            {"name": "ulysses", "fn": "harness.ds_ulysses:cases_case", "cases": ULYSSES}]
+    outs = forked.run(tmp_path_factory.mktemp("ranks"), two, four, forked.DEEPSPEED, world=4,
+                      timeout=900, grace=5)
+    assert all(rc == 0 for rc, _ in outs), "\n".join(out[-3000:] for _, out in outs)
+    rows = forked.rows(outs)
+    bad = [r for r in rows if r.get("forked") == "two ranks" and r.get("exit", 0) != 0]
+    assert not bad, "\n".join(open(r["out"]).read()[-3000:] for r in bad)
+    return rows
+
+
+def results_of(rows, name) -> list:
+    """The result rows of launcher case ``name`` (all ranks)."""
+    return [d for row in rows if name in (row.get("forked"), row.get("then")) for d in row.get("rows", [])]
 
 
 @pytest.fixture(scope="module")
-def two_rank_groups(two_rank_launch):
-    return by_group([d for row in two_rank_launch for d in row.get("rows", [])], 3)
+def two_rank_groups(launch_rows):
+    return by_group(results_of(launch_rows, "two ranks"), 3)
 
 
 two_ranks = group_fixture("two_rank_groups", 0)
@@ -62,20 +77,8 @@ deepspeed_uniform_checkpointing = group_fixture("two_rank_groups", 2)
 
 
 @pytest.fixture(scope="module")
-def four_rank_launch():
-    """One 4-rank process group: identical blocks (uniform stages, so the paper's memory
-    ratios apply; n = 16) for every schedule and TrainSchedule, then pp 2 x dp 2 with ZeRO-1
-    over the data-parallel replicas; then DeepSpeed-Ulysses (:data:`ULYSSES`).  Per rank, the
-    two cases' results."""
-    return launch(4, [pipeline_case(["--model", "blocks", "--blocks", "8", "--n", "16", "--schedules",
-                                     "ds-train," + ",".join(SCHEDULES)],
-                                    ["--dp", "2", "--zero", "1", "--n", "4", "--schedules", "v-zb,interleaved"]),
-                      {"fn": "harness.ds_ulysses:cases_case", "cases": ULYSSES}], timeout=600, env=ENV)
-
-
-@pytest.fixture(scope="module")
-def four_rank_groups(four_rank_launch):
-    return by_group([d for rank in four_rank_launch for d in rank[0]["rows"]], 2)
+def four_rank_groups(launch_rows):
+    return by_group(results_of(launch_rows, "four ranks"), 2)
 
 
 four_ranks = group_fixture("four_rank_groups", 0)
@@ -174,9 +177,9 @@ def test_our_1f1b_matches_deepspeed_trainschedule(four_ranks):
 
 
 @pytest.mark.parametrize("mode", FAIL_MODES)
-def test_failing_rank_stops_the_others(two_rank_launch, mode):
+def test_failing_rank_stops_the_others(launch_rows, mode):
     (rc0, out0), (rc1, _) = [(d["exit"], open(d["out"]).read()) for r in range(2)
-                             for d in two_rank_launch if d.get("forked") == mode and d["rank"] == r and "exit" in d]
+                             for d in launch_rows if d.get("forked") == mode and d["rank"] == r and "exit" in d]
     assert rc1 != 0
     assert rc0 not in (0, -9), out0[-3000:]          # rank 0 exits by itself with an error
     assert "PipelineRankError" in out0 and "pipeline rank 1" in out0, out0[-3000:]
@@ -188,14 +191,14 @@ ULYSSES = [{"pp": 2, "sp": 2, "n": 4, "schedule": "1f1b"},
            {"pp": 2, "sp": 1, "n": 4, "schedule": "1f1b"}]
 
 
-def test_context_parallel_ulysses_pp2_sp2(four_rank_launch):
+def test_context_parallel_ulysses_pp2_sp2(launch_rows):
     """DeepSpeed-Ulysses (DeepSpeed's DistributedAttention) for a plan with context
     parallelism 2 on a 2-stage pipeline (4 ranks), 1F1B and V-Half: every rank holds half of
     each sequence, and the gradients and loss equal the single-process model on whole
     sequences, as those of the same pipeline without sequence parallelism (dp 2) do."""
-    out = [rank[1]["rows"] for rank in four_rank_launch]
-    for i, case in enumerate(ULYSSES):
-        rows = [o[i] for o in out]
+    for case in ULYSSES:
+        rows = [r for r in results_of(launch_rows, "ulysses")
+                if (r["schedule"], r["sp"]) == (case["schedule"], case["sp"])]
         assert sorted(r["stage"] for r in rows) == [0, 0, 1, 1]
         for r in rows:
             assert r["sp_group_size"] == case["sp"]
