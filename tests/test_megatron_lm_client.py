@@ -10,7 +10,6 @@ start from the same weights.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import pathlib
@@ -146,15 +145,11 @@ def runs(client):
     Megatron's own and the recompute one, share one launch: forked runs)."""
     _, train = readme_commands()
     tmp = client.parent
+    res = {}
     from ds_autoplan.plan import Plan
     from ds_autoplan.schedule import Kind
-    # two launches side by side: each one's single-process parts (the plan command, torchrun's
-    # start and end) overlap the other's ranks
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        res = {s: pool.submit(_run, _train_command(train, s, tmp / s, ours=True), client, s, tmp)
-               for s in SCHEDULES}
-    res = {s: f.result() for s, f in res.items()}
     for s in SCHEDULES:
+        res[s] = _run(_train_command(train, s, tmp / s, ours=True), client, s, tmp)
         sched = Plan.load(tmp / s / "plan.json").build_schedule()
         res[s].has_w = any(a.kind == Kind.W for r in sched.ranks for a in r)
     # the commands that are not the README's share one launch (forked runs)
