@@ -21,8 +21,8 @@ Test-only extras, switched by environment variables:
 * ``MLM_CPU_LOSSES=path``: the last rank appends each step's logged ``lm loss`` (full
   precision) to ``path`` as JSON lines.
 
-When the script is done the rank ends at once (:func:`_exit_now`), without the interpreter's
-teardown of the modules megatron-core imports.
+When the script is done the rank ends at once (:func:`harness.forked.exit_now`), without the
+interpreter's teardown of the modules megatron-core imports.
 
     torchrun --nproc_per_node 2 tests/megatron_lm_cpu.py --runs JOB.json
 
@@ -40,6 +40,7 @@ import runpy
 import sys
 
 import torch
+from harness.forked import exit_now, fork_wait
 
 
 class _Stream:
@@ -225,25 +226,9 @@ def _exit_code(e: SystemExit) -> int:
     return 1
 
 
-def _exit_now(code: int) -> None:
-    """End the rank once the script is done (trained, or refused with ``SystemExit``) and the
-    process group is gone: run the atexit handlers, flush, and skip the interpreter's teardown
-    of the imported module graph (megatron-core pulls in torch._inductor, sympy, ...: about
-    1.1 s of CPU per rank, measured, in every launch).  While a non-daemon thread still runs
-    the rank exits normally instead, waiting for it as it would for a user."""
-    import atexit
-    import threading
-    if any(t.is_alive() and not t.daemon for t in threading.enumerate()
-           if t is not threading.main_thread()):
-        sys.exit(code)
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _run_script(script: str) -> None:
-    """Run ``script`` as ``__main__`` with the hooks, then end the rank (:func:`_exit_now`)."""
+def _run_script(script: str) -> int:
+    """Run ``script`` as ``__main__`` with the hooks; its exit status (the process group is
+    gone after it)."""
     from ds_autoplan.runtime.megatron import cpu_shim
     _install_hooks()
     code = 0
@@ -254,45 +239,30 @@ def _run_script(script: str) -> None:
         code = _exit_code(e)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    _exit_now(code)
+    return code
+
+
+def _end(code: int) -> None:
+    """End the rank once the script is done (trained, or refused with ``SystemExit``):
+    :func:`harness.forked.exit_now`, else (a non-daemon thread still runs) a normal exit."""
+    exit_now(code)
+    sys.exit(code)
 
 
 RUN_TIMEOUT = 300.0     # a forked run ends in seconds; past this it is killed
 
 
-def _forked_run(run: dict, rank: int, world: int) -> int:
-    """One run of :func:`runs` in a child process; its exit status (negative: a signal)."""
-    import signal
-    import time
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            fd = os.open(run["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.environ.update(run["env"])
-            sys.argv = list(run["argv"])
-            import datetime
-            torch.distributed.init_process_group(
-                "gloo", init_method=f"file://{run['store']}", rank=rank, world_size=world,
-                timeout=datetime.timedelta(seconds=120))
-            _run_script(sys.argv[0])
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
-    deadline = time.time() + RUN_TIMEOUT
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.time() > deadline:
-            os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
+def _run_child(run: dict, rank: int, world: int) -> int:
+    """One run of :func:`runs`, in a child of the rank: its own process group, then the script."""
+    import datetime
+    os.environ.update(run["env"])
+    sys.argv = list(run["argv"])
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{run['store']}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=120))
+    code = _run_script(sys.argv[0])
+    exit_now(code)
+    return code
 
 
 def runs(job: str) -> None:
@@ -316,10 +286,10 @@ def runs(job: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     failed = False
     for run in todo:
-        code = _forked_run(run, rank, world)
+        code = fork_wait(lambda run=run: _run_child(run, rank, world), run["log"], RUN_TIMEOUT)
         failed |= code != 0
         print("MLM_CPU_RUN " + json.dumps({"tag": run["tag"], "rank": rank, "exit": code}), flush=True)
-    _exit_now(1 if failed else 0)
+    _end(1 if failed else 0)
 
 
 def main() -> None:
@@ -329,7 +299,7 @@ def main() -> None:
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     _stub_cuda()
-    _run_script(script)
+    _end(_run_script(script))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from ds_autoplan.cli import patch_cmd  # noqa: E402
-from harness import CLIENTS_SKIP, clients_dir  # noqa: E402
+from harness import CLIENTS_SKIP, TESTS, clients_dir  # noqa: E402
 from harness.background import Launches, wanted  # noqa: E402
 from ds_autoplan.runtime.launch import free_port  # noqa: E402
 from ds_autoplan.runtime.deepspeed.shm import leftovers  # noqa: E402
@@ -60,7 +60,7 @@ def client(tmp_path_factory):
 
 
 def _env(**kw):
-    path = os.pathsep.join([str(SHIM), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(SHIM), str(ROOT), TESTS, os.environ.get("PYTHONPATH", "")])
     return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=path, **kw)
 
 

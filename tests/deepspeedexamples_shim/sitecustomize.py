@@ -1,6 +1,6 @@
 """Test-side CPU shim for DeepSpeedExamples' pipeline_parallelism/train.py, on the PYTHONPATH of
 its ranks (never an edit of the client): ``torch.cuda.set_device`` is a no-op on CPU ranks;
-a rank ends as soon as the script has run to its end (:func:`exit_now`);
+a rank ends as soon as the script has run to its end (harness.forked.exit_now);
 rank 0 prints every ``train_batch`` loss (``SHIM_LOSS``; DeepSpeed's pipeline engine and
 ds_autoplan's plain one), and DeepSpeed's own plain engine every rank's micro-step loss
 (``SHIM_MICRO_LOSS rank loss``); with ``SHIM_PARTS`` (layer
@@ -68,24 +68,6 @@ def _patch_deepspeed():
         PipelineModule._partition_layers = fixed
 
 
-def exit_now(code: int) -> None:
-    """End the rank now that the script is done: run the atexit handlers (the bootstrap's
-    removal of the rank's /dev/shm file, multiprocessing's end of the data loader's worker
-    processes), flush, and skip the interpreter's teardown of the imported module graph
-    (DeepSpeed's ZeRO path imports torch._inductor: about 1 s of CPU per rank and launch).
-    While a non-daemon thread still runs, return instead (the rank exits normally, waiting for
-    it as it would for a user)."""
-    import atexit
-    import threading
-    if any(t.is_alive() and not t.daemon for t in threading.enumerate()
-           if t is not threading.main_thread()):
-        return
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def _exit_after_script():
     """``runpy.run_path`` (how the bootstrap runs the script) ends the rank when the script
     returns; one that raises goes on as before (a refusal's message and exit status 2)."""
@@ -94,6 +76,7 @@ def _exit_after_script():
 
     def run(*a, **k):
         result = run_path(*a, **k)
+        from harness.forked import exit_now      # tests/ is on the ranks' path
         exit_now(0)
         return result
     runpy.run_path = run

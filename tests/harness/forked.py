@@ -42,11 +42,56 @@ MEGATRON = ["megatron.core.optimizer", "megatron.core.distributed", "ds_autoplan
 CHILD_TIMEOUT = 300.0     # a forked case's children end in seconds; past this they are killed
 
 
+def exit_now(code: int) -> None:
+    """End this rank now that its script is done: run the atexit handlers (e.g. the removal of
+    the rank's /dev/shm file, multiprocessing's end of data-loader workers), flush, and skip the
+    interpreter's teardown of the imported module graph (megatron-core and DeepSpeed's ZeRO path
+    import torch._inductor, sympy, ...: about 1 s of CPU per rank and launch, measured).  While
+    a non-daemon thread still runs, return instead: the caller exits normally, waiting for it
+    as it would for a user."""
+    import atexit
+    import threading
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate()
+           if t is not threading.main_thread()):
+        return
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def fork_wait(child, out: str, timeout: float, hurry=None, grace: float = 5.0) -> int:
+    """Run ``child()`` in a forked process whose stdout and stderr go to ``out`` (appended: the
+    children of several ranks may share it); its exit status (``child``'s return value, 1 if it
+    raised; negative: the signal that ended it).  Past ``timeout`` seconds the child is killed;
+    once ``hurry()`` is true it gets ``grace`` seconds more at most."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            code = child() or 0
+        except BaseException:
+            traceback.print_exc()
+        launch._exit(code)
+    deadline = time.time() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if hurry is not None and deadline > time.time() + grace and hurry():
+            deadline = time.time() + grace
+        if time.time() > deadline:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
 def _child(case: dict, files: str, rank: int, world: int) -> None:
     import torch.distributed as dist
-    with open(f"{files}.out{rank}", "w") as out:
-        os.dup2(out.fileno(), 1)
-        os.dup2(out.fileno(), 2)
     os.environ.update(case.get("env", {}), WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{files}.store", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=90))
@@ -67,28 +112,8 @@ def _peer_failed(files: str, rank: int, world: int) -> bool:
 
 def _forked(case: dict, files: str, rank: int, world: int) -> int:
     """Run ``case`` in a child process; its exit status (negative: the signal that ended it)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            _child(case, files, rank, world)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        launch._exit(code)
-    deadline = time.time() + CHILD_TIMEOUT
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if deadline > time.time() + case.get("grace", 5.0) and _peer_failed(files, rank, world):
-            deadline = time.time() + case.get("grace", 5.0)
-        if time.time() > deadline:
-            os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
-    code = os.waitstatus_to_exitcode(status)
+    code = fork_wait(lambda: _child(case, files, rank, world), f"{files}.out{rank}", CHILD_TIMEOUT,
+                     hurry=lambda: _peer_failed(files, rank, world), grace=case.get("grace", 5.0))
     with open(f"{files}.exit{rank}.tmp", "w") as f:
         f.write(str(code))
     os.replace(f"{files}.exit{rank}.tmp", f"{files}.exit{rank}")
