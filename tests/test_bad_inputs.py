@@ -134,6 +134,21 @@ def test_huge_global_batch_plans(capsys):
     assert p.micro_batch_size * p.num_microbatches * p.dp == 99999999999
 
 
+@pytest.mark.parametrize("model,cluster,tp", [("gpt3-1.3b", "8xa100-80gb", 2),
+                                              ("gpt3-1.3b", "8xa100-80gb", 4),
+                                              ("llama2-7b", "8xh100-80gb", 2)])
+def test_plan_fix_tp_plans(capsys, tmp_path, model, cluster, tp):
+    """``--fix tp=N`` leaves pipeline depths where no layout of the per-layer search fits (fewer
+    than N devices per stage): an empty strategy list is costed as empty tables, not a
+    ``ValueError`` in the re-layout table (was: a traceback from ``cost/model.py``)."""
+    import json
+    out = tmp_path / "out"
+    rc = main(["plan", "--model", model, "--cluster", cluster, "--global-batch", "64",
+               "--fix", f"tp={tp}", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    assert json.loads((out / "plan.json").read_text())["tp"] == tp
+
+
 def test_divisors_match_the_definition():
     from ds_autoplan.search.space import divisors
     for n in list(range(1, 400)) + [2 ** 20, 3 ** 9 * 7, 99991]:

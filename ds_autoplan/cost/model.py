@@ -344,9 +344,11 @@ class CostModel:
         """R[type, s', s]: re-layout before each layer type (§2.5), activations only: an
         all-gather of ``frac`` of the micro-batch's boundary tensor over ``g`` ranks."""
         if strategies not in self._relayout:
-            shapes = [[self.relayout_shape(sp, s) for s in strategies] for sp in strategies]
-            self._relayout[strategies] = (np.array([[f for f, _ in r] for r in shapes]),
-                                          np.array([[g for _, g in r] for r in shapes]))
+            n = len(strategies)
+            shapes = [self.relayout_shape(sp, s) for sp in strategies for s in strategies]
+            # reshaped: an empty strategy list (a pipeline depth no allowed layout fits) is (0, 0)
+            self._relayout[strategies] = (np.array([f for f, _ in shapes], dtype=float).reshape(n, n),
+                                          np.array([g for _, g in shapes], dtype=int).reshape(n, n))
         frac, g = self._relayout[strategies]
         R = np.zeros((len(self.units), len(strategies), len(strategies)))
         a, c = np.nonzero(g > 1)
