@@ -176,6 +176,10 @@ def test_hardware_benchmark_gives_a_loadable_cluster_spec():
     cl = load_cluster(spec["cluster"])
     assert cl.gpus_per_node == 2 and cl.flops == pytest.approx(m["matmul_flops"])
     assert cl.p2p_GBps == pytest.approx(m["p2p"]["GBps"])
+    # the host side (issue 26): DeepSpeedCPUAdam's rate per core, the copy rate, memory, cores
+    assert m["cpu_adam"]["params_per_s"] > 0 and m["cpu_adam"]["threads"] == cl.cpu_cores
+    assert cl.cpu_adam_rate_per_core == pytest.approx(m["cpu_adam"]["per_core"])
+    assert cl.host_link_GBps > 0 and cl.host_memory_gb > 0 and cl.offload_missing() == []
 
 
 def test_cli_profile_writes_reuses_and_refuses(tmp_path, capsys):

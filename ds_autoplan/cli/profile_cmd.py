@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads on CPU")
     p.add_argument("--force", action="store_true", help="re-measure even if --out exists")
     p.add_argument("--hardware", metavar="CLUSTER_YAML",
-                   help="also benchmark matmul FLOP/s and collectives into this cluster spec")
+                   help="also benchmark matmul FLOP/s, collectives, the CPU optimizer (DeepSpeedCPUAdam) and the host-device copy into this cluster spec")
     p.add_argument("--world", type=int, default=2, help="processes for the collective benchmark")
     p.add_argument("--quick", action="store_true", help="small hardware benchmark")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
@@ -151,5 +151,9 @@ def run(args) -> int:
         c = spec["cluster"]
         print(f"wrote {args.hardware}: matmul {c['peak_tflops'] * 1e3:.1f} GFLOP/s, all-reduce "
               f"{c['intra_node_GBps']:.2f} GB/s, p2p {c['p2p_GBps']:.2f} GB/s "
-              f"({spec['measured']['backend']}, {args.world} processes)")
+              f"({spec['measured']['backend']}, {args.world} processes); host: "
+              + (f"CPU Adam {c['cpu_adam_rate_per_core'] / 1e6:.0f} M params/s per core x {c['cpu_cores']}"
+                 if c.get("cpu_adam_rate_per_core") else
+                 f"no CPU Adam rate ({spec['measured']['cpu_adam'].get('error', 'not measured')})")
+              + f", copy {c['host_link_GBps']:.1f} GB/s")
     return 0

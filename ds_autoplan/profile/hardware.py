@@ -66,6 +66,64 @@ def host_link_GBps(device: str | torch.device = "cpu", nbytes: int = 1 << 24,
     return {"d2h_GBps": rate(host, dev), "h2d_GBps": rate(dev, host), "bytes": nbytes}
 
 
+def cpu_adam_rate(n_params: int = 1 << 24, threads: int | None = None, repeats: int = 3,
+                  optimizer: str = "deepspeed") -> dict:
+    """Parameters per second of one CPU optimizer step over ``n_params`` fp32 parameters with
+    fp32 gradients and Adam moments (what ZeRO-Offload's CPU step updates: the rank's fp32
+    master partition, ``stage_1_and_2.py`` ``single_partition_of_fp32_groups``), on
+    ``threads`` threads (default torch's).  ``optimizer``: 'deepspeed' (DeepSpeed's
+    ``DeepSpeedCPUAdam``, AVX; builds its op on first use) or 'torch' (``torch.optim.AdamW``
+    with ``fused=True`` on CPU: Megatron-core's HybridDeviceOptimizer CPU optimizer).
+    Median of ``repeats`` after one warm-up step; ``per_core``: the rate over the threads."""
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        p = torch.nn.Parameter(torch.zeros(n_params, dtype=torch.float32))
+        p.grad = torch.full_like(p, 1e-3)
+        if optimizer == "deepspeed":
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            opt = DeepSpeedCPUAdam([p], lr=1e-4, adamw_mode=True)
+        elif optimizer == "torch":
+            opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+        else:
+            raise ValueError(f"optimizer must be 'deepspeed' or 'torch', got {optimizer!r}")
+        times = []
+        for r in range(repeats + 1):
+            t0 = time.perf_counter()
+            opt.step()
+            if r:
+                times.append(time.perf_counter() - t0)
+        n = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(old)
+    t = statistics.median(times)
+    return {"optimizer": optimizer, "params": n_params, "threads": n, "step_s": t,
+            "params_per_s": n_params / t, "per_core": n_params / t / n}
+
+
+def host_figures(device: str, world: int, quick: bool = False) -> dict:
+    """The host fields of one node (spec/cluster.py): memory, cores, the DeepSpeedCPUAdam rate
+    per core and the host<->device copy rate of one device.  The CPU optimizer is measured on
+    every core of this process (a rank's share when ``world`` ranks share the node is what the
+    cost model derives from it).  Where DeepSpeed's CPU Adam op cannot be built, its rate is
+    left out (the cluster then cannot offload, and says so)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    out = {"host_memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 2),
+           "cpu_cores": cores}
+    measured = {}
+    try:
+        r = cpu_adam_rate(1 << (22 if quick else 25), threads=cores, repeats=2 if quick else 3)
+        out["cpu_adam_rate_per_core"] = float(r["per_core"])
+        measured["cpu_adam"] = r
+    except Exception as e:          # no compiler / op build failure: named, not fatal
+        measured["cpu_adam"] = {"error": f"{type(e).__name__}: {e}"}
+    link = host_link_GBps(device, 1 << (22 if quick else 26), repeats=3 if quick else 10)
+    out["host_link_GBps"] = float(min(link["d2h_GBps"], link["h2d_GBps"]))
+    measured["host_link"] = link
+    return {"cluster": out, "measured": measured}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -175,7 +233,7 @@ def hardware_cluster_spec(world: int = 2, device: str | None = None, quick: bool
         mem = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
     else:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30 / world
-    link = host_link_GBps(device, 1 << (22 if quick else 26), repeats=3 if quick else 10)
+    host = host_figures(device, world, quick)
     ar, p2p = coll["all_reduce"], coll["p2p"]
     cluster = {"name": name or f"measured-{device}-{world}", "num_nodes": 1,
                "gpus_per_node": world, "memory_gb": round(mem, 2),
@@ -184,6 +242,6 @@ def hardware_cluster_spec(world: int = 2, device: str | None = None, quick: bool
                "peak_tflops": float(flops) / 1e12, "compute_efficiency": 1.0,
                "intra_node_GBps": ar["GBps"], "inter_node_GBps": ar["GBps"],
                "intra_latency_us": ar["alpha_us"], "inter_latency_us": ar["alpha_us"],
-               "p2p_GBps": p2p["GBps"], "overlap_slowdown": 1.3}
+               "p2p_GBps": p2p["GBps"], "overlap_slowdown": 1.3, **host["cluster"]}
     return {"cluster": cluster,
-            "measured": {"device": device, "matmul_flops": flops, "host_link": link, **coll}}
+            "measured": {"device": device, "matmul_flops": flops, **host["measured"], **coll}}

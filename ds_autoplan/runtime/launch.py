@@ -91,7 +91,8 @@ def prebuild_ops(env, *, adam: bool = False) -> None:
     """Build, once and in this process, the DeepSpeed CPU ops the ranks would JIT-build: the
     shared-memory comm op when they keep it (``DS_AUTOPLAN_SHM=1``, see
     :mod:`ds_autoplan.runtime.deepspeed.dist`) and, with ``adam``, the ``fused_adam`` op that a
-    config's ``"optimizer": {"type": "Adam"}`` loads.  A rank killed mid-build leaves a lock
+    config's ``"optimizer": {"type": "Adam"}`` loads and the ``cpu_adam`` op the same config loads
+    under ``offload_optimizer`` (DeepSpeedCPUAdam).  A rank killed mid-build leaves a lock
     every later run hangs on, so builds happen here, outside any kill timeout."""
     from ..env import env_flag
     if env_flag("DS_AUTOPLAN_SHM", env):
@@ -100,8 +101,9 @@ def prebuild_ops(env, *, adam: bool = False) -> None:
             build_shm_op()
     if adam:
         from deepspeed.accelerator import get_accelerator
-        with lock_watch("fused_adam"):
-            get_accelerator().create_op_builder("FusedAdamBuilder").load()
+        for op, builder in (("fused_adam", "FusedAdamBuilder"), ("cpu_adam", "CPUAdamBuilder")):
+            with lock_watch(op):
+                get_accelerator().create_op_builder(builder).load()
 
 
 @contextlib.contextmanager

@@ -1,4 +1,21 @@
-"""ClusterSpec: homogeneous nodes of identical devices (docs/planner.md §0, §1.4)."""
+"""ClusterSpec: homogeneous nodes of identical devices (docs/planner.md §0, §1.4), and the
+host side of each node that offloading uses (docs/offload.md §1).
+
+Host fields, all per node and all optional (a cluster without them cannot offload, and the
+planner says which are missing: :meth:`ClusterSpec.offload_missing`):
+
+* ``host_memory_gb`` -- host DRAM of one node (GB), shared by its ranks' pinned buffers;
+* ``cpu_cores`` -- physical CPU cores of one node, shared by its ranks' CPU optimizers;
+* ``cpu_adam_rate_per_core`` -- parameters per second one core updates with DeepSpeed's
+  ``DeepSpeedCPUAdam`` (AVX, bf16/fp16 model with fp32 states), as ``ds-autoplan profile
+  --hardware`` and ``bench/offload_cpu.py`` measure it;
+* ``host_memory_GBps`` -- the node's DRAM bandwidth (all sockets): the CPU step streams its
+  states through it, so it caps the cores' rate (``cost/offload.py`` CPU_ADAM_BYTES);
+* ``host_link_GBps`` -- one GPU's host<->device link, GB/s each way (pinned copies);
+* ``host_link_shared_by`` -- GPUs behind one such link (a PCIe switch's uplink to its CPU):
+  when all of them copy at once each gets ``host_link_GBps / host_link_shared_by``;
+* ``nvme_GBps``, ``nvme_gb`` -- the node's local NVMe (all drives): GB/s each way and GB.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -44,6 +61,15 @@ class ClusterSpec:
     p2p_GBps: float | None = None
     gpu: str | None = None              # GPU kind in ds_autoplan/data/gpus.yaml: shape-aware compute
     nic_GBps: float | None = None       # one GPU's own inter-node link (rail); default inter/gpus_per_node
+    # -- host side, per node (module docstring); None: unknown, so no offloading --
+    host_memory_gb: float | None = None
+    cpu_cores: int | None = None
+    cpu_adam_rate_per_core: float | None = None   # DeepSpeedCPUAdam parameters/s per core
+    host_memory_GBps: float | None = None
+    host_link_GBps: float | None = None           # per GPU, each way
+    host_link_shared_by: int = 1
+    nvme_GBps: float | None = None
+    nvme_gb: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -64,6 +90,20 @@ class ClusterSpec:
         """Achieved FLOP/s of one device on transformer matmuls where the GPU kind has no
         shape-aware model (cost/compute.py), and for profiled models."""
         return self.peak_tflops * 1e12 * self.compute_efficiency
+
+    def offload_missing(self, nvme: bool = False) -> list[str]:
+        """The host fields offloading needs that this cluster lacks (empty: it can offload;
+        ``nvme``: to NVMe too)."""
+        need = ["host_memory_gb", "cpu_cores", "cpu_adam_rate_per_core", "host_link_GBps"]
+        if nvme:
+            need += ["nvme_GBps", "nvme_gb"]
+        return [k for k in need if not getattr(self, k)]
+
+    def host_link_each_GBps(self, active: int | None = None) -> float:
+        """Host<->device GB/s (each way) of one GPU while ``active`` GPUs of its node copy at
+        once (default all): ``host_link_shared_by`` of them share one link."""
+        n = self.gpus_per_node if active is None else max(1, min(active, self.gpus_per_node))
+        return float(self.host_link_GBps or 0.0) / max(1, min(self.host_link_shared_by, n))
 
     def with_budget(self, budget_gb: float) -> "ClusterSpec":
         """Same cluster, memory capped at ``budget_gb`` (the papers' E = 8G/16G settings)."""
@@ -91,7 +131,15 @@ class ClusterSpec:
                 overlap_slowdown=need(d, "overlap_slowdown", float, src, 1.3),
                 p2p_GBps=float(d["p2p_GBps"]) if d.get("p2p_GBps") else None,
                 gpu=str(d["gpu"]) if d.get("gpu") else None,
-                nic_GBps=float(d["nic_GBps"]) if d.get("nic_GBps") else None)
+                nic_GBps=float(d["nic_GBps"]) if d.get("nic_GBps") else None,
+                host_memory_gb=_opt(d, "host_memory_gb", float, src),
+                cpu_cores=_opt(d, "cpu_cores", int, src),
+                cpu_adam_rate_per_core=_opt(d, "cpu_adam_rate_per_core", float, src),
+                host_memory_GBps=_opt(d, "host_memory_GBps", float, src),
+                host_link_GBps=_opt(d, "host_link_GBps", float, src),
+                host_link_shared_by=_opt(d, "host_link_shared_by", int, src) or 1,
+                nvme_GBps=_opt(d, "nvme_GBps", float, src),
+                nvme_gb=_opt(d, "nvme_gb", float, src))
         if c.reserve_gb < 0 or c.reserve_gb >= c.memory_gb:
             raise SpecError(f"{src}: reserve_gb must lie in [0, memory_gb)")
         if not 0 < c.compute_efficiency <= 1:
@@ -99,6 +147,20 @@ class ClusterSpec:
         if c.gpu:
             check_gpu(c.gpu)
         return c
+
+
+def _opt(d: dict, key: str, typ, src: str):
+    """An optional positive host figure (None where absent or null)."""
+    v = d.get(key)
+    if v is None:
+        return None
+    try:
+        x = typ(v)
+    except (TypeError, ValueError):
+        raise SpecError(f"{src}: {key} must be a number, got {v!r}") from None
+    if isinstance(v, bool) or not x > 0 or (typ is int and x != v):
+        raise SpecError(f"{src}: {key} must be a positive {'integer' if typ is int else 'number'}, got {v!r}")
+    return x
 
 
 def load_cluster(cluster: "str | ClusterSpec | dict", profile: str | None = None) -> ClusterSpec:

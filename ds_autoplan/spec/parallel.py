@@ -21,6 +21,85 @@ ZERO_STAGES = (0, 1, 2, 3)
 # DeepSpeed-Ulysses (all-to-all from sequence to head sharding, Jacobs et al. 2023 §3;
 # Megatron-core's --cp-comm-type a2a)
 CP_COMM = ("p2p", "a2a")
+OFFLOAD_DEVICES = ("cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class Offload:
+    """What a configuration keeps off the device (docs/offload.md §2).
+
+    ``optimizer``: the fraction of the rank's optimizer states (fp32 master, Adam moments, fp32
+    gradients) held -- and stepped -- by the host: 0 none, 1 all (ZeRO-Offload, Ren et al.
+    2021), in between DeepSpeed's ``offload_optimizer.ratio`` (ZeRO-Offload++ Twin-Flow, ZeRO-3
+    only) or Megatron-core's ``optimizer_offload_fraction``; ``params``: ZeRO-3's parameter
+    partitions on the host (ZeRO-Infinity ``offload_param``, Rajbhandari et al. 2021 §5);
+    ``device``: 'cpu' (host DRAM) or 'nvme' (ZeRO-Infinity's NVMe, through host buffers).
+
+    Text form (``--fix offload=...``, ``plan.json``): ``none``, ``opt``, ``opt:0.5``,
+    ``opt+param``, ``param``, with an optional ``nvme:`` prefix (``nvme:opt+param``)."""
+    optimizer: float = 0.0
+    params: bool = False
+    device: str = "cpu"
+
+    def __post_init__(self):
+        f = self.optimizer
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+            raise SpecError(f"offloaded optimizer fraction must lie in [0, 1], got {f!r}")
+        object.__setattr__(self, "optimizer", float(f))
+        if self.device not in OFFLOAD_DEVICES:
+            raise SpecError(f"offload device must be one of {', '.join(OFFLOAD_DEVICES)}, got {self.device!r}")
+        if self.device == "nvme" and not self.any:
+            raise SpecError("offload to nvme names nothing to offload (opt and/or param)")
+
+    @property
+    def any(self) -> bool:
+        """Something is offloaded."""
+        return self.optimizer > 0 or self.params
+
+    def text(self) -> str:
+        """The text form (:meth:`parse` reads it back)."""
+        if not self.any:
+            return "none"
+        parts = ([("opt" if self.optimizer == 1 else f"opt:{self.optimizer:g}")] if self.optimizer else []) + \
+            (["param"] if self.params else [])
+        return ("nvme:" if self.device == "nvme" else "") + "+".join(parts)
+
+    def label(self) -> str:
+        """Words for a plan line: what is offloaded where."""
+        if not self.any:
+            return "no offload"
+        what = [f"{'' if self.optimizer == 1 else f'{self.optimizer:.0%} of '}optimizer states"] if self.optimizer else []
+        what += ["parameters"] if self.params else []
+        return " + ".join(what) + (" on NVMe" if self.device == "nvme" else " on the host")
+
+    @classmethod
+    def parse(cls, text: "str | Offload | None") -> "Offload":
+        """:meth:`text`'s form back into an Offload (also 'false'/'0' for none)."""
+        if isinstance(text, Offload):
+            return text
+        t = str(text or "none").strip().lower()
+        if t in ("none", "no", "false", "0", "off", ""):
+            return cls()
+        device = "cpu"
+        if ":" in t and t.split(":", 1)[0] in OFFLOAD_DEVICES:
+            device, t = t.split(":", 1)
+        opt, params = 0.0, False
+        for item in t.split("+"):
+            k, _, v = item.strip().partition(":")
+            if k in ("opt", "optimizer"):
+                try:
+                    opt = float(v) if v else 1.0
+                except ValueError:
+                    raise SpecError(f"offload: optimizer fraction must be a number, got {v!r}") from None
+            elif k in ("param", "params", "parameters") and not v:
+                params = True
+            else:
+                raise SpecError(f"offload: unknown part {item!r}; write none, opt, opt:FRACTION, "
+                                f"opt+param or param, optionally after nvme:")
+        return cls(opt, params, device)
+
+
+NO_OFFLOAD = Offload()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +111,8 @@ class Parallel:
     stages) per pipeline rank; ``micro_batch``: samples per data-parallel rank per
     micro-batch; ``num_microbatches``: micro-batches per iteration (gradient accumulation);
     ``etp``: None means Megatron's default, the dense tensor-parallel degree; ``cp_comm``:
-    how context parallelism exchanges (:data:`CP_COMM`)."""
+    how context parallelism exchanges (:data:`CP_COMM`); ``offload``: what the device does not
+    hold (:class:`Offload`; with ZeRO 1-3, parameters with ZeRO-3 only)."""
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -45,6 +125,7 @@ class Parallel:
     chunks: int = 1
     micro_batch: int = 1
     num_microbatches: int = 1
+    offload: Offload = NO_OFFLOAD
 
     def __post_init__(self):
         if self.etp is None:
@@ -57,6 +138,13 @@ class Parallel:
             raise SpecError(f"cp_comm must be one of {', '.join(CP_COMM)}, got {self.cp_comm!r}")
         if self.zero not in ZERO_STAGES:
             raise SpecError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if not isinstance(self.offload, Offload):
+            object.__setattr__(self, "offload", Offload.parse(self.offload))
+        if self.offload.any and self.zero < 1:
+            raise SpecError("offloading needs ZeRO (stage 1-3): the engines offload the partitioned "
+                            "optimizer (DeepSpeed's ZeRO optimizers, Megatron's distributed optimizer)")
+        if self.offload.params and self.zero != 3:
+            raise SpecError("parameter offload needs ZeRO-3 (DeepSpeed's offload_param)")
         if (self.tp * self.cp * self.dp) % (self.ep * self.etp):
             raise SpecError(f"ep x etp = {self.ep} x {self.etp} must divide the tp x cp x dp = "
                             f"{self.tp * self.cp * self.dp} ranks of a pipeline stage")
@@ -97,4 +185,6 @@ class Parallel:
         return replace(self, **changes)
 
     def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Every field; the offload in its text form (JSON-able)."""
+        return {f.name: (getattr(self, f.name).text() if f.name == "offload" else getattr(self, f.name))
+                for f in fields(self)}
