@@ -52,6 +52,7 @@ class ConfigCost:
     per_microbatch: float = 0.0
     bubble: float = 0.0
     tail: float = 0.0
+    host: float = 0.0                              # host bytes of the busiest node (offload)
 
 
 def split_layers(L: int, S: int, embedding: bool = False, loss: bool = False) -> list[int]:
@@ -100,6 +101,10 @@ def config_cost(cm: CostModel, cfg: Config, budget: float | None = None,
     --pipeline-model-parallel-layout; a stage may hold only the embedding or only the head);
     default :func:`split_layers`."""
     s = cfg.strategy()
+    why = cm.offload_refusal(s, cfg.pp)
+    if why:
+        from ..spec import SpecError
+        raise SpecError(f"offload {cfg.offload.text()} with ZeRO-{cfg.zero}: {why}")
     B_m = cfg.batch_per_microbatch
     tab = cm.tables([s], B_m)
     seq = np.concatenate([[0], cm.block_types, [1]])
@@ -112,12 +117,12 @@ def config_cost(cm: CostModel, cfg: Config, budget: float | None = None,
         raise SpecError(f"layer layout {nblk} must give {S} stages (pp {P} x chunks {v}) "
                         f"{L} blocks in all, a block in every stage between the first and the last")
     col = lambda a: a[seq, 0]   # noqa: E731
-    fwd, bwd_ns, sync, f1, ob, ms, p2p, kept = (col(tab.fwd), col(tab.bwd_ns), col(tab.bwd - tab.bwd_ns),
-                                                 col(tab.f1), col(tab.ob), col(tab.ms), col(tab.p2p),
-                                                 col(tab.kept))
+    fwd, bwd_ns, sync, f1, ob, ms, p2p, kept, hb = (col(tab.fwd), col(tab.bwd_ns), col(tab.bwd - tab.bwd_ns),
+                                                     col(tab.f1), col(tab.ob), col(tab.ms), col(tab.p2p),
+                                                     col(tab.kept), col(tab.host))
     work, tail, peak = np.zeros(P), np.zeros(P), np.zeros(P)
     f_r, b_r, x_r = np.zeros(P), np.zeros(P), np.zeros(P)
-    act, trans = np.zeros(S), np.zeros(P)
+    act, trans, host = np.zeros(S), np.zeros(P), np.zeros(P)
     lo = 0
     for c, n in enumerate(nblk):
         hi = lo + n + (1 if c == 0 else 0) + (1 if c == S - 1 else 0)
@@ -129,6 +134,7 @@ def config_cost(cm: CostModel, cfg: Config, budget: float | None = None,
         x_r[r] = p2p[hi - 1] if c < S - 1 else 0.0
         tail[r] += sync[sl].sum()
         peak[r] += ms[sl].sum()
+        host[r] += hb[sl].sum()
         act[c] = f1[sl].sum() + (kept[hi - 1] if c < S - 1 else 0.0)   # + the output kept
         trans[r] = max(trans[r], float(ob[sl].max()))
         lo = hi
@@ -149,4 +155,11 @@ def config_cost(cm: CostModel, cfg: Config, budget: float | None = None,
     else:
         T = m * t_mb + bubble + float(tail.max())
     E = budget if budget is not None else cm.cluster.budget_bytes
-    return ConfigCost(T, list(peak), bool(np.all(peak <= E)), t_mb, bubble, float(tail.max()))
+    fits = bool(np.all(peak <= E))
+    node_host = 0.0
+    if cfg.offload.any:
+        from .offload import host_budget_bytes, host_cap, node_host_bytes
+        host = np.minimum(host, host_cap(cfg.offload, 4.0 if cm.precision == "fp32" else 2.0))
+        node_host = node_host_bytes(host, cfg.stage_ranks, cm.cluster)
+        fits = fits and node_host <= host_budget_bytes(cm.cluster)
+    return ConfigCost(T, list(peak), fits, t_mb, bubble, float(tail.max()), node_host)

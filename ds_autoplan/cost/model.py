@@ -17,6 +17,8 @@ from .collectives import Network
 from .compute import Dims, UnitTimes, attention_score_bytes, get_gpu, unit_times
 from .engines import UNFUSED_DISPATCH_BYTES, Execution, get_execution, grad_bytes
 from .memory import RUNTIMES, local_optimizer_fraction, state_bytes
+from . import offload as ofl
+from ..spec.parallel import NO_OFFLOAD, Offload
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 # router load imbalance: tokens the busiest expert-parallel rank receives over the mean
@@ -40,12 +42,14 @@ class Strategy(NamedTuple):
     etp: int = 0             # expert tensor parallelism (0: = tp, Megatron's default)
     cp: int = 1              # context parallelism: the sequence split over cp ranks
     cp_comm: str = "p2p"     # p2p: ring attention (Megatron); a2a: Ulysses (DeepSpeed)
+    offload: Offload = NO_OFFLOAD   # what the device does not hold (cost/offload.py)
 
     @classmethod
     def of(cls, par: Parallel, *, ckpt: bool = False, sel: bool = False) -> "Strategy":
         """The intra-stage strategy of a uniform configuration ``par`` (every layer alike)."""
         return cls(tp=par.tp, dp=par.dp, zero=par.zero, ckpt=ckpt, sp=par.sequence_parallel, sel=sel,
-                   ep=par.ep, etp=0 if par.etp == par.tp else par.etp, cp=par.cp, cp_comm=par.cp_comm)
+                   ep=par.ep, etp=0 if par.etp == par.tp else par.etp, cp=par.cp, cp_comm=par.cp_comm,
+                   offload=par.offload)
 
     @property
     def n(self) -> int:
@@ -78,7 +82,8 @@ class Strategy(NamedTuple):
         s += (f"+CP{self.cp}" + ("(a2a)" if self.cp_comm == "a2a" else "") if self.cp > 1 else "") + \
             (f"+EP{self.ep}" if self.ep > 1 else "") + (f"/ETP{self.etp}" if self.ep > 1 and self.expert_tp != self.tp else "")
         return s + ("+SP" if self.sp and self.tp > 1 else "") + ("+CKPT" if self.ckpt else
-                                                                 "+SEL" if self.sel else "")
+                                                                 "+SEL" if self.sel else "") + \
+            (f"+OFF({self.offload.text()})" if self.offload.any else "")
 
     def tp_stride(self) -> int:
         """Rank distance between members of a TP group (docs/planner.md §1.4)."""
@@ -110,6 +115,7 @@ class LayerTables:
     allowed: np.ndarray  # [T, S] bool
     kept: np.ndarray = None   # bytes of this layer's output the engine keeps per in-flight
     #                           micro-batch when it ends a pipeline stage (DeepSpeed)
+    host: np.ndarray = None   # host bytes per rank of the offloaded states (cost/offload.py)
 
     @property
     def c(self) -> np.ndarray:
@@ -159,6 +165,7 @@ class CostModel:
             self.gpu = self.gpu.with_attention(ex.attention)
         self.dims = Dims.of(model) if self.gpu is not None else None
         self.net = Network(cluster)
+        self._rates = ofl.HostRates.of(cluster)        # None: the cluster cannot offload
         self.gamma = cluster.overlap_slowdown
         if not moe_imbalance >= 1.0:
             raise SpecError(f"moe_imbalance must be >= 1 (tokens of the busiest expert rank over "
@@ -192,7 +199,7 @@ class CostModel:
         ab = ACT_SCALE[self.precision]
         T, S = len(self.units), len(strategies)
         shape = (T, S)
-        ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, kept = (np.zeros(shape) for _ in range(9))
+        ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, kept, host = (np.zeros(shape) for _ in range(10))
         allowed = np.ones(shape, dtype=bool)
         R = np.zeros((T, S, S))
         net, ex = self.net, self.execution
@@ -214,6 +221,13 @@ class CostModel:
             opt_share = local_optimizer_fraction(z, dd, self.precision, self.runtime)
             pe, ge, oe = state_bytes(self.precision, z, ed, self.runtime, ex.grad_bytes, ex.master_remainders)
             opt_e = local_optimizer_fraction(z, ed, self.precision, self.runtime)
+            off = self.offload_terms(s, dd, ed) if s.offload.any else None
+            if off is not None:
+                if off[0] is None:
+                    allowed[:, j] = False
+                    continue
+                (pb, gb, obytes), (pe, ge, oe) = off[0].device, off[1].device
+                opt_share, opt_e = off[0].gpu * dd, off[1].gpu * ed
             # sequence parallelism (Korthikanti et al. 2022 §4.2.2): the activations TP keeps
             # replicated (LayerNorm/dropout inputs, residuals), the layer input kept by CKPT and
             # the pipeline send ([s/t, b, h]) are split along the sequence over the t ranks
@@ -228,6 +242,8 @@ class CostModel:
                 if s.ckpt and not u.checkpointable:
                     allowed[i, j] = False
                 ms[i, j] = W * (pb + gb + obytes) + Wx * (pe + ge + oe)
+                if off is not None:
+                    host[i, j] = W * off[0].host + Wx * off[1].host
                 f1[i, j] = bc * (x if ck else act)
                 k = self.unit_times(u, bc, t, s.sp, ep, etp)
                 c_f, c_b, buf = self.parallel_comm(u, s, bc, ab)
@@ -242,6 +258,10 @@ class CostModel:
                 # forward with Megatron's --overlap-param-gather); the Adam step itself streams
                 # the rank's optimizer shard through HBM (memory-bound)
                 tail = gather + self.step_time(W * opt_share + Wx * opt_e)
+                hide = 0.0
+                if off is not None:      # host step, copies and fetches (cost/offload.py)
+                    (hide, tail_o), (mf, mb) = self._offload_times(off, W, Wx, tail - gather)
+                    tail, g_f, g_b = gather + tail_o, g_f + mf, g_b + mb
                 k_comp = k.bwd + (k.fwd + c_f if ck else k.attn if sel else 0.0)   # recompute replays
                 # Megatron overlaps the backward TP all-reduce of the column-parallel input
                 # gradient with their weight-gradient GEMMs; CKPT repeats the forward's
@@ -253,6 +273,9 @@ class CostModel:
                 bwd_ns[i, j] = base
                 bwd[i, j] = (self.ov(k_comp, g_sync + g_b) + k_tp + c_b if self.overlap_grad_reduce
                              else base + g_sync) + tail
+                if hide:     # the boundary gradient copy follows each reduction: in backward
+                    #          hooks with ZeRO-2/3, after the backward with ZeRO-1
+                    bwd[i, j] += self.ov(k_comp, g_b + hide) - self.ov(k_comp, g_b) if z >= 2 else hide
                 wg[i, j] = k.wgrad
                 p2p[i, j] = self.p2p_time(bc * u.boundary * ab, t, q, s)
                 # DeepSpeed's PipelineEngine keeps each in-flight micro-batch's stage output
@@ -260,9 +283,64 @@ class CostModel:
                 # once sent (deallocate_pipeline_outputs, set by its training arguments)
                 kept[i, j] = bc * u.boundary * ab if self.runtime != "megatron" else 0.0
         R = self._relayout_times(tuple(strategies), B_m, ab)
-        res = LayerTables(list(strategies), ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, R, allowed, kept)
+        res = LayerTables(list(strategies), ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, R, allowed, kept, host)
         self._cache[key] = res
         return res
+
+    def offload_engines(self, zero: int) -> tuple:
+        """The engines whose offloading a plan at ZeRO stage ``zero`` must fit: the runtime's,
+        or for 'any' both where both run the stage (ZeRO-1), DeepSpeed's above it."""
+        if self.runtime != "any":
+            return (self.runtime,)
+        return ofl.ENGINES if zero == 1 else ("deepspeed",)
+
+    def offload_refusal(self, s: Strategy, pp: int = 1) -> str | None:
+        """Why strategy ``s`` (in a pipeline of ``pp`` stages) cannot offload here: the
+        cluster's missing host figures or the engine that cannot run it (None: it can)."""
+        if not s.offload.any:
+            return None
+        missing = self.cluster.offload_missing(nvme=s.offload.device == "nvme")
+        if missing:
+            return (f"cluster {self.cluster.name!r} has no host figures to offload with "
+                    f"(missing {', '.join(missing)}; `ds-autoplan profile --hardware` measures them)")
+        for e in self.offload_engines(s.zero):
+            why = ofl.check(e, s.zero, s.offload, pp)
+            if why:
+                return f"{e}: {why}"
+        return None
+
+    def offload_terms(self, s: Strategy, dd: int, ed: int):
+        """(dense, expert) :class:`~cost.offload.OffloadTerms` of strategy ``s`` over the
+        data groups ``dd`` / ``ed``: the larger of the engines' (:meth:`offload_engines`);
+        (None, None) where the cluster lacks host figures or an engine cannot run it."""
+        if self.offload_refusal(s):
+            return None, None
+        eng = self.offload_engines(s.zero)
+        gbytes = self.execution.grad_bytes
+        out = []
+        for d in (dd, ed):
+            ts = [ofl.terms(e, self.precision, s.zero, d, s.offload, gbytes) for e in eng]
+            out.append(max(ts, key=lambda t: sum(t.device)) if len(ts) > 1 else ts[0])
+            if len(ts) > 1:     # memory of the larger, host and transfers of the heavier
+                other = ts[0] if out[-1] is ts[1] else ts[1]
+                out[-1] = ofl.OffloadTerms(**{**out[-1].__dict__, **{
+                    k: max(getattr(out[-1], k), getattr(other, k)) for k in
+                    ("host", "d2h", "d2h_step", "h2d", "accum", "fetch")},
+                    "concurrent": False, "overlap_copies": False, "torch_cpu": True})
+        return tuple(out)
+
+    def _offload_times(self, off, W: float, Wx: float, gpu_step: float):
+        """((seconds beside the last backward, seconds after it), (forward, backward seconds per
+        micro-batch)) of the offload ``off`` (dense, expert terms) for ``W`` dense and ``Wx``
+        expert parameters on a rank; ``gpu_step``: the device's share of the step."""
+        hide = after = mf = mb = 0.0
+        for t, n in zip(off, (W, Wx)):
+            if n <= 0:
+                continue
+            h, a = ofl.step_times(t, n, self._rates, gpu_step * n / (W + Wx))
+            f, b = ofl.microbatch_times(t, n, self._rates)
+            hide, after, mf, mb = hide + h, after + a, mf + f, mb + b
+        return (hide, after), (mf, mb)
 
     def _data_comm(self, X: float, Xg: float, d: int, stride: int, z: int) -> tuple:
         """(forward all-gather, backward collectives, gradient sync, post-step all-gather)
