@@ -22,7 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 TIMING = ("search_time_s", "search_phases_s")
 # fields added to plan.json after the reference: their values in a plan of the old space
-NEW_DEFAULTS = {"ep": 1, "cp": 1, "cp_comm": "p2p"}
+NEW_DEFAULTS = {"ep": 1, "cp": 1, "cp_comm": "p2p", "offload": "none", "host_memory_gb_per_node": 0.0}
+# rows added after the reference that a plan of the old space does not depend on: the
+# offload baseline of clusters with host figures (issue 26)
+NEW_ROWS = ("ZeRO-3 + full offload",)
 # a costed published configuration, as compared
 CONFIG_KEYS = ("tp", "pp", "dp", "micro_batch", "num_microbatches", "zero", "recompute", "sp",
                "chunks")
@@ -38,7 +41,8 @@ def _clean(d):
 
 def _new_default(k, v, d: dict) -> bool:
     """A key newer than the reference at its old meaning (no expert/context parallelism)."""
-    return NEW_DEFAULTS.get(k, object()) == v or k == "etp" and v == d.get("tp")
+    return NEW_DEFAULTS.get(k, object()) == v or k == "etp" and v == d.get("tp") or k in NEW_ROWS or \
+        k == "offload" and isinstance(v, dict) and v.get("what") == "none"
 
 
 def _plan_record(plan) -> dict:

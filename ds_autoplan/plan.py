@@ -23,7 +23,7 @@ from typing import Any
 
 from .errors import PlanError
 from .spec import SpecError
-from .spec.parallel import Parallel
+from .spec.parallel import Offload, Parallel
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -55,6 +55,7 @@ class Plan:
     etp: int = 0                         # expert tensor parallelism; 0: Megatron's default (= tp)
     cp: int = 1                          # context parallelism
     cp_comm: str = "p2p"                 # p2p: Megatron ring attention; a2a: Ulysses all-to-all
+    offload: str = "none"                # spec.parallel.Offload's text form (absent in old plan files)
     # per-layer strategies of the wide (Galvatron) search: list of dicts
     # {"tp": int, "dp": int, "sdp": bool, "ckpt": bool} (one per model layer)
     layer_strategies: list = field(default_factory=list)
@@ -149,6 +150,7 @@ class Plan:
         """The plan's degrees and batch split (chunks: schedule stages per pipeline rank)."""
         return Parallel(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, etp=self.etp, cp=self.cp,
                         cp_comm=self.cp_comm, zero=self.zero_stage, sp=bool(self.sequence_parallel),
+                        offload=Offload.parse(self.offload),
                         chunks=max(1, len(self.layers_per_stage) // self.pp),
                         micro_batch=self.micro_batch_size, num_microbatches=self.num_microbatches)
 
@@ -158,6 +160,7 @@ class Plan:
         the schedule's (``layers_per_stage`` and ``schedule_options``)."""
         return {"pp": par.pp, "tp": par.tp, "dp": par.dp, "ep": par.ep, "etp": par.etp,
                 "cp": par.cp, "cp_comm": par.cp_comm, "zero_stage": par.zero, "sequence_parallel": par.sp,
+                "offload": par.offload.text(),
                 "micro_batch_size": par.micro_batch, "num_microbatches": par.num_microbatches}
 
     def build_schedule(self):

@@ -97,3 +97,96 @@ def test_partial_offload_sits_between_none_and_full():
             for o in ("none", "opt:0.25", "opt:0.5", "opt")]
     peaks, tails = [r.peak[0] for r in runs], [r.tail for r in runs]
     assert peaks == sorted(peaks, reverse=True) and tails == sorted(tails)
+
+
+# ---- the search dimension, the plan and the emitted configs ----
+from ds_autoplan.cli import main                                   # noqa: E402
+from ds_autoplan.emit.deepspeed import ds_config, user_config, validate   # noqa: E402
+from ds_autoplan.emit.megatron import NotExpressible, megatron_args       # noqa: E402
+from ds_autoplan.plan import Plan                                  # noqa: E402
+from ds_autoplan.search.planner import search                      # noqa: E402
+
+
+@pytest.mark.parametrize("model,cluster,batch", [("llama2-70b", "8xa100-80gb", 64),
+                                                 ("llama2-7b", "1xa100-80gb", 32),
+                                                 ("llama2-13b", "1xa100-40gb", 32)])
+def test_plan_fits_device_and_host_beyond_gpu_memory(model, cluster, batch, tmp_path, capsys):
+    """Issue 26's cases: each only fits by offloading; the plan prints both peaks and its
+    ds_config.json passes DeepSpeed's validation."""
+    assert main(["plan", "--model", model, "--cluster", cluster, "--global-batch", str(batch),
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    plan = Plan.load(tmp_path / "plan.json")
+    pr, off = plan.predicted, plan.predicted["offload"]
+    assert plan.parallel.offload.any and off["what"] == plan.offload
+    assert max(pr["peak_memory_gb_per_stage"]) <= pr["memory_budget_gb"]
+    assert 0 < off["host_memory_gb_per_node"] <= off["host_budget_gb_per_node"] and off["step_s"] > 0
+    assert f"peak memory {max(pr['peak_memory_gb_per_stage']):.2f} GB" in out
+    assert f"host memory {off['host_memory_gb_per_node']:.1f} GB" in out
+    cfg = ds_config(plan)
+    validate(cfg, plan)
+    zo = cfg["zero_optimization"]
+    assert zo["offload_optimizer"]["device"] == "cpu" and zo["stage"] == plan.zero_stage >= 1
+    assert "ZeRO-3 + full offload" in (tmp_path / "report.md").read_text()
+
+
+def test_partial_offload_beats_none_and_full_and_the_search_finds_it():
+    """LLaMA-2 7B on one device of 125 GB with a DGX A100 host: without offload every state fits
+    only with recomputation at micro-batch 1; offloading half the optimizer (ZeRO-3, Twin-Flow
+    ratio 0.5) buys micro-batch 2 without recomputation; the whole optimizer on the host buys
+    more memory than that needs and pays the host step for all of it."""
+    cl = {**load_cluster("1xa100-80gb").__dict__, "memory_gb": 125}
+    kw = dict(wide=False, baselines=False, runtime="deepspeed", execution="deepspeed")
+    t = {o: search("llama2-7b", cl, 16, fix=f"offload={o}", **kw).plan for o in ("none", "opt:0.5", "opt")}
+    assert t["opt:0.5"].predicted["iteration_time_s"] < min(t["none"].predicted["iteration_time_s"],
+                                                             t["opt"].predicted["iteration_time_s"])
+    assert sum(t["none"].recompute_per_stage) > 0 and sum(t["opt:0.5"].recompute_per_stage) == 0
+    free = search("llama2-7b", cl, 16, **kw).plan
+    assert free.offload == "opt:0.5" and free.zero_stage == 3
+    cfg = ds_config(free)
+    validate(cfg, free)
+    zo = cfg["zero_optimization"]
+    assert zo["offload_optimizer"]["ratio"] == 0.5 and zo["sub_group_size"] * 20 >= 6.7e9 * 0.99
+
+
+def test_fits_without_offload_offloads_nothing_and_bare_clusters_say_why(capsys):
+    p = search("gpt3-1.3b", "8xa100-80gb", 512, wide=False).plan
+    assert p.offload == "none" and p.predicted["offload"]["why"] == "fits and runs fastest without"
+    assert "offload_optimizer" not in ds_config(p)["zero_optimization"]
+    with pytest.raises(SpecError, match="no host figures.*missing host_memory_gb"):
+        search("gpt3-1.3b", "64xa100-40gb", 512, wide=False, fix="offload=opt,zero=1")
+    # a user's offload the plan does not make is removed from the merged config, by name
+    cfg, changes = user_config(p, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    assert "offload_optimizer" not in cfg["zero_optimization"] and any("removed" in c for c in changes)
+
+
+def test_megatron_offload_flags_and_refusal(tmp_path):
+    """Megatron-LM's flags for the HybridDeviceOptimizer, accepted by Megatron-LM's own parser
+    and argument checks (it asks for the precision-aware and the distributed optimizer beside
+    them); a ZeRO-3 offload is DeepSpeed's only."""
+    import os
+
+    from harness.megatron_args import CLIENT, argcheck
+    p = search("llama2-70b", "8xa100-80gb", 64, wide=False, runtime="megatron").plan
+    assert p.zero_stage == 1 and p.parallel.offload.optimizer > 0
+    a = megatron_args(p)
+    assert "--optimizer-cpu-offload" in a and "--use-precision-aware-optimizer" in a
+    assert f"--optimizer-offload-fraction {p.parallel.offload.optimizer:g}" in a
+    if os.path.isdir(CLIENT):
+        m = load_model("llama2-70b")
+        flags = " ".join(a).split() + ["--mock-data", "--tokenizer-type", "NullTokenizer",
+                                       "--vocab-size", str(m.vocab)]
+        out = argcheck(tmp_path, [flags], 8)
+        assert out[0]["ok"] and out[0]["dp"] == p.dp, out
+    z3 = Plan(zero_stage=3, dp=8, offload="opt:0.5", global_batch_size=8)
+    with pytest.raises(NotExpressible, match="Megatron offloads its distributed optimizer"):
+        megatron_args(z3)
+
+
+def test_cost_config_takes_offload(capsys):
+    assert main(["cost", "--model", "llama2-7b", "--cluster", "1xa100-80gb", "--global-batch", "32",
+                 "--config", "zero=2,offload=opt,recompute=full", "--json"]) == 0
+    import json
+    out = json.loads(capsys.readouterr().out)
+    assert out["yours"]["offload"] == "opt" and out["yours"]["zero_stage"] == 2
+    assert out["yours"]["host_memory_gb_per_node"] > 100

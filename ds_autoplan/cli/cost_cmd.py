@@ -62,7 +62,8 @@ def run(args) -> int:
         print(f"{label:<19}: {describe(s)}")
         print(f"{'':<21}predicted {s['iteration_time_s']:.4g} s/iteration, "
               f"{s['throughput_tokens_per_s']:.6g} tokens/s, MFU {s['mfu']:.1%}, peak memory "
-              f"{max(s['peak_memory_gb']):.2f} GB / {s['memory_budget_gb']:.1f} GB")
+              f"{max(s['peak_memory_gb']):.2f} GB / {s['memory_budget_gb']:.1f} GB"
+              + (f", host {s['host_memory_gb_per_node']:.1f} GB per node" if s.get("offload", "none") != "none" else ""))
         print(f"{'':<21}{band_text(s['error_band'])}")
     if mine is not None:
         x = out["speedup"]

@@ -122,6 +122,16 @@ def summary(plan, model=None) -> dict:
             "wide_gain": pr.get("wide_gain")}
 
 
+def offload_line(o: dict | None) -> str:
+    """One line: what the plan offloads, the host memory of its busiest node and the seconds
+    per iteration it costs; or why nothing is offloaded."""
+    if not o or o.get("what", "none") == "none":
+        return f"offload: none ({(o or {}).get('why', 'not considered')})"
+    return (f"offload: {o['label']}; host memory {o['host_memory_gb_per_node']:.1f} GB / "
+            f"{o['host_budget_gb_per_node']:.0f} GB per node; +{o['step_s']:.3g} s per iteration "
+            "(host step, copies)")
+
+
 def seq_line(plan, model, seq_arg) -> str:
     """The sequence length planned for, and where it came from."""
     if seq_arg is not None:
@@ -207,6 +217,7 @@ def _report(res, args) -> int:
               f"{pr['throughput_tokens_per_s']:.6g} tokens/s, MFU {pr['mfu']:.1%}, "
               f"peak memory {max(pr['peak_memory_gb_per_stage']):.2f} GB / {pr['memory_budget_gb']:.1f} GB"
               f" (headroom {pr['memory_headroom_gb']:.1f} GB kept free, {pr['memory_runtime']} accounting)")
+        print(offload_line(pr.get("offload")))
         from ..cost.engines import band_text
         print(f"execution model {pr['execution']}: {band_text(pr.get('error_band'))}")
         if pr.get("ratio_vs_best_baseline"):

@@ -46,7 +46,51 @@ def ds_config(plan: Plan) -> dict:
         cfg["sequence_parallel_size"] = par.cp
     if par.zero >= 1:
         cfg["zero_optimization"].update({"overlap_comm": True, "contiguous_gradients": True})
+    if par.offload.any:
+        cfg["zero_optimization"].update(offload_section(plan))
     return cfg
+
+
+# where an NVMe offload swaps to: DeepSpeed needs a path on the node's local NVMe (the
+# ZeRO-Infinity tutorial's example); the report tells the user to set it
+NVME_PATH = "/local_nvme"
+# sub-groups a ZeRO-3 partition is split into when only a ratio of it is offloaded: DeepSpeed
+# 0.19.8 offloads the sub-groups i >= int((1 - ratio) n) (stage3.py), so n sets the step of the
+# ratio (1/20: 5%) [decision]
+RATIO_SUB_GROUPS = 20
+
+
+def offload_section(plan: Plan) -> dict:
+    """The ``zero_optimization`` keys of the plan's offload (docs/offload.md §4): the optimizer
+    (``device``, pinned buffers, Twin-Flow's ``ratio`` with a ``sub_group_size`` that makes it
+    apply) and ZeRO-3's parameters (``offload_param``); NVMe through :data:`NVME_PATH`."""
+    off = plan.parallel.offload
+    out = {}
+    where = {"device": off.device, "pin_memory": True}
+    if off.device == "nvme":
+        where["nvme_path"] = NVME_PATH
+    if off.optimizer:
+        out["offload_optimizer"] = dict(where)
+        if off.optimizer < 1:
+            out["offload_optimizer"]["ratio"] = off.optimizer
+            n = _partition_params(plan)
+            if n:
+                out["sub_group_size"] = max(1, -(-n // RATIO_SUB_GROUPS))
+    if off.params:
+        out["offload_param"] = dict(where)
+    return out
+
+
+def _partition_params(plan: Plan) -> int:
+    """Parameters of one rank's ZeRO partition (the model's total over tp x pp x dp; 0 where
+    the model is not a preset)."""
+    from ..spec import SpecError
+    from ..spec.model import load_model
+    try:
+        m = load_model(plan.model, plan.seq_len or None)
+    except (SpecError, OSError):
+        return 0
+    return int(m.total_params // (plan.tp * plan.pp * plan.dp))
 
 
 # what a plan decides in a DeepSpeed config: parallelism, batch, schedule (dotted paths)
@@ -55,7 +99,8 @@ def ds_config(plan: Plan) -> dict:
 MERGED_CONFIG = "ds_config.autoplan.json"
 
 PLAN_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-             "zero_optimization.stage", "pipeline.activation_checkpoint_interval", "pipeline.stages",
+             "zero_optimization.stage", "zero_optimization.offload_optimizer", "zero_optimization.offload_param",
+             "zero_optimization.sub_group_size", "pipeline.activation_checkpoint_interval", "pipeline.stages",
              "pipeline.partition", "pipeline.autoplan")
 _MISSING = object()
 
@@ -83,6 +128,12 @@ def user_config(plan: Plan, user: dict) -> tuple[dict, list[str]]:
                 dst[k] = {}
             dst = dst[k]
         old = dst.get(leaf, _MISSING)
+        if leaf not in src:           # a key the plan leaves out: an offload it does not make is
+            #                           not the user's either; a sub-group size stays theirs
+            if old is not _MISSING and leaf.startswith("offload_"):
+                changes.append(f"{key}: {old!r} -> removed (the plan does not set it)")
+                del dst[leaf]
+            continue
         if old is not _MISSING and old != src[leaf]:
             changes.append(f"{key}: {old!r} -> {src[leaf]!r}")
         dst[leaf] = copy.deepcopy(src[leaf])

@@ -89,6 +89,14 @@ def report_files(res) -> dict:
     if pred.get("execution"):
         from ..cost.engines import band_text
         w(f" Execution model: {pred['execution']}; {band_text(pred.get('error_band'))}.")
+    off = pred.get("offload") or {}
+    if off.get("what", "none") != "none":
+        w(f"\nOffload: **{off['label']}** (DeepSpeed `offload_optimizer` / `offload_param`, Megatron "
+          f"`--optimizer-cpu-offload`); host memory {off['host_memory_gb_per_node']:.1f} GB of "
+          f"{off['host_budget_gb_per_node']:.0f} GB usable per node; it adds {off['step_s']:.3g} s "
+          "per iteration (host optimizer step, host-device copies; docs/offload.md).")
+    elif off.get("why"):
+        w(f"\nOffload: none ({off['why']}).")
     w("\n## Layers, recompute and memory per stage\n")
     w("| stage | layers | recomputed fraction |")
     w("|---|---|---|")
@@ -105,14 +113,14 @@ def report_files(res) -> dict:
         for a, b, lab in _groups(plan.layer_strategies):
             w(f"| {a}-{b} | {lab} |")
     w("\n## Baselines (same cost model)\n")
-    w("| baseline | pp | tp | SP | dp | ZeRO | schedule | micro-batches | tokens/s | plan / baseline |")
-    w("|---|---|---|---|---|---|---|---|---|---|")
+    w("| baseline | pp | tp | SP | dp | ZeRO | offload | schedule | micro-batches | tokens/s | plan / baseline |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, b in pred["baselines"].items():
         if b is None or not b["iteration_time_s"]:
-            w(f"| {name} | - | - | - | - | - | - | - | OOM | - |")
+            w(f"| {name} | - | - | - | - | - | - | - | - | OOM | - |")
             continue
         w(f"| {name} | {b['pp']} | {b['tp']} | {_sp(b.get('sequence_parallel'))} | {b['dp']} | "
-          f"{b['zero_stage']} | {b['schedule']} | "
+          f"{b['zero_stage']} | {b.get('offload', 'none')} | {b['schedule']} | "
           f"{b['num_microbatches']} | {b['throughput_tokens_per_s']:.6g} | "
           f"{pred['throughput_tokens_per_s'] / b['throughput_tokens_per_s']:.3f} |")
     wide = pred.get("wide") or {}

@@ -7,7 +7,7 @@ from ..spec import SpecError
 RECOMPUTE = {"auto": "dp", "none": "none", "full": "full", "selective": "selective"}
 SP = {"on": "on", "off": "off", "auto": "auto", "true": "on", "false": "off", "1": "on", "0": "off"}
 INT_KEYS = {"tp", "pp", "dp", "mbs", "zero", "v", "ep", "etp", "cp"}
-KEYS = INT_KEYS | {"schedule", "recompute", "sp", "cp_comm"}
+KEYS = INT_KEYS | {"schedule", "recompute", "sp", "cp_comm", "offload"}
 ALIASES = {"micro_batch_size": "mbs", "micro-batch": "mbs", "zero_stage": "zero", "chunks": "v",
            "sequence_parallel": "sp", "cp-comm": "cp_comm", "cp_comm_type": "cp_comm"}
 CP_COMM = ("p2p", "a2a")
@@ -16,7 +16,8 @@ CP_COMM = ("p2p", "a2a")
 def parse_fix(text: str | dict | None) -> dict:
     """``'tp=8,pp=8,mbs=1,zero=1,schedule=interleaved,v=3,recompute=full,sp=on'`` -> dict;
     also ``ep`` (expert parallelism), ``etp`` (expert TP), ``cp`` (context parallelism) and
-    ``cp_comm`` (p2p: ring attention; a2a: Ulysses).
+    ``cp_comm`` (p2p: ring attention; a2a: Ulysses) and ``offload`` (spec.parallel.Offload's text:
+    none, opt, opt:0.5, opt+param, nvme:opt+param).
     recompute: auto (the planner's per-stage choice), none, full (every block, even split into
     the schedule's stages, as Megatron's --recompute-granularity full), selective (the attention core of every
     layer, Megatron's --recompute-granularity selective)."""
@@ -43,6 +44,9 @@ def parse_fix(text: str | dict | None) -> dict:
             if v not in CP_COMM:
                 raise SpecError(f"--fix: cp_comm must be p2p (ring attention) or a2a (Ulysses), got {v!r}")
             out[k] = v
+        elif k == "offload":
+            from ..spec.parallel import Offload
+            out[k] = Offload.parse(v).text()
         elif k == "sp":
             if v not in SP:
                 raise SpecError(f"--fix: sp must be on, off or auto, got {v!r}")
@@ -72,6 +76,9 @@ def describe(s: dict) -> str:
         v += f" ep={s['ep']}" + (f" etp={s['etp']}" if s["etp"] != s["tp"] else "")
     if s.get("cp", 1) > 1:
         v += f" cp={s['cp']} ({'ring' if s['cp_comm'] == 'p2p' else 'Ulysses'})"
+    if s.get("offload", "none") != "none":
+        from ..spec.parallel import Offload
+        v += f", offload: {Offload.parse(s['offload']).label()}"
     return (f"pp={s['pp']} tp={s['tp']}{'+sp' if s['sequence_parallel'] else ''} dp={s['dp']} "
             f"ZeRO-{s['zero_stage']} {s['schedule']}{v} micro-batch {s['micro_batch_size']} x "
             f"{s['num_microbatches']}, recompute "
@@ -95,6 +102,10 @@ def reasons(mine: dict, best: dict) -> list[str]:
                          ("cp", "context parallel", "fewer KV exchanges")):
         if best.get(k, 1) < mine.get(k, 1):
             out.append(f"{what} {best[k]} instead of {mine[k]} ({why})")
+    from ..spec.parallel import Offload
+    ob, om = Offload.parse(best.get("offload")), Offload.parse(mine.get("offload"))
+    if (ob.optimizer, ob.params, ob.device) < (om.optimizer, om.params, om.device):
+        out.append(f"{ob.label()} instead of {om.label()} (less host traffic and CPU step time)")
     if best["zero_stage"] < mine["zero_stage"]:
         out.append(f"ZeRO-{best['zero_stage']} instead of ZeRO-{mine['zero_stage']} (less gradient traffic)")
     return out or ["a better balance of stages and communication on the same cost model"]

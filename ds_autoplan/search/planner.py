@@ -19,7 +19,8 @@ from ..plan import Plan
 from ..spec import SpecError
 from ..spec.cluster import GB, ClusterSpec, load_cluster
 from ..spec.model import ModelSpec, load_model
-from ..spec.parallel import Parallel
+from ..spec.parallel import NO_OFFLOAD, Offload, Parallel
+from ..cost import offload as ofl
 from . import partition as part
 from .dp import INF, Context
 from .pipeline import DEFAULT_SCHEDULES, Eval, available, choose_schedule, sim_sizes, \
@@ -36,6 +37,11 @@ SP_MODES = ("auto", "on", "off")
 # configuration ahead of every CP 1 plan for the 405B proxy on 32 H100 [below 4K tokens per
 # rank the ring's steps are left out: no published run; 128K tokens: cp up to 32]
 CP_MIN_TOKENS = 4096
+# offloads the search weighs where the cluster has host figures and the engines run them
+# (cost/offload.py check): the whole optimizer, Twin-Flow / Megatron fractions in quarters,
+# ZeRO-Infinity (parameters too), and NVMe where the cluster has it [decision: quarters]
+OFFLOAD_SPACE = tuple(Offload.parse(t) for t in (
+    "opt", "opt:0.25", "opt:0.5", "opt:0.75", "opt+param", "nvme:opt", "nvme:opt+param"))
 
 
 @dataclass
@@ -56,6 +62,7 @@ class Candidate:
     bubble: float = 0.0
     alts: list = field(default_factory=list, repr=False)   # schedules costed (Eval), best first
     estimate: float = INF                                  # Eq. 9 ranking key
+    host: float = 0.0                                      # host bytes of the busiest node (offload)
 
     @property
     def ok(self) -> bool:
@@ -114,7 +121,8 @@ class Candidate:
                 "iteration_time_s": self.time if self.ok else None,
                 "throughput_tokens_per_s": B * seq / self.time if self.ok else 0.0,
                 "layers_per_stage": list(self.parts), "recompute_layers": list(self.recompute),
-                "peak_memory_gb": [round(x / GB, 3) for x in self.peak], "note": self.note}
+                "peak_memory_gb": [round(x / GB, 3) for x in self.peak], "note": self.note,
+                "offload": self.par.offload.text(), "host_memory_gb_per_node": round(self.host / GB, 3)}
 
 
 @dataclass
@@ -155,6 +163,7 @@ class Planner:
                 raise SpecError(f"--fix: unknown schedule {fx['schedule']!r}; choose from {', '.join(names())}")
             schedules = [fx["schedule"]]
         self.ckpt = RECOMPUTE[fx.get("recompute", "auto")]
+        self.offload_fix = Offload.parse(fx["offload"]) if "offload" in fx else None
         self.cp_comm = fx.get("cp_comm", "a2a" if runtime == "deepspeed" else "p2p")
         self.chunks = fx.get("v")
         self.model, self.cluster, self.B = model, cluster, int(global_batch)
@@ -196,6 +205,13 @@ class Planner:
                 raise SpecError(f"sequence parallelism 'on' needs tensor parallelism (tp > 1), but "
                                 f"tp={tp or 1} is the only degree possible here; use 'auto' or 'off'")
         self.eps, self.cps = self._expert_degrees(), self._context_degrees()
+        self.host_E = ofl.host_budget_bytes(cluster)
+        if self.offload_fix is not None and self.offload_fix.any:
+            missing = cluster.offload_missing(nvme=self.offload_fix.device == "nvme")
+            if missing:
+                raise SpecError(f"--fix offload={self.offload_fix.text()}: cluster {cluster.name!r} has no "
+                                f"host figures to offload with (missing {', '.join(missing)}; "
+                                "`ds-autoplan profile --hardware` measures them)")
         self._ctx: dict = {}
         self._floors: dict = {}
         self._seq = np.concatenate([[0], self.cm.block_types, [1]])
@@ -263,7 +279,7 @@ class Planner:
             self._ctx[key] = Context(self.cm, list(strats), P, m, B_m, self.E, self.units)
         return self._ctx[key]
 
-    def combos(self, pps=None, tps=None, zeros=None, eps=None, cps=None):
+    def combos(self, pps=None, tps=None, zeros=None, eps=None, cps=None, offloads=None):
         """The executable space as :class:`Parallel` configurations (chunks decided later by
         the schedule): DeepSpeed's pipeline engine takes ZeRO 0/1 only with pp > 1
         (docs/planner.md); any micro-batch per GPU dividing the batch share of a data-parallel
@@ -280,26 +296,54 @@ class Planner:
                     if self.B % d or self.fix.get("dp", d) != d:
                         continue
                     for ep, etp in self._expert_layouts(t, n, eps):
-                        yield from self._batch_splits(P, t, d, cp, ep, etp, zeros)
+                        yield from self._batch_splits(P, t, d, cp, ep, etp, zeros, offloads)
 
-    def _batch_splits(self, P, t, d, cp, ep, etp, zeros):
+    def _batch_splits(self, P, t, d, cp, ep, etp, zeros, offloads=None):
         """Configurations of one layout over ZeRO stages and micro-batches.  Engines: ring
         attention is Megatron's, whose distributed optimizer is ZeRO-1 (so cp > 1 over p2p
         takes ZeRO <= 1; DeepSpeed-Ulysses takes any stage); DeepSpeed's MoE layers do not
         run under ZeRO-3 (ep > 1: ZeRO <= 2)."""
         for z in zeros or self.allow_zero:
-            if (P > 1 and z > 1) or (d * cp == 1 and z > 0):
+            if P > 1 and z > 1:
                 continue
             if (cp > 1 and self.cp_comm == "p2p" and z > 1) or (ep > 1 and z > 2):
                 continue
-            for b in divisors(self.B // d, upto=self.max_mbs):
-                if self.fix.get("mbs", b) != b:
-                    continue
-                m = self.B // (b * d)
-                if P > 1 and m < P:
-                    continue
-                yield self.config(tp=t, pp=P, dp=d, cp=cp, ep=ep, etp=etp, zero=z, micro_batch=b,
-                                  num_microbatches=m)
+            for off in self.offloads(z, P, d * cp, offloads):
+                for b in divisors(self.B // d, upto=self.max_mbs):
+                    if self.fix.get("mbs", b) != b:
+                        continue
+                    m = self.B // (b * d)
+                    if P > 1 and m < P:
+                        continue
+                    yield self.config(tp=t, pp=P, dp=d, cp=cp, ep=ep, etp=etp, zero=z, micro_batch=b,
+                                      num_microbatches=m, offload=off)
+
+    def offloads(self, z: int, P: int, dd: int, only=None) -> list:
+        """What a configuration at ZeRO stage ``z`` with ``P`` stages and ``dd`` data ranks may
+        offload: nothing (ZeRO with one data rank only to offload), and where the cluster has host
+        figures the :data:`OFFLOAD_SPACE` members its engines run (--fix offload=... : that one;
+        ``only``: these, for the baselines)."""
+        if only is not None:
+            want = [o for o in only if self.offload_fix in (None, o)]
+        elif self.offload_fix is not None:
+            want = [self.offload_fix]
+        else:
+            want = [NO_OFFLOAD] + ([o for o in OFFLOAD_SPACE if self.cm.cluster.offload_missing(
+                nvme=o.device == "nvme") == []] if self.cm._rates is not None else [])
+        return [o for o in want if (o.any or dd > 1 or z == 0) and (z > 0 or not o.any)
+                and self.cm.offload_refusal(Strategy(1, 1, z, offload=o), P) is None]
+
+    def host_need(self, c: Parallel, ctx: Context, parts) -> float:
+        """Host bytes of the busiest node of ``c`` with stage sizes ``parts`` (schedule stages
+        on rank ``stage % pp``; 0 without offload)."""
+        if not c.offload.any or not parts:
+            return 0.0
+        host = ctx.tab.host[ctx.seq, 0]
+        per_rank = np.zeros(c.pp)
+        for i, (lo, hi) in enumerate(ctx.bounds(tuple(parts))):
+            per_rank[i % c.pp] += host[lo:hi].sum()
+        cap = ofl.host_cap(c.offload, 4.0 if self.precision == "fp32" else 2.0)
+        return ofl.node_host_bytes(np.minimum(per_rank, cap), c.stage_ranks, self.cluster)
 
     def config(self, **degrees) -> Parallel:
         """A configuration of this planner's space (keywords as :class:`Parallel`), with
@@ -436,6 +480,24 @@ class Planner:
             save=np.maximum(f1[:, 0:1] - f1[:, 1:], 0.0), extra=cns[:, 1:] - cns[:, :1])
         return f
 
+    def _host_floor(self, c: Parallel) -> float:
+        """Host bytes a node needs at least: its ranks' even share of the offloaded states."""
+        if not c.offload.any:
+            return 0.0
+        tot = float(self._units(c, "host").sum())
+        cap = ofl.host_cap(c.offload, 4.0 if self.precision == "fp32" else 2.0)
+        return min(tot / c.pp, cap) * min(self.cluster.gpus_per_node, c.world_size)
+
+    def _check_host(self, cand: Candidate) -> None:
+        """Set the candidate's node host bytes; one beyond the host budget does not fit."""
+        if cand.ctx is None or not cand.par.offload.any:
+            return
+        cand.host = self.host_need(cand.par, cand.ctx, cand.parts)
+        if cand.host > self.host_E:
+            cand.time = INF
+            cand.note = (f"host memory: {cand.host / GB:.0f} GB per node needed, "
+                         f"{self.host_E / GB:.0f} GB usable")
+
     def lower_bound(self, c: Parallel) -> float:
         """No bubble, perfect balance, no recompute: m * sum_l c_ns / P (for B&B ordering)."""
         return c.num_microbatches * float(self._units(c, "c_ns").sum()) / c.pp
@@ -547,7 +609,7 @@ class Planner:
         ranked = []
         for c in self.combos():
             lb, states = self.floors(c)
-            if states <= self.E:
+            if states <= self.E and self._host_floor(c) <= self.host_E:
                 ranked.append((lb, c))
         ranked.sort(key=lambda r: r[0])
         bar = self._bar(len(ranked), "search")
@@ -582,6 +644,7 @@ class Planner:
             bound = best.time if best is not None else INF
             cand = self.evaluate(c, bound=bound, ckpt=ckpt)
             cand.estimate = est
+            self._check_host(cand)
             tried.append(cand)
             if cand.ok and (best is None or cand.time < best.time):
                 best, won = cand, (c, est, bound)
@@ -590,6 +653,7 @@ class Planner:
             # report, exactly as `ds-autoplan cost` costs this configuration
             best = self.evaluate(won[0], ckpt=ckpt)
             best.estimate = won[1]
+            self._check_host(best)
         return best, tried
 
     def best_of(self, name, combos, **kw) -> Candidate | None:
@@ -605,28 +669,37 @@ class Planner:
             if not math.isfinite(est):
                 break
             cand = self.evaluate(c, name=name, **kw)
+            self._check_host(cand)
             if cand.ok and (best is None or cand.time < best.time):
                 best = cand
         return best
 
     def baselines(self) -> dict:
         """Pure DP, ZeRO-3, Megatron default 3D (uniform TPxPPxDP, 1F1B, even split, no or full
-        recompute), DeepSpeed autotuning's space (ZeRO stage x micro-batch, P = 1, TP = 1) and
-        Galvatron without BMW (even split, per-layer CKPT), all on this cost model."""
+        recompute), DeepSpeed autotuning's space (ZeRO stage x micro-batch, P = 1, TP = 1),
+        Galvatron without BMW (even split, per-layer CKPT) and, where the cluster can offload,
+        ZeRO-3 with the optimizer and parameters on the host and every layer recomputed, all on
+        this cost model."""
         out = {}
         p1 = dict(ckpt="none", schedules=[])
-        plain = dict(eps=[1], cps=[1])     # no expert or context parallelism
+        plain = dict(eps=[1], cps=[1], offloads=[NO_OFFLOAD])     # no expert/context parallelism, no offload
         out["pure DP"] = self.best_of("pure DP", self.combos([1], [1], [0], **plain), **p1)
         out["ZeRO-3"] = self.best_of("ZeRO-3", self.combos([1], [1], [3], **plain), **p1)
         mg = None
         for kw in (dict(ckpt="full", schedules=["1f1b"]), dict(ckpt="none", partitioner="even", schedules=["1f1b"])):
-            c = self.best_of("Megatron 3D", self.combos(zeros=[0]), **kw)
+            c = self.best_of("Megatron 3D", self.combos(zeros=[0], offloads=[NO_OFFLOAD]), **kw)
             if c and (mg is None or c.time < mg.time):
                 mg = c
         out["Megatron 3D"] = mg
         out["DeepSpeed autotuning"] = self.best_of("DeepSpeed autotuning", self.combos([1], [1], **plain), **p1)
-        out["Galvatron (no BMW)"] = self.best_of("Galvatron (no BMW)", self.combos(),
+        out["Galvatron (no BMW)"] = self.best_of("Galvatron (no BMW)", self.combos(offloads=[NO_OFFLOAD]),
                                                  partitioner="even", schedules=["1f1b"])
+        if self.cm._rates is not None:
+            # DeepSpeed users' usual hand choice for a model beyond GPU memory: ZeRO-3 with the
+            # optimizer and the parameters offloaded to the host (ZeRO-Infinity's CPU offload)
+            full = Offload(1.0, True)
+            out["ZeRO-3 + full offload"] = self.best_of("ZeRO-3 + full offload", self.combos(
+                [1], [1], [3], eps=[1], cps=[1], offloads=[full]), ckpt="full", schedules=[])
         return out
 
     def wide_strategies(self, n: int, par: Parallel | None = None) -> list[Strategy]:
@@ -712,7 +785,7 @@ class Planner:
         """``c`` lies in the space the user restricted (--pp/--tp/--sequence-parallel/--fix)."""
         want = dict(pp=c.pp, tp=c.tp, dp=c.dp, zero=c.zero, mbs=c.par.micro_batch, schedule=c.schedule,
                     v=chunks_per_rank(c.schedule, c.parts, c.pp), ep=c.par.ep, etp=c.par.etp,
-                    cp=c.par.cp, cp_comm=c.par.cp_comm)
+                    cp=c.par.cp, cp_comm=c.par.cp_comm, offload=c.par.offload.text())
         if any(self.fix.get(k, x) != x for k, x in want.items()):
             return False
         if self.pps and c.pp not in self.pps or c.tp not in self.tps:
@@ -901,6 +974,7 @@ def to_plan(c: Candidate, model, cluster, B, precision, pl: Planner, bl: dict, w
             "peak_memory_gb_per_stage": [round(x / GB, 3) for x in c.peak],
             "memory_budget_gb": round(pl.E / GB, 3), "memory_headroom_gb": round(pl.headroom_gb, 3),
             "memory_runtime": pl.cm.runtime, "search_time_s": dt,
+            "offload": offload_summary(c, pl),
             "execution": pl.cm.execution.label(), "error_band": error_band(pl.cm.execution.name),
             "baselines": {k: (v.summary(B, seq) if v is not None else None) for k, v in bl.items()},
             "wide": wd,
@@ -927,6 +1001,26 @@ def to_plan(c: Candidate, model, cluster, B, precision, pl: Planner, bl: dict, w
                 seq_len=seq, num_layers=model.num_layers, world_size=cluster.world_size,
                 selective_recompute=c.selective, partitioner=c.partitioner, layer_strategies=layer_labels(c), predicted=pred,
                 notes=[c.note] if c.note else [])
+
+
+def offload_summary(c: Candidate, pl: Planner) -> dict:
+    """What the plan offloads, the host bytes of its busiest node and its budget, and the
+    seconds per iteration the offloading adds on the busiest rank (its tables with and without
+    the offload); why nothing is offloaded where the cluster cannot."""
+    off = c.par.offload
+    if not off.any:
+        missing = pl.cluster.offload_missing()
+        return {"what": "none", "why": (f"cluster has no host figures (missing {', '.join(missing)})"
+                                        if missing else "fits and runs fastest without")}
+    s = c.ctx.strategies[0]
+    with_, without = (pl.cm.tables([x], c.B_m) for x in (s, s._replace(offload=NO_OFFLOAD)))
+    seq = c.ctx.seq
+    extra = c.m * (with_.c_ns - without.c_ns)[seq, 0] + (with_.bwd - with_.bwd_ns - without.bwd + without.bwd_ns)[seq, 0]
+    per_rank = np.zeros(c.pp)
+    for i, (lo, hi) in enumerate(c.ctx.bounds(tuple(c.parts))):
+        per_rank[i % c.pp] += extra[lo:hi].sum()
+    return {"what": off.text(), "label": off.label(), "host_memory_gb_per_node": round(c.host / GB, 3),
+            "host_budget_gb_per_node": round(pl.host_E / GB, 3), "step_s": round(float(per_rank.max()), 4)}
 
 
 def layer_labels(c: Candidate) -> list[str]:
