@@ -58,9 +58,40 @@ def test_recompute_pass_and_counts():
 
 def test_dispatch_tables_cover_every_kind():
     from ds_autoplan.runtime.common import KINDS, dispatch_table
-    with pytest.raises(TypeError, match="no handler"):
+    with pytest.raises(TypeError, match="no handler for action kind.s. B, W"):
         dispatch_table({Kind.F: print}, "x")
     assert set(dispatch_table({k: print for k in KINDS}, "x")) == set(Kind)
+
+
+@pytest.mark.parametrize("kind", list(Kind), ids=lambda k: k.value)
+def test_every_kind_has_cost_memory_colour_and_rule(kind):
+    """A new action kind must be defined everywhere an action is costed, measured, drawn and
+    executed: this test fails naming it (and the place it misses) otherwise."""
+    from ds_autoplan.runtime.common import RULES
+    from ds_autoplan.runtime.common.memory import MEMORY_RULES
+    from ds_autoplan.schedule import Costs
+    from ds_autoplan.schedule.plots import COLORS
+    assert kind in RULES, f"{kind.value}: no rule in runtime.common.RULES"
+    assert kind in MEMORY_RULES, f"{kind.value}: no memory rule in runtime.common.memory"
+    assert not kind.is_compute or kind in COLORS, f"{kind.value}: no colour in schedule.plots.COLORS"
+    costs = Costs.uniform(build("1f1b", 2, 2), 1.0, 2.0, 3.0)
+    costs.duration(kind, 0, 0)              # raises for a kind without a cost
+    costs.mem_delta(kind, 0, 0, False)
+    if kind.is_compute:       # a compute action costs time; only SEND/RECV may be free
+        assert costs.duration(kind, 0, 0) > 0, f"{kind.value}: no duration in Costs.duration"
+
+
+def test_uncosted_kind_is_an_error():
+    """A kind the cost model does not handle raises instead of simulating as free."""
+    from ds_autoplan.runtime.common.memory import memory_rule
+    from ds_autoplan.schedule import Costs
+    costs = Costs.uniform(build("1f1b", 2, 2))
+    with pytest.raises(ScheduleError, match="no cost for action kind X"):
+        costs.duration("X", 0, 0)
+    with pytest.raises(ScheduleError, match="no cost for action kind X"):
+        costs.mem_delta("X", 0, 0, False)
+    with pytest.raises(ScheduleError, match="no memory rule"):
+        memory_rule("X")
 
 
 def test_accept_validates_lowered_lists():

@@ -138,7 +138,8 @@ class Costs:
 
     def duration(self, kind: Kind, s: int, m: int) -> float:
         """Time of action ``kind`` on stage ``s`` for micro-batch ``m`` (a BW lasts B + W; a SEND
-        its send time; a RECV 0), plus the runtime's dispatch time for compute."""
+        its send time; a RECV 0), plus the runtime's dispatch time for compute.  A kind without
+        a cost here raises :class:`ScheduleError`."""
         if kind == Kind.F:
             return self.f[s, m] + self.dispatch
         if kind == Kind.B:
@@ -151,11 +152,14 @@ class Costs:
             return self.r[s, m] + self.dispatch
         if kind in (Kind.SEND_F, Kind.SEND_B):
             return self.send
-        return 0.0
+        if kind in (Kind.RECV_F, Kind.RECV_B):
+            return 0.0
+        raise _uncosted(kind, "duration")
 
     def mem_delta(self, kind: Kind, s: int, m: int, recomputed: bool) -> float:
         """Change of the rank's activation memory when ``kind`` of (``s``, ``m``) ends; a
-        recomputed stage's F keeps only ``keep_ckpt`` and its R allocates the rest."""
+        recomputed stage's F keeps only ``keep_ckpt`` and its R allocates the rest; SEND/RECV
+        0.  A kind without a rule here raises :class:`ScheduleError`."""
         if kind == Kind.F:
             return self.keep_ckpt[s, m] if recomputed else self.mem_f[s, m]
         if kind == Kind.R:
@@ -166,12 +170,20 @@ class Costs:
             return self.mem_w[s, m]
         if kind == Kind.BW:
             return self.mem_b[s, m] + self.mem_w[s, m]
-        return 0.0
+        if kind in (Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B):
+            return 0.0
+        raise _uncosted(kind, "mem_delta")
 
     def unit(self, num_ranks: int) -> float:
         """One micro-batch's activation for 1/d of the model (the scale of `peak_units`)."""
         d = self.num_ranks or num_ranks
         return float(self.mem_f.mean(axis=1).sum()) / d
+
+
+def _uncosted(kind: Kind, what: str) -> ScheduleError:
+    """A kind the cost model does not know: an error, never a free action."""
+    return ScheduleError(f"Costs.{what}: no cost for action kind {getattr(kind, 'value', kind)} "
+                         f"(schedule/costs.py)")
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,16 @@
   step watchdog (``runtime.watchdog.StepWatchdog``) as it executes the list.
 * :class:`StepState`: the per-step state (schedule, shapes, loss weights) an adapter takes
   with ``set_step`` before the step it applies to.
-* :func:`dispatch_table`: each adapter executes a list through a table kind -> handler that
-  must cover every kind.
+* :data:`RULES`: the per-kind table both adapters read (part of a forward-only pass, adds
+  parameter gradients, which neighbour's data it consumes).
+* :func:`dispatch_table`: each adapter executes a list through a table kind -> its
+  framework's call that must cover every kind (and every kind must have its rule).
+* :class:`Slots`: the per-(stage, micro-batch) state of a step (:class:`Slot`), what an
+  action leaves for a later one; at the step's end it must be empty.
 """
-from .contract import (KINDS, StepState, accept, check_world, deadlock_free, dispatch_table,
-                       recomputed, waits_for)
+from .contract import (KINDS, RULES, Rule, StepState, accept, check_world, deadlock_free,
+                       dispatch_table, recomputed, waits_for)
+from .state import Slot, Slots
 
-__all__ = ["KINDS", "StepState", "accept", "check_world", "deadlock_free", "dispatch_table",
-           "recomputed", "waits_for"]
+__all__ = ["KINDS", "RULES", "Rule", "Slot", "Slots", "StepState", "accept", "check_world",
+           "deadlock_free", "dispatch_table", "recomputed", "waits_for"]

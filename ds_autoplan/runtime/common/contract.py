@@ -10,6 +10,31 @@ from ...schedule import (Costs, DeadlockError, Kind, Schedule, ScheduleError, lo
 KINDS = tuple(Kind)
 
 
+@dataclass(frozen=True)
+class Rule:
+    """What both adapters need to know of an action kind besides its handler."""
+
+    forward: bool          # part of a forward-only pass (evaluation, ``forward_only``)
+    grads: bool            # accumulates parameter gradients (Megatron syncs them in the
+                           # last such action of each stage)
+    source: int | None     # the stage whose data it consumes, relative to its own (-1 the
+                           # previous, +1 the next); a SEND/RECV waits for its peer
+
+
+# the per-kind table (schedule/ir.py's vocabulary); ``dispatch_table`` refuses a kind missing here
+RULES = {
+    Kind.F: Rule(forward=True, grads=False, source=-1),
+    Kind.B: Rule(forward=False, grads=True, source=+1),
+    Kind.W: Rule(forward=False, grads=True, source=None),
+    Kind.BW: Rule(forward=False, grads=True, source=+1),
+    Kind.R: Rule(forward=False, grads=False, source=None),
+    Kind.SEND_F: Rule(forward=True, grads=False, source=None),
+    Kind.RECV_F: Rule(forward=True, grads=False, source=None),
+    Kind.SEND_B: Rule(forward=False, grads=False, source=None),
+    Kind.RECV_B: Rule(forward=False, grads=False, source=None),
+}
+
+
 def accept(sched: Schedule, *, num_ranks: int, num_microbatches: int | None = None,
            placement: Sequence[int] | None = None, costs: Costs | None = None,
            who: str = "runtime") -> Schedule:
@@ -72,12 +97,10 @@ def waits_for(a, placement: Sequence[int]) -> int | None:
     that of the next one, whose data the action consumes; None when that stage is local."""
     if a.kind.is_comm:
         return a.peer
-    if a.kind == Kind.F and a.stage > 0:
-        r = placement[a.stage - 1]
-    elif a.kind in (Kind.B, Kind.BW) and a.stage + 1 < len(placement):
-        r = placement[a.stage + 1]
-    else:
+    src = RULES[a.kind].source
+    if src is None or not 0 <= a.stage + src < len(placement):
         return None
+    r = placement[a.stage + src]
     return None if r == placement[a.stage] else r
 
 
@@ -121,8 +144,10 @@ class StepState:
 
 
 def dispatch_table(handlers: Mapping[Kind, Callable], who: str) -> dict:
-    """``handlers`` as a dict, checked to cover every action kind of the vocabulary."""
-    missing = [k.value for k in KINDS if k not in handlers]
-    if missing:
-        raise TypeError(f"{who}: no handler for action kind(s) {', '.join(missing)}")
+    """``handlers`` as a dict, checked to cover every action kind of the vocabulary (and
+    every kind to have its :data:`RULES` entry)."""
+    for what, have in (("rule in runtime.common.RULES", RULES), ("handler", handlers)):
+        missing = [k.value for k in KINDS if k not in have]
+        if missing:
+            raise TypeError(f"{who}: no {what} for action kind(s) {', '.join(missing)}")
     return dict(handlers)

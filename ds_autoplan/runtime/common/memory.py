@@ -16,6 +16,7 @@ import contextlib
 import numpy as np
 
 from ...schedule import Costs, Kind, Schedule, ScheduleError
+from ...schedule.ir import BACKWARD_KINDS
 from . import trace
 
 
@@ -56,26 +57,51 @@ class ActionMemory:
             self.timeline.next_step()
 
 
+# per kind, where its measured change of tracked bytes goes in the simulator's memory model
+# (schedule/costs.py): F keeps ``keep_ckpt`` (all of ``mem_f`` unless recomputed), R allocates
+# the rest of ``mem_f``, B/BW free ``mem_b`` (a BW also what W would), W frees ``mem_w``;
+# None: the kind moves no saved activations and is not measured (SEND/RECV)
+MEMORY_RULES = {Kind.F: "keep_ckpt", Kind.R: "mem_f", Kind.B: "mem_b", Kind.BW: "mem_b",
+                Kind.W: "mem_w", Kind.SEND_F: None, Kind.RECV_F: None, Kind.SEND_B: None,
+                Kind.RECV_B: None}
+
+
+def memory_rule(kind: Kind) -> str | None:
+    """The :data:`MEMORY_RULES` entry of ``kind``; a kind without one is an error."""
+    try:
+        return MEMORY_RULES[kind]
+    except KeyError:
+        raise ScheduleError(f"action kind {getattr(kind, 'value', kind)} has no memory rule "
+                            f"(runtime.common.memory.MEMORY_RULES)") from None
+
+
 def stage_costs(sched: Schedule, by_action: dict, rank: int, mb: int = 0) -> Costs:
     """Simulator costs for ``rank``'s stages from the bytes measured for micro-batch ``mb``
     of each stage, applied to every micro-batch (unit times; other ranks' stages hold no
-    memory).  A recomputed stage gives ``keep_ckpt`` = its F, ``mem_f`` = F + R; W must free
-    exactly what F and B left (raises otherwise)."""
+    memory), by :data:`MEMORY_RULES`.  A recomputed stage gives ``keep_ckpt`` = its F,
+    ``mem_f`` = F + R; W must free exactly what F and B left (raises otherwise)."""
     S, n = sched.num_stages, sched.num_microbatches
-    mf, mb_, rise, keep = (np.zeros(S) for _ in range(4))
+    got = {f: np.zeros(S) for f in ("keep_ckpt", "mem_f", "mem_b", "mem_w")}
+    rise = np.zeros(S)
     for s in sched.stages_of(rank):
-        def get(kind, default=None):
-            v = by_action.get((kind, s, mb), default)
-            if v is None:
-                raise ScheduleError(f"no measurement of {kind.value}{s}.{mb}")
-            return v
-        f, r = get(Kind.F), get(Kind.R, (0, 0))
-        bk = Kind.B if (Kind.B, s, mb) in by_action else Kind.BW
-        b, w = get(bk), get(Kind.W, (0, 0)) if bk == Kind.B else (0, 0)
-        mf[s], keep[s], mb_[s], rise[s] = f[0] + r[0], f[0], b[0], b[1]
-        if mf[s] + mb_[s] + w[0] != 0:
-            raise ScheduleError(f"stage {s}: F{'+R' if r[0] else ''} {mf[s]:.0f}, B {mb_[s]:.0f} "
-                                f"and W {w[0]:.0f} bytes do not balance")
+        for need in ((Kind.F,), (Kind.B, Kind.BW)):
+            if not any((k, s, mb) in by_action for k in need):
+                raise ScheduleError(f"no measurement of {'/'.join(k.value for k in need)}{s}.{mb}")
+        for (kind, st, m), (delta, up) in by_action.items():
+            if st != s or m != mb:
+                continue
+            field = memory_rule(kind)
+            if field is None:
+                raise ScheduleError(f"{kind.value}{s}.{mb} was measured but moves no activations")
+            got[field][s] += delta
+            if kind in BACKWARD_KINDS:
+                rise[s] = up
+    keep, mb_, mw = got["keep_ckpt"], got["mem_b"], got["mem_w"]
+    mf = keep + got["mem_f"]
+    for s in sched.stages_of(rank):
+        if mf[s] + mb_[s] + mw[s] != 0:
+            raise ScheduleError(f"stage {s}: F{'+R' if got['mem_f'][s] else ''} {mf[s]:.0f}, "
+                                f"B {mb_[s]:.0f} and W {mw[s]:.0f} bytes do not balance")
     rec = {a.stage for a in sched.actions() if a.kind == Kind.R}
     keep = np.where([s in rec for s in range(S)], keep, mf)
     return Costs.per_stage(S, n, 1.0, 1.0, 1.0, mem_f=mf, mem_b=mb_,

@@ -28,7 +28,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from ...env import env_float
 from ...schedule import Kind, Schedule
 from .. import splitgrad
-from ..common import StepState, accept, dispatch_table, recomputed, waits_for
+from ..common import Slots, StepState, accept, dispatch_table, recomputed, waits_for
 from ..common.memory import ActionMemory
 from ..memtrack import MemTracker, hold
 from ..rng import RngState
@@ -103,15 +103,6 @@ def _cloned(x):
     return x.clone() if torch.is_tensor(x) else tuple(t.clone() for t in x)
 
 
-class _Slot:
-    """State of one (stage, micro-batch) between its F and its W."""
-    __slots__ = ("inp", "out", "loss", "grad", "recv", "h", "h2", "rng", "ckpt", "store")
-
-    def __init__(self):
-        for k in self.__slots__:
-            setattr(self, k, None)
-
-
 def _measured(kind, fn):
     """A compute handler whose tracked-memory change and rise are recorded (common contract)."""
     def run(self, buffer_id, stage=None):
@@ -148,7 +139,7 @@ class AutoplanEngine(PipelineEngine):
                                         "DeepSpeed pipeline", global_rank_of=self._peer)
         self._p2p_timeout = datetime.timedelta(seconds=env_float(
             "DS_AUTOPLAN_P2P_TIMEOUT", (self.ap_watchdog.timeout or 600.0) + PG_MARGIN))
-        self._slots: dict = {}
+        self._slots = Slots()        # (stage, micro-batch) -> runtime.common.Slot
         self._sends: list = []
         self._meta_sent: set = set()
         self._recv_meta: dict = {}
@@ -315,14 +306,9 @@ class AutoplanEngine(PipelineEngine):
                 super()._exec_schedule(pipe_schedule)
         else:
             super()._exec_schedule(pipe_schedule)
-        if pipe_schedule.train and self._slots:
-            left = sorted(self._slots)
-            raise RuntimeError(f"rank {self.stage_id}: schedule ended with state left for "
-                               f"(stage, micro-batch) {left[:4]}: missing B/W actions?")
+        if pipe_schedule.train:
+            self._slots.check_done(f"DeepSpeed adapter, pipeline rank {self.stage_id}")
         self._slots.clear()
-
-    def _slot(self, stage, mb) -> _Slot:
-        return self._slots.setdefault((stage, mb), _Slot())
 
     def _trace(self, name, stage, mb):
         if self.memtracker is not None:
@@ -397,7 +383,7 @@ class AutoplanEngine(PipelineEngine):
         return is_tensor, specs
 
     def _exec_send_activations(self, buffer_id, stage, peer):
-        out = self._slot(stage, buffer_id).out
+        out = self._slots.at(stage, buffer_id).out
         tensors = [t.detach() for t in _as_list(out)]
         if self.ap_shape_plan is not None:      # both ends know the shape: no handshake
             want = [tuple(sh) for _, sh in self.ap_shape_plan(stage + 1, buffer_id)[1]]
@@ -421,29 +407,28 @@ class AutoplanEngine(PipelineEngine):
             is_tensor, specs = self._recv_meta[stage]
         bufs = [torch.empty(shape, dtype=dt, device=self.device) for dt, shape in specs]
         works = [dist.irecv(b, self._peer(peer)) for b in bufs]
-        self._slot(stage, buffer_id).recv = (works, bufs, is_tensor, peer)
+        self._slots.at(stage, buffer_id).recv_f = (works, bufs, is_tensor, peer)
 
     def _exec_send_grads(self, buffer_id, stage, peer):
-        slot = self._slot(stage, buffer_id)
+        slot = self._slots.at(stage, buffer_id)
         grads = [t.grad for t in _as_list(slot.inp) if t.is_floating_point()]
         if any(g is None for g in grads):
             raise RuntimeError(f"stage {stage} micro-batch {buffer_id}: no input gradient to send")
         for g in grads:
             self._sends.append((dist.isend(g, self._peer(peer)), f"gradient of stage {stage}", peer))
         slot.inp = None
-        self._drop_if_done(stage, buffer_id)
         self._prune_sends()
 
     def _exec_recv_grads(self, buffer_id, stage, peer):
-        slot = self._slot(stage, buffer_id)
+        slot = self._slots.at(stage, buffer_id)
         if slot.out is None:
             raise RuntimeError(f"RecvGrad for stage {stage} micro-batch {buffer_id} before its forward")
         bufs = [torch.empty_like(t) for t in _as_list(slot.out) if t.is_floating_point()]
-        slot.recv = ([dist.irecv(b, self._peer(peer)) for b in bufs], bufs, None, peer)
+        slot.recv_b = ([dist.irecv(b, self._peer(peer)) for b in bufs], bufs, None, peer)
 
-    def _take_recv(self, slot, what):
-        works, bufs, is_tensor, peer = slot.recv
-        slot.recv = None
+    def _take_recv(self, slot, field, what):
+        works, bufs, is_tensor, peer = getattr(slot, field)
+        setattr(slot, field, None)
         for w in works:
             self._wait(w, what, peer)
         return bufs, is_tensor
@@ -461,15 +446,15 @@ class AutoplanEngine(PipelineEngine):
         if stage == 0:
             return self._load_inputs(mb)
         if self.placement[stage - 1] == self.stage_id:     # local hand-off (V turn-around, d=1)
-            prev = self._slot(stage - 1, mb)
+            prev = self._slots.at(stage - 1, mb)
             x = _detached_leaf(prev.out)
             return x
-        bufs, is_tensor = self._take_recv(slot, f"activation for stage {stage}")
+        bufs, is_tensor = self._take_recv(slot, "recv_f", f"activation for stage {stage}")
         x = [b.requires_grad_(b.is_floating_point()) for b in bufs]
         return x[0] if is_tensor else tuple(x)
 
     def _exec_forward_pass(self, buffer_id, stage=None):
-        mb, slot = buffer_id, self._slot(stage, buffer_id)
+        mb, slot = buffer_id, self._slots.at(stage, buffer_id)
         slot.inp = self._stage_input(stage, mb, slot)
         x = _cloned(slot.inp)
         k = self._recompute[stage] if (stage, mb) in self._recomputed and torch.is_grad_enabled() else 0
@@ -511,28 +496,28 @@ class AutoplanEngine(PipelineEngine):
         self._trace("F", stage, mb)
 
     def _exec_recompute(self, buffer_id, stage):
-        slot = self._slot(stage, buffer_id)
+        slot = self._slots.at(stage, buffer_id)
         if slot.h is None or slot.h2 is not None:
             raise RuntimeError(f"R for stage {stage} micro-batch {buffer_id}: its F did not keep "
                                f"a recompute checkpoint, or it was recomputed already")
         k = self._recompute[stage]
         slot.ckpt = None        # the prefix's layers save their (cloned) input from here on
-        with slot.rng.replay(), torch.enable_grad(), self.module.activated(stage, 0, k):
+        rng, slot.rng = slot.rng, None
+        with rng.replay(), torch.enable_grad(), self.module.activated(stage, 0, k):
             slot.h2 = self.module(_cloned(slot.inp))
         self._trace("R", stage, buffer_id)
 
     def _output_grad(self, stage, mb, slot):
         if self.placement[stage + 1] == self.stage_id:      # local hand-off
-            nxt = self._slot(stage + 1, mb)
+            nxt = self._slots.at(stage + 1, mb)
             g = [t.grad for t in _as_list(nxt.inp) if t.is_floating_point()]
             nxt.inp = None
-            self._drop_if_done(stage + 1, mb)
             return g
-        bufs, _ = self._take_recv(slot, f"gradient for stage {stage}")
+        bufs, _ = self._take_recv(slot, "recv_b", f"gradient for stage {stage}")
         return bufs
 
     def _backward(self, mb, stage, split):
-        slot = self._slot(stage, mb)
+        slot = self._slots.at(stage, mb)
         if slot.h is not None and slot.h2 is None:
             raise RuntimeError(f"backward of stage {stage} micro-batch {mb} before its R")
         store = splitgrad.WeightGradStore() if split else None
@@ -562,7 +547,6 @@ class AutoplanEngine(PipelineEngine):
         slot.store = store
         if stage == 0:
             slot.inp = None
-        self._drop_if_done(stage, mb)
         self._trace("B" if split else "BW", stage, mb)
 
     @contextlib.contextmanager
@@ -576,12 +560,6 @@ class AutoplanEngine(PipelineEngine):
         if bf16:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 
-    def _drop_if_done(self, stage, mb):
-        slot = self._slots.get((stage, mb))
-        if slot is not None and slot.out is None and slot.inp is None and slot.store is None \
-                and slot.loss is None:
-            del self._slots[(stage, mb)]
-
     def _exec_backward_pass(self, buffer_id, stage=None):
         self._backward(buffer_id, stage, split=False)
 
@@ -589,13 +567,12 @@ class AutoplanEngine(PipelineEngine):
         self._backward(buffer_id, stage, split=True)
 
     def _exec_weight_pass(self, buffer_id, stage):
-        slot = self._slot(stage, buffer_id)
+        slot = self._slots.at(stage, buffer_id)
         if slot.store is None:
             raise RuntimeError(f"W for stage {stage} micro-batch {buffer_id} before its B")
         with self._lp_grads():
             slot.store.run_all()
         slot.store = None
-        self._drop_if_done(stage, buffer_id)
         self._trace("W", stage, buffer_id)
 
     def _exec_load_micro_batch(self, buffer_id):   # loads happen lazily at F

@@ -55,7 +55,7 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_mo
 
 from ...schedule import Costs, Kind, Schedule, ScheduleError, lower
 from ...schedule.passes import plan_schedule, stage_recompute
-from ..common import StepState, accept, dispatch_table, recomputed, waits_for
+from ..common import RULES, Slots, StepState, accept, dispatch_table, recomputed, waits_for
 from ..common.memory import ActionMemory
 from ..memtrack import hold
 from ..rng import RngState
@@ -245,8 +245,9 @@ def _prefix_hooks(chunk, k: int, after, grad: bool):
 
 
 class _Step:
-    """One call of the forward_backward_func: the state per (stage, micro-batch) and one
-    handler per action kind (the adapter's dispatch table)."""
+    """One call of the forward_backward_func: the state per (stage, micro-batch)
+    (``runtime.common.Slots``) and one handler per action kind (the adapter's dispatch
+    table)."""
 
     def __init__(self, runner: ScheduleRunner, state: StepState, args: dict):
         self.runner, self.a, self.state = runner, args, state
@@ -278,12 +279,11 @@ class _Step:
         runner.watchdog.global_rank_of = ranks.__getitem__
         self.table = dispatch_table({
             Kind.F: self.forward, Kind.R: self.recompute, Kind.B: self.backward,
-            Kind.BW: self.backward, Kind.W: self.weight, Kind.RECV_F: self.recv,
-            Kind.RECV_B: self.recv, Kind.SEND_F: self.send_f, Kind.SEND_B: self.send_b},
+            Kind.BW: self.backward, Kind.W: self.weight, Kind.RECV_F: self.recv_f,
+            Kind.RECV_B: self.recv_b, Kind.SEND_F: self.send_f, Kind.SEND_B: self.send_b},
             "Megatron adapter")
-        for nm in ("recvd", "inputs", "outputs", "local_in", "local_grad", "in_grads", "stores",
-                   "rngs", "losses", "ckpt", "hleaf", "hrec"):
-            setattr(self, nm, {})
+        self.slots = Slots()
+        self.losses: dict = {}          # micro-batch -> what the loss function reported
         self.total_tokens = torch.zeros([], dtype=torch.int)
         self.seen_first: set = set()
 
@@ -329,7 +329,7 @@ class _Step:
         final = self._final_backwards()
         watch = r.watchdog
         for i, act in enumerate(self.mine):
-            if self.forward_only and act.kind not in (Kind.F, Kind.SEND_F, Kind.RECV_F):
+            if self.forward_only and not RULES[act.kind].forward:
                 continue
             if i in final:
                 sync.enable()
@@ -342,7 +342,7 @@ class _Step:
             self.p2p.finish()
         if tracker is not None:
             r.peak_bytes = tracker.peak - base
-        self._check_done()
+        self.slots.check_done(f"Megatron adapter, pp rank {self.rank}")
         sync.enable()
         if not self.forward_only:
             watch.doing("the gradient synchronisation (data-parallel collectives)")
@@ -356,7 +356,7 @@ class _Step:
             return set()
         last = {}
         for i, a in enumerate(self.mine):
-            if a.kind in (Kind.B, Kind.W, Kind.BW):
+            if RULES[a.kind].grads:
                 last[(a.kind, a.stage)] = i
         return set(last.values())
 
@@ -366,14 +366,6 @@ class _Step:
             return self.table[act.kind](act)
         with r.memory.measure(act.kind, act.stage, act.mb):
             self.table[act.kind](act)
-
-    def _check_done(self):
-        left = self.recvd or self.stores or self.hleaf or \
-            (not self.forward_only and (self.inputs or self.outputs))
-        if left:
-            raise ScheduleError(f"pp rank {self.rank}: schedule left work undone "
-                                f"({len(self.recvd)} receives, {len(self.stores)} W, "
-                                f"{len(self.outputs)} outputs, {len(self.hleaf)} recomputes)")
 
     def _finalize(self):
         cfg = self.config
@@ -388,7 +380,7 @@ class _Step:
                 pg_collection=self.pgs, force_all_reduce=self.a["force_all_reduce"])
 
     # -- forward pieces ----------------------------------------------------------------------
-    def _fwd(self, s, m, with_grad=True, keep_loss=True):
+    def _fwd(self, s, m, inp, with_grad=True, keep_loss=True):
         c = self.chunk[s]
         feed = self.feeds[c].at(m) if self.feeds[c] is not None else None
         first = c not in self.seen_first
@@ -403,7 +395,7 @@ class _Step:
         with (torch.enable_grad() if train else torch.no_grad()), \
                 (tracker.track() if train and tracker is not None else contextlib.nullcontext()):
             out, ntok = _ms.forward_step(
-                fsf, feed, self.model[c], self.n, self.inputs[(s, m)], store, self.config,
+                fsf, feed, self.model[c], self.n, inp, store, self.config,
                 self.pgs.cp.size(), self.a["collect_non_loss_data"],
                 is_first_microbatch=_ms.check_first_val_step(self.a["first_val_step"],
                                                              self.forward_only, first),
@@ -412,85 +404,92 @@ class _Step:
             self.losses[m] = store[-1]
         return out, ntok
 
-    def _incoming(self, s, m, local: dict, kind: Kind):
-        """What (s, m) gets from its neighbour stage: handed over on this rank, or received."""
-        if (s, m) in local:
-            return local.pop((s, m))
-        return _wait(self.recvd.pop((kind, s, m)))
+    @staticmethod
+    def _incoming(slot, handed: str, recv: str):
+        """What a slot gets from its neighbour stage: handed over on this rank, or received."""
+        field = handed if getattr(slot, handed) is not None else recv
+        x = getattr(slot, field)
+        setattr(slot, field, None)
+        return x if field == handed else _wait(x)
 
     def forward(self, a):
         s, m = a.stage, a.mb
-        self.inputs[(s, m)] = inp = None if s == 0 else self._incoming(s, m, self.local_in, Kind.RECV_F)
+        slot = self.slots.at(s, m)
+        slot.inp = inp = None if s == 0 else self._incoming(slot, "handed_f", "recv_f")
         if (s, m) in self.rec and not self.forward_only:
-            out, ntok = self._forward_with_prefix(s, m, inp)
+            out, ntok = self._forward_with_prefix(slot, s, m, inp)
         else:
-            out, ntok = self._fwd(s, m, with_grad=True)
+            out, ntok = self._fwd(s, m, inp, with_grad=True)
         self.total_tokens += ntok.to(self.total_tokens.dtype).cpu() if torch.is_tensor(ntok) else ntok
-        self.outputs[(s, m)] = out
+        slot.out = out
         if s + 1 < self.S and self.sched.placement[s + 1] == self.rank:
             o = _first(out)
-            self.local_in[(s + 1, m)] = o.detach().requires_grad_(not self.forward_only)
+            self.slots.at(s + 1, m).handed_f = o.detach().requires_grad_(not self.forward_only)
             if not self.forward_only:
                 _ms.deallocate_output_tensor(o, self.config.deallocate_pipeline_outputs)
         if self.forward_only:
-            self.inputs.pop((s, m))
+            slot.inp = None
             if s + 1 >= self.S or self.sched.placement[s + 1] == self.rank:
-                self.outputs.pop((s, m))
+                slot.out = None
 
-    def _forward_with_prefix(self, s, m, inp):
+    def _forward_with_prefix(self, slot, s, m, inp):
         """F of a recomputed (s, m): the prefix runs without autograd and keeps only its
         input (counted as held); the rest of the stage runs from a leaf ``h``."""
-        self.rngs[(s, m)] = RngState()          # R replays this forward's dropout
-        self.ckpt[(s, m)] = hold(self.runner.tracker, inp) if inp is not None else None
+        slot.rng = RngState()          # R replays this forward's dropout
+        slot.ckpt = hold(self.runner.tracker, inp) if inp is not None else None
 
         def leaf(hidden):
-            self.hleaf[(s, m)] = h = hidden.detach().requires_grad_(True)
+            slot.h = h = hidden.detach().requires_grad_(True)
             return h
         with _prefix_hooks(self.model[self.chunk[s]], self.rec_k[s], leaf, grad=False):
-            return self._fwd(s, m, with_grad=True)
+            return self._fwd(s, m, inp, with_grad=True)
 
     def recompute(self, a):
         s, m = a.stage, a.mb
-        if (s, m) not in self.hleaf or (s, m) in self.hrec:
+        slot = self.slots.at(s, m)
+        if slot.h is None or slot.h2 is not None:
             raise ScheduleError(f"R{s}.{m}: its F kept no recompute checkpoint, or it ran already")
 
         def stop(hidden):
             raise _PrefixDone(hidden)
-        with self.rngs.pop((s, m)).replay(), \
-                _prefix_hooks(self.model[self.chunk[s]], self.rec_k[s], stop, grad=True):
+        rng, slot.rng = slot.rng, None
+        with rng.replay(), _prefix_hooks(self.model[self.chunk[s]], self.rec_k[s], stop, grad=True):
             try:
-                self._fwd(s, m, with_grad=True, keep_loss=False)
+                self._fwd(s, m, slot.inp, with_grad=True, keep_loss=False)
             except _PrefixDone as done:
-                self.hrec[(s, m)] = done.hidden
+                slot.h2 = done.hidden
             else:
                 raise ScheduleError(f"R{s}.{m}: the recomputed prefix did not run")
-        self.ckpt.pop((s, m))
+        slot.ckpt = None
 
     # -- backward pieces ---------------------------------------------------------------------
     def backward(self, a):
         s, m = a.stage, a.mb
-        og = None if s == self.S - 1 else self._incoming(s, m, self.local_grad, Kind.RECV_B)
-        inp, out = self.inputs.pop((s, m)), self.outputs.pop((s, m))
+        slot = self.slots.at(s, m)
+        og = None if s == self.S - 1 else self._incoming(slot, "handed_b", "recv_b")
+        inp, out = slot.inp, slot.out
+        slot.inp = slot.out = None
         store = None
         if a.kind == Kind.B:
-            store = self.stores[(s, m)] = WeightGradStore()
+            store = slot.store = WeightGradStore()
         ctx = store.deferring(self.runner.tracker) if store is not None else contextlib.nullcontext()
         with ctx:
-            gin = self._backward_through(s, m, inp, out, og)
+            gin = self._backward_through(slot, s, m, inp, out, og)
         del out
         if s > 0:
             if self.sched.placement[s - 1] == self.rank:
-                self.local_grad[(s - 1, m)] = _first(gin)
+                self.slots.at(s - 1, m).handed_b = _first(gin)
             else:
-                self.in_grads[(s, m)] = gin
+                slot.in_grad = gin
 
-    def _backward_through(self, s, m, inp, out, og):
+    def _backward_through(self, slot, s, m, inp, out, og):
         mt, cfg = get_model_type(self.model[0]), self.config
-        if (s, m) not in self.hleaf:
+        if slot.h is None:
             return _ms.backward_step(inp, out, og, mt, cfg)
-        if (s, m) not in self.hrec:
+        if slot.h2 is None:
             raise ScheduleError(f"backward of stage {s} micro-batch {m} before its R")
-        h, h2 = self.hleaf.pop((s, m)), self.hrec.pop((s, m))
+        h, h2 = slot.h, slot.h2
+        slot.h = slot.h2 = None
         gh = _ms.backward_step(h, out, og, mt, cfg)        # the layers after the prefix
         if inp is not None:
             inp.retain_grad()
@@ -498,26 +497,33 @@ class _Step:
         return inp.grad if inp is not None else None
 
     def weight(self, a):
-        self.stores.pop((a.stage, a.mb)).run_all()
+        slot = self.slots.at(a.stage, a.mb)
+        store, slot.store = slot.store, None
+        store.run_all()
 
     # -- communication -------------------------------------------------------------------------
-    def recv(self, a):
-        self.recvd[a.key] = self.p2p.recv(a.peer, self.shapes[a.mb])
+    def recv_f(self, a):
+        self.slots.at(a.stage, a.mb).recv_f = self.p2p.recv(a.peer, self.shapes[a.mb])
+
+    def recv_b(self, a):
+        self.slots.at(a.stage, a.mb).recv_b = self.p2p.recv(a.peer, self.shapes[a.mb])
 
     def send_f(self, a):
         s, m = a.stage, a.mb
-        o = _first(self.outputs[(s, m)])
+        slot = self.slots.at(s, m)
+        o = _first(slot.out)
         if self.state.shapes is not None:
             _check_shape(o, self.shapes[m], "output", s, m)
         self.p2p.send(a.peer, o)
         if self.forward_only:
-            self.outputs.pop((s, m))
+            slot.out = None
         else:
             _ms.deallocate_output_tensor(o, self.config.deallocate_pipeline_outputs)
 
     def send_b(self, a):
         s, m = a.stage, a.mb
-        g = _first(self.in_grads.pop((s, m)))
+        slot = self.slots.at(s, m)
+        g, slot.in_grad = _first(slot.in_grad), None
         if self.state.shapes is not None:
             _check_shape(g, self.shapes[m], "input gradient", s, m)
         self.p2p.send(a.peer, g)
