@@ -134,8 +134,8 @@ SMALL = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"num_key_value_heads": 3}, "kv_heads 3 does not divide heads 4"),
-    ({"num_hidden_layers": 8.5}, "'num_layers' must be an integer, got 8.5"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
+    ({"num_hidden_layers": 8.5}, "'num_hidden_layers' must be an integer, got 8.5"),
     ({"rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1.0}},
      "rope_scaling of type llama3 needs a positive 'factor'"),
     ({"model_type": "falcon_h1"}, "unsupported Hugging Face model_type 'falcon_h1'"),

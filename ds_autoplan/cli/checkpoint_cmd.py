@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+from . import doc_description
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("checkpoint", help="inspect a ds_autoplan checkpoint")
+    p = sub.add_parser("checkpoint", help="inspect a ds_autoplan checkpoint",
+                       description=doc_description(__doc__))
     csub = p.add_subparsers(dest="action", required=True)
     info = csub.add_parser("info", help="the plan and step a checkpoint was saved under; verifies "
                                         "its files against its manifest (size, sha256)")

@@ -1,4 +1,4 @@
-"""`ds-autoplan cost`: what does MY configuration cost?  Costs the user's configuration
+"""`ds-autoplan cost`: what does my configuration cost?  Costs your configuration
 (--config tp=8,pp=8,mbs=1,recompute=full,schedule=1f1b,...; what it leaves open is searched)
 on the planner's cost model and prints it beside the planner's free choice, with the reasons
 the faster one wins."""
@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 
+from . import doc_description
 from .plan_cmd import add_problem_args, execution_of
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("cost", help="cost your own configuration beside the planner's choice",
-                       description=__doc__.splitlines()[0])
+                       description=doc_description(__doc__))
     add_problem_args(p)
     p.add_argument("--config", required=True, metavar="K=V,...",
                    help="keys tp, pp, dp, mbs, zero, schedule, v (interleaved chunks), "
@@ -41,7 +42,7 @@ def run(args) -> int:
     from ..cost.engines import band_text
     from ..search.fix import describe, parse_fix, reasons
     from ..spec import SpecError
-    fix = parse_fix(args.config)
+    fix = parse_fix(args.config, "--config")
     free = _line(_costed(args, None))
     try:
         mine, why_not = _line(_costed(args, fix)), None

@@ -14,7 +14,7 @@ import json
 import os
 
 from ..emit.deepspeed import MERGED_CONFIG   # the script's ds_config.json is never written
-from . import UserError
+from . import UserError, doc_description
 
 PLAN_ENV = "DS_AUTOPLAN_PLAN"
 BOOTSTRAP = "ds_autoplan.clients.bootstrap"
@@ -119,7 +119,13 @@ def launch_world(a) -> int:
 
 
 def _own_parser():
-    p = argparse.ArgumentParser(prog="ds-autoplan launch", add_help=False)
+    p = argparse.ArgumentParser(
+        prog="ds-autoplan launch", add_help=False,
+        usage="ds-autoplan launch [ds-autoplan options] [deepspeed launcher options] "
+              "train.py [script args]",
+        description="Plan the model the unchanged script builds and run DeepSpeed's own launcher "
+                    "with the plan merged into the script's DeepSpeed config (docs/runtimes.md "
+                    "§1.8). ds-autoplan's options come first, then DeepSpeed's, then the script.")
     p.add_argument("--model", default=None,
                    help="plan this model description (preset, YAML, HF config.json) before launch; "
                         "default: the model the script builds, profiled at deepspeed.initialize")
@@ -132,6 +138,7 @@ def _own_parser():
                    help=f"folder for plan.json, {MERGED_CONFIG} (the script's config merged with "
                         "the plan) and profile.json (default ds_autoplan_out); nothing else in it "
                         "is touched")
+    p.add_argument("-h", "--help", action="store_true", help="show this help (both parts) and exit")
     return p
 
 
@@ -143,19 +150,40 @@ def add_parser(subparsers):
                               help="run the deepspeed launcher with the script's model planned "
                                    "(options: --model --cluster --global-batch --pp --schedules "
                                    "--out, then deepspeed launcher options, script, script args)",
-                              description=__doc__.splitlines()[0])
+                              description=doc_description(__doc__))
     p.add_argument("argv", nargs=argparse.REMAINDER)
     p.set_defaults(func=run)
+
+
+def print_help() -> None:
+    """ds-autoplan's options, then DeepSpeed's launcher's (its own parser's help)."""
+    import contextlib
+    import io
+    from deepspeed.launcher import runner
+    print(_own_parser().format_help())
+    ds = io.StringIO()
+    with contextlib.redirect_stdout(ds):
+        try:
+            runner.parse_args(["--help"])
+        except SystemExit:
+            pass
+    text = ds.getvalue()
+    # its usage names the running program; the options are the part to read
+    print("deepspeed launcher options (DeepSpeed's own help):")
+    print(text[text.find("\n\n") + 2:] if "\n\n" in text else text, end="")
 
 
 def run(args) -> int:
     from deepspeed.launcher import runner
     argv = list(args.argv)
+    # the script is the first token runner.parse_args leaves as user_script; split there
+    own, rest = _own_parser().parse_known_args(_before_script(argv) if _has_script(argv) else argv)
+    if own.help:
+        print_help()
+        return 0
     _planner_options(os.environ)          # a bad DS_AUTOPLAN_* value: refused before anything runs
     if not argv:
         raise UserError("give the training script, e.g. ds-autoplan launch --num_gpus 2 train.py")
-    # the script is the first token runner.parse_args leaves as user_script; split there
-    own, rest = _own_parser().parse_known_args(_before_script(argv))
     argv = rest + argv[len(_before_script(argv)):]
     try:
         a = runner.parse_args(argv)
@@ -176,6 +204,11 @@ def run(args) -> int:
         # those of another launch, which may be starting beside this one)
         sweep(port=a.master_port)
     return 0
+
+
+def _has_script(argv) -> bool:
+    """A token that names the script: one ending in .py, or a last token that is no option."""
+    return any(tok.endswith(".py") for tok in argv) or bool(argv) and not argv[-1].startswith("-")
 
 
 def _before_script(argv):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import difflib
 import os
 
-from . import UserError
+from . import UserError, doc_description
 
 MARK = "  # ds_autoplan"
 SUPPORTED = ("0.19.8",)
@@ -181,8 +181,8 @@ def revert(path: str) -> str:
 
 def add_parser(subparsers):
     p = subparsers.add_parser("patch", help="add/remove `deepspeed --autoplan` in the installed launcher",
-                              description=__doc__.splitlines()[0])
-    p.add_argument("target", choices=["deepspeed"])
+                              description=doc_description(__doc__))
+    p.add_argument("target", choices=["deepspeed"], help="the launcher to patch (DeepSpeed's)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--revert", action="store_true", help="restore the original launcher")
     g.add_argument("--check", action="store_true", help="only report whether the patch is applied")

@@ -17,7 +17,10 @@ def add_parser(sub) -> None:
     p.add_argument("--emit", choices=["megatron-args", "ds-config"], default=None,
                    help="print only Megatron-LM's pretrain_gpt.py flags (one line, to append to "
                         "its command) or the ds_config.json on stdout")
-    p.add_argument("--partitioner", default="bmw", choices=["bmw", "even", "dawnpiper", "merak"])
+    p.add_argument("--partitioner", default="bmw", choices=["bmw", "even", "dawnpiper", "merak"],
+                   help="how layers are cut into pipeline stages: bmw (Galvatron-BMW, balances time "
+                        "and memory; default), even (equal layer counts), dawnpiper (DawnPiper's "
+                        "binary partition), merak (Merak's graph sharding); the report compares all")
     p.add_argument("--schedules", default=None,
                    help="comma-separated candidate schedules (default 1f1b,interleaved,v-half,v-min,v-zb)")
     p.add_argument("--pp", type=int, default=None, help="restrict the search to this pipeline degree")
@@ -38,13 +41,18 @@ def add_parser(sub) -> None:
 def add_problem_args(p) -> None:
     """What is planned: model, cluster, batch, precision, budget (plan and cost)."""
     from ..cost.engines import OPTIMIZERS
-    p.add_argument("--model", required=True, help="preset name, model YAML, or HF config.json")
-    p.add_argument("--cluster", required=True, help="preset name or cluster YAML")
+    p.add_argument("--model", required=True,
+                   help="preset name (`ds-autoplan presets` lists them), model YAML, or Hugging Face "
+                        "config.json")
+    p.add_argument("--cluster", required=True,
+                   help="preset name (`ds-autoplan presets`; cpu-N: N CPU ranks) or cluster YAML")
     p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
     p.add_argument("--seq", type=int, default=None,
                    help="sequence length (default: the preset's; for a Hugging Face config.json its "
                         "context, capped at 4096 tokens)")
-    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16",
+                   help="training precision: bf16 (default) or fp16 mixed precision (16-bit "
+                        "weights and activations, fp32 master weights and optimizer state), fp32")
     p.add_argument("--memory-budget-gb", type=float, default=None,
                    help="per-device budget (default: device memory minus the preset's reserve)")
     p.add_argument("--headroom-gb", type=float, default=None,
@@ -97,11 +105,19 @@ def param_counts(model) -> dict:
     return {"total_params": int(model.total_params), "active_params": int(model.active_params)}
 
 
+def count_text(n: float) -> str:
+    """A parameter count in the unit that keeps it readable: 12.852 B, 1.234 M, 213.5 K, 96."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{1 if unit == 'K' else 3}f} {unit}"
+    return f"{n:.0f}"
+
+
 def params_line(model) -> str:
     c = param_counts(model)
     moe = c["active_params"] != c["total_params"]
-    return (f"parameters {c['total_params'] / 1e9:.3f} B" +
-            (f", {c['active_params'] / 1e9:.3f} B active per token" if moe else ""))
+    return (f"parameters {count_text(c['total_params'])}" +
+            (f", {count_text(c['active_params'])} active per token" if moe else ""))
 
 
 def summary(plan, model=None) -> dict:

@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
     p.add_argument("--timing", choices=("chain", "isolated"), default="chain",
                    help="chain: time units inside whole-model steps (hooks); isolated: each "
                         "unit alone in a loop")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs before the timed repeats")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--threads", type=int, default=None, help="torch threads on CPU")
     p.add_argument("--force", action="store_true", help="re-measure even if --out exists")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import sys
 
 from ..schedule import (BUILDERS, Costs, Schedule, ScheduleError, build, lower, names, simulate,
                         validate)
@@ -90,6 +91,17 @@ def simulate_one(sched: Schedule, f: float, b: float, w: float, p2p: float = 0.0
     return simulate(sched, costs), costs
 
 
+def _named(path: str, schedule: str, count: int) -> str:
+    """The file --plot / --memory-plot PATH writes for ``schedule`` (one of ``count``)."""
+    root, ext = os.path.splitext(path)
+    return path if count == 1 else f"{root}-{schedule}{ext}"
+
+
+def _wrote(files, stream) -> None:
+    for what, path in files:
+        print(f"wrote {what} to {path}", file=stream)
+
+
 def _targets(args, names: list[str]) -> dict:
     """(option, schedule index) -> the file it writes, each checked before anything is
     simulated or written (ds_autoplan.outputs.resolve_file)."""
@@ -98,10 +110,8 @@ def _targets(args, names: list[str]) -> dict:
     for opt, path in (("--plot", args.plot), ("--memory-plot", args.memory_plot)):
         if path is None:
             continue
-        root, ext = os.path.splitext(path)
         for i, name in enumerate(names):
-            p = path if len(names) == 1 else f"{root}-{name}{ext}"
-            out[opt, i] = resolve_file(p, opt, create_parent=False)
+            out[opt, i] = resolve_file(_named(path, name, len(names)), opt, create_parent=False)
     for opt, path in (("--save", args.save), ("--trace", args.trace)):
         if path is not None:
             out[opt, 0] = resolve_file(path, opt, create_parent=False)
@@ -136,24 +146,31 @@ def run(args) -> int:
                     "peak_ratio": max(res.peak_units) / max(base.peak_units)
                     if max(base.peak_units) else 1.0,
                     **({} if len(rows) > 1 else {"schedule_lists": sched.to_dict()["ranks"]})})
+    wrote = []                     # (what, the path the user named)
     if ("--save", 0) in targets:
         sched, _, costs = rows[0]
         low = lower(sched, costs)
         write_file(targets["--save", 0], low.save, what="--save")
+        wrote.append((f"the {sched.name} schedule (lowered)", args.save))
     if ("--trace", 0) in targets:
         from ..outputs import json_text
         from ..schedule.trace import trace_events
         groups = [(s.name, res.timeline()) for s, res, _ in rows]
         write_file(targets["--trace", 0], json_text(trace_events(groups, scale=1e3), indent=None),
                    what="--trace")
+        wrote.append(("the trace (open it in https://ui.perfetto.dev)", args.trace))
     if targets.keys() - {("--save", 0), ("--trace", 0)}:
         from ..schedule.plots import plot_gantt, plot_memory
         for i, (sched, res, _) in enumerate(rows):
-            for opt, draw in (("--plot", plot_gantt), ("--memory-plot", plot_memory)):
+            for opt, given, draw, what in (
+                    ("--plot", args.plot, plot_gantt, "Gantt chart"),
+                    ("--memory-plot", args.memory_plot, plot_memory, "activation-memory plot")):
                 if (opt, i) in targets:
                     path = targets[opt, i]
                     write_file(path, lambda p: draw(sched, res, p, fmt=_fmt(path)), what=opt)
+                    wrote.append((f"the {sched.name} {what}", _named(given, sched.name, len(rows))))
     if args.json:
+        _wrote(wrote, sys.stderr)       # stdout is the JSON
         if len(out) == 1:
             o = dict(out[0])
             o["schedule"] = {"name": o["schedule"], "ranks": o.pop("schedule_lists")}
@@ -167,4 +184,5 @@ def run(args) -> int:
         peaks = " ".join(f"{p:g}" for p in o["peak_activation"])
         print(f"{o['schedule']:<14}{o['stages']:>3}{o['microbatches']:>5}{o['makespan']:>11.4g}"
               f"{o['bubble_ratio']:>9.3f}{peaks:>28}{o['makespan_ratio']:>8.3f}{o['peak_ratio']:>7.3f}")
+    _wrote(wrote, sys.stdout)
     return 0

@@ -32,6 +32,7 @@ def plot_stage_memory(peaks_gb: list[float], budget_gb: float, path: str, title:
     fig, ax = plt.subplots(figsize=(max(5, 0.5 * len(peaks_gb) + 2), 3.2))
     ax.bar(range(len(peaks_gb)), peaks_gb, color="#4C72B0")
     ax.axhline(budget_gb, color="#C44E52", linestyle="--", label=f"budget {budget_gb:.1f} GB")
+    ax.set_xticks(range(len(peaks_gb)))       # one tick per rank, none between them
     ax.set_xlabel("pipeline rank")
     ax.set_ylabel("peak memory (GB)")
     ax.set_title(title)

@@ -7,6 +7,10 @@ from .simulator import SimResult
 COLORS = {Kind.F: "#4C72B0", Kind.B: "#DD8452", Kind.W: "#55A868", Kind.BW: "#C44E52",
           Kind.R: "#8172B3"}
 
+# what each kind of action is, for the legend
+MEANING = {Kind.F: "forward", Kind.B: "backward, input grad", Kind.W: "backward, weight grad",
+           Kind.BW: "backward", Kind.R: "recompute"}
+
 
 def _pyplot():
     import matplotlib
@@ -17,10 +21,12 @@ def _pyplot():
 
 def plot_gantt(sched: Schedule, res: SimResult, path: str, title: str | None = None,
                fmt: str | None = None) -> str:
-    """One row per rank; colour = F/B/W/BW/R, label = micro-batch id (chunk shown by shade)."""
+    """One row per rank; colour = F/B/W/BW/R, label = micro-batch id (chunk shown by shade).
+    The legend lies outside the axes, right of them, so that no bar is hidden."""
     plt = _pyplot()
     d = sched.num_ranks
-    fig, ax = plt.subplots(figsize=(max(8.0, res.makespan * 0.12 + 2), 0.5 * d + 1.4))
+    fig, ax = plt.subplots(figsize=(max(8.0, res.makespan * 0.12 + 2), 0.5 * d + 1.4),
+                           layout="constrained")
     bars: dict = {}                       # (rank, kind, first chunk?) -> [(start, width)]
     acts = [(a, st, res.end[a]) for a, st in res.start.items() if not a.kind.is_comm]
     for a, st, en in acts:
@@ -36,11 +42,16 @@ def plot_gantt(sched: Schedule, res: SimResult, path: str, title: str | None = N
     ax.set_yticks(range(d), [f"rank {r}" for r in range(d)])
     ax.invert_yaxis()
     ax.set_xlabel("time")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    ax.legend(handles, [k.value for k in COLORS], ncol=5, fontsize=7, loc="upper right")
+    drawn = {kind for _, kind, _ in bars}
+    entries = [(plt.Rectangle((0, 0), 1, 1, color=c),
+                f"{k.value}: {MEANING[k]}" if k in MEANING else k.value)
+               for k, c in COLORS.items() if k in drawn]
+    if any(not first for _, _, first in bars):       # the shade tells a rank's chunks apart
+        entries += [(plt.Rectangle((0, 0), 1, 1, color="0.45", alpha=a), label) for a, label in
+                    ((1.0, "first chunk"), (0.6, "later chunks (lighter)"))]
+    fig.legend(*zip(*entries), fontsize=7, loc="outside right upper")
     ax.set_title(title or f"{sched.name}: d={d}, n={sched.num_microbatches}, "
                  f"makespan {res.makespan:g}, bubble {res.bubble_ratio:.1%}")
-    fig.tight_layout()
     fig.savefig(path, dpi=120, format=fmt)
     plt.close(fig)
     return path

@@ -13,14 +13,15 @@ ALIASES = {"micro_batch_size": "mbs", "micro-batch": "mbs", "zero_stage": "zero"
 CP_COMM = ("p2p", "a2a")
 
 
-def parse_fix(text: str | dict | None) -> dict:
+def parse_fix(text: str | dict | None, option: str = "--fix") -> dict:
     """``'tp=8,pp=8,mbs=1,zero=1,schedule=interleaved,v=3,recompute=full,sp=on'`` -> dict;
     also ``ep`` (expert parallelism), ``etp`` (expert TP), ``cp`` (context parallelism) and
     ``cp_comm`` (p2p: ring attention; a2a: Ulysses) and ``offload`` (spec.parallel.Offload's text:
     none, opt, opt:0.5, opt+param, nvme:opt+param).
     recompute: auto (the planner's per-stage choice), none, full (every block, even split into
     the schedule's stages, as Megatron's --recompute-granularity full), selective (the attention core of every
-    layer, Megatron's --recompute-granularity selective)."""
+    layer, Megatron's --recompute-granularity selective).  ``option``: the command-line option
+    the text came from, named in refusals (``ds-autoplan cost`` takes it as --config)."""
     if not text:
         return {}
     items = text.items() if isinstance(text, dict) else \
@@ -29,34 +30,42 @@ def parse_fix(text: str | dict | None) -> dict:
     for k, v in items:
         k = ALIASES.get(k.strip().lower(), k.strip().lower())
         if k not in KEYS or v is None or str(v).strip() == "":
-            raise SpecError(f"--fix: expected key=value with key in {', '.join(sorted(KEYS))}; got {k!r}")
+            raise SpecError(f"{option}: expected key=value with key in {', '.join(sorted(KEYS))}; got {k!r}")
         v = str(v).strip().lower()
         if k in INT_KEYS:
             if not v.isdigit() or int(v) < (0 if k == "zero" else 1):
-                raise SpecError(f"--fix: {k} must be a {'non-negative' if k == 'zero' else 'positive'} "
+                raise SpecError(f"{option}: {k} must be a {'non-negative' if k == 'zero' else 'positive'} "
                                 f"integer, got {v!r}")
             out[k] = int(v)
         elif k == "recompute":
             if v not in RECOMPUTE:
-                raise SpecError(f"--fix: recompute must be one of {', '.join(RECOMPUTE)}, got {v!r}")
+                raise SpecError(f"{option}: recompute must be one of {', '.join(RECOMPUTE)}, got {v!r}")
             out[k] = v
         elif k == "cp_comm":
             if v not in CP_COMM:
-                raise SpecError(f"--fix: cp_comm must be p2p (ring attention) or a2a (Ulysses), got {v!r}")
+                raise SpecError(f"{option}: cp_comm must be p2p (ring attention) or a2a (Ulysses), got {v!r}")
             out[k] = v
         elif k == "offload":
             from ..spec.parallel import Offload
-            out[k] = Offload.parse(v).text()
+            try:
+                out[k] = Offload.parse(v).text()
+            except SpecError as e:
+                raise SpecError(f"{option}: {e}") from None
         elif k == "sp":
             if v not in SP:
-                raise SpecError(f"--fix: sp must be on, off or auto, got {v!r}")
+                raise SpecError(f"{option}: sp must be on, off or auto, got {v!r}")
             out[k] = SP[v]
         else:
             out[k] = v
     if "v" in out and not _takes_chunks(out.get("schedule")):
-        raise SpecError("--fix: v (chunks per rank) needs a schedule that takes it as an option "
+        raise SpecError(f"{option}: v (chunks per rank) needs a schedule that takes it as an option "
                         "(schedule=interleaved)")
     return out
+
+
+def fix_text(fix: dict) -> str:
+    """A parsed configuration as the user writes it: ``tp=8,pp=2``."""
+    return ",".join(f"{k}={v}" for k, v in fix.items())
 
 
 def _takes_chunks(schedule: str | None) -> bool:

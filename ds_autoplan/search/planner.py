@@ -25,7 +25,7 @@ from . import partition as part
 from .dp import INF, Context
 from .pipeline import DEFAULT_SCHEDULES, Eval, available, choose_schedule, sim_sizes, \
     chunks_per_rank, full_recompute_evals, schedule_options, simulate_layers, stage_figures
-from .fix import RECOMPUTE, parse_fix
+from .fix import RECOMPUTE, fix_text, parse_fix
 from .space import divisors, strategies as wide_strategies
 
 
@@ -160,7 +160,7 @@ class Planner:
         if "schedule" in fx:
             if not available([fx["schedule"]]):
                 from ..schedule import names
-                raise SpecError(f"--fix: unknown schedule {fx['schedule']!r}; choose from {', '.join(names())}")
+                raise SpecError(f"schedule={fx['schedule']}: unknown schedule; choose from {', '.join(names())}")
             schedules = [fx["schedule"]]
         self.ckpt = RECOMPUTE[fx.get("recompute", "auto")]
         self.offload_fix = Offload.parse(fx["offload"]) if "offload" in fx else None
@@ -193,8 +193,8 @@ class Planner:
             self.pps = [pp]
         if tp is not None:
             if tp not in self.tps:
-                raise SpecError(f"tp={tp} is not possible here; choose from {self.tps} (divides the "
-                                f"heads and the devices of a node)")
+                raise SpecError(f"tp={tp} is not possible here: {self._tp_limit(tp, max_tp)}; "
+                                f"choose from {self.tps}")
             self.tps = [tp]
         if sequence_parallel not in SP_MODES:
             raise SpecError(f"sequence_parallel must be one of {', '.join(SP_MODES)}, got {sequence_parallel!r}")
@@ -209,7 +209,7 @@ class Planner:
         if self.offload_fix is not None and self.offload_fix.any:
             missing = cluster.offload_missing(nvme=self.offload_fix.device == "nvme")
             if missing:
-                raise SpecError(f"--fix offload={self.offload_fix.text()}: cluster {cluster.name!r} has no "
+                raise SpecError(f"offload={self.offload_fix.text()}: cluster {cluster.name!r} has no "
                                 f"host figures to offload with (missing {', '.join(missing)}; "
                                 "`ds-autoplan profile --hardware` measures them)")
         self._ctx: dict = {}
@@ -217,6 +217,20 @@ class Planner:
         self._seq = np.concatenate([[0], self.cm.block_types, [1]])
         self.max_mbs = self.micro_batch_bound()
         self.evaluated = 0
+
+    def _tp_limit(self, t: int, max_tp: int | None) -> str:
+        """Why tensor degree ``t`` is not searched: what it fails to divide (tensor parallelism
+        splits the attention heads and the key/value heads, within one node), in the model
+        file's own field names."""
+        from ..spec.presets import field_name
+        G, cfg = self.cluster.gpus_per_node, self.model.config
+        heads, kv = self.model.heads, int(cfg.get("kv_heads", self.model.heads))
+        why = [f"it does not divide the {G} devices of a node" if G % t else
+               f"it is more than {max_tp}, the widest allowed" if max_tp and t > max_tp else ""]
+        why += [f"it does not divide the {n} {what} ({field_name(cfg, k)}={n})" for k, n, what in
+                (("heads", heads, "attention heads"), ("kv_heads", kv, "key/value heads"))
+                if n % t and (k == "heads" or kv != heads)]
+        return "; ".join(w for w in why if w) or "it is outside the space searched"
 
     def micro_batch_bound(self) -> int:
         """The largest micro-batch per device any plan could hold: even its leanest layout
@@ -236,9 +250,9 @@ class Planner:
         E = self.cm.num_experts
         eps = divisors(E) if E > 1 else [1]
         if "ep" in self.fix and self.fix["ep"] not in eps:
-            raise SpecError(f"--fix ep={self.fix['ep']}: expert parallelism must divide the model's "
+            raise SpecError(f"ep={self.fix['ep']}: expert parallelism must divide the model's "
                             f"{E} routed experts; choose from {eps}" if E > 1 else
-                            f"--fix ep={self.fix['ep']}: {self.model.name} has no experts (ep=1)")
+                            f"ep={self.fix['ep']}: {self.model.label} has no experts (ep=1)")
         return [self.fix["ep"]] if "ep" in self.fix else eps
 
     def _context_degrees(self) -> list[int]:
@@ -251,7 +265,7 @@ class Planner:
             return ok
         c = self.fix["cp"]
         if c > 1 and (m.arch not in ("gpt", "llama") or s % (2 * c) or self.N % c):
-            raise SpecError(f"--fix cp={c}: context parallelism needs a decoder-only model whose "
+            raise SpecError(f"cp={c}: context parallelism needs a decoder-only model whose "
                             f"sequence ({s}) is a multiple of 2 cp and cp dividing the {self.N} devices")
         return [c]
 
@@ -901,7 +915,7 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
                  moe_imbalance=moe_imbalance)
     if next(pl.combos(), None) is None:
         if pl.fix:
-            raise SpecError(f"--fix {pl.fix}: no layout of {cluster.world_size} devices and global "
+            raise SpecError(f"{fix_text(pl.fix)}: no layout of {cluster.world_size} devices and global "
                             f"batch {global_batch} has these values (pp x tp x dp = devices, "
                             f"micro-batch x micro-batches x dp = batch, micro-batches >= pp)")
         raise SpecError(f"global batch {global_batch} is not divisible into micro-batches for "
@@ -926,8 +940,7 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
     if best is None or not best.ok:
         need = pl.min_memory()
         E = pl.E / GB
-        what = f"model {model.name}" if not pl.fix else \
-            f"model {model.name} with --fix " + ",".join(f"{k}={v}" for k, v in pl.fix.items())
+        what = f"model {model.label}" + (f" with {fix_text(pl.fix)}" if pl.fix else "")
         if math.isfinite(need) and need > pl.E:
             raise SpecError(f"{what} cannot fit on {cluster.name} with global batch "
                             f"{global_batch}: needs at least {need / GB:.1f} GB per device, budget is "
@@ -937,7 +950,7 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
                             f"{global_batch}: no schedule, split and recompute choice it allows stays "
                             f"within the {E:.1f} GB budget per device (a memory-balanced 1F1B split "
                             f"would need {need / GB:.1f} GB)")
-        raise SpecError(f"model {model.name} cannot fit on {cluster.name} at any setting "
+        raise SpecError(f"model {model.label} cannot fit on {cluster.name} at any setting "
                         f"(budget {E:.1f} GB per device)")
     # the winner's simulation (2P micro-batches) is kept for the Gantt and memory plots
     e = (best.alts or [None])[0]

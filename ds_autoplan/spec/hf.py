@@ -195,6 +195,25 @@ def _decoder(d: dict, mt: str, g, src: str) -> dict:
     return out
 
 
+# our size fields -> the config.json keys that give them, in the order they are looked for
+_SIZE_KEYS = {"num_layers": ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers"),
+              "hidden": ("hidden_size", "n_embd", "d_model", "word_embed_proj_dim"),
+              "heads": ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads"),
+              "kv_heads": ("num_key_value_heads",),
+              "ffn": ("intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim"),
+              "vocab": ("vocab_size",)}
+
+
+def model_name(d: dict, src: str, model_type: str) -> str:
+    """What a config.json's model is called: the Hub name it was saved from
+    (``_name_or_path``: ``meta-llama/Llama-2-7b-hf`` gives ``Llama-2-7b-hf``), else its folder
+    (configs/hf/Qwen3-8B/config.json: ``Qwen3-8B``), else its model_type."""
+    hub = str(d.get("_name_or_path") or "").rstrip("/")
+    if hub:
+        return hub.rsplit("/", 1)[-1]
+    return Path(src).resolve().parent.name or model_type
+
+
 def from_hf_config(d: dict, src: str) -> dict:
     """Map a Hugging Face config.json (no weights) to our preset fields: sizes, head size,
     gates, tied embeddings, biases, norms, RoPE base and scaling, sliding windows, experts,
@@ -204,14 +223,11 @@ def from_hf_config(d: dict, src: str) -> dict:
     g = lambda *ks, default=None: next((d[k] for k in ks if d.get(k) is not None), default)  # noqa: E731
     arch = "llama" if mt in _DECODERS else _OTHER[mt]
     seq, ctx, note = _seq(d, g)
-    out = {"name": Path(src).parent.name or mt, "arch": arch, "family": mt,
-           "num_layers": g("num_hidden_layers", "n_layer", "num_layers", "encoder_layers"),
-           "hidden": g("hidden_size", "n_embd", "d_model", "word_embed_proj_dim"),
-           "heads": g("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads"),
-           "kv_heads": g("num_key_value_heads"),
-           "ffn": g("intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim"),
-           "vocab": g("vocab_size"),
-           "seq_len": seq, "max_positions": ctx, "seq_note": note,
+    sizes = {f: g(*keys) for f, keys in _SIZE_KEYS.items()}
+    # refusals name the keys of the user's file: the one read, else the first one looked for
+    keys = {f: next((k for k in ks if d.get(k) is not None), ks[0]) for f, ks in _SIZE_KEYS.items()}
+    out = {"name": model_name(d, src, mt), "arch": arch, "family": mt, **sizes,
+           "seq_len": seq, "max_positions": ctx, "seq_note": note, "source_keys": keys,
            "tie_embeddings": bool(d.get("tie_word_embeddings", mt not in _UNTIED_OTHER)),
            "norm_eps": g("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "layernorm_epsilon")}
     if arch == "llama":

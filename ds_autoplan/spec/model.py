@@ -15,7 +15,7 @@ from pathlib import Path
 from . import SpecError
 from .blocks import ACTIVATIONS, BlockShape
 from .hf import from_hf_config
-from .presets import need, resolve, read_mapping
+from .presets import field_name, need, resolve, read_mapping
 
 ARCHS = ("gpt", "llama", "bert", "t5", "vit")
 
@@ -57,6 +57,13 @@ class ModelSpec:
     pre: LayerSpec
     post: LayerSpec
     config: dict = field(default_factory=dict)   # the source mapping (for emitters)
+
+    @property
+    def label(self) -> str:
+        """The model as messages name it: a preset by its name, a model from the user's file
+        by its name and the file (``'Llama-2-7b' (ckpt/config.json)``)."""
+        src = self.config.get("source")
+        return f"{self.name!r} ({src})" if src else self.name
 
     @property
     def type_ids(self) -> list[int]:
@@ -112,7 +119,9 @@ FIELDS = {"name", "arch", "num_layers", "hidden", "heads", "kv_heads", "ffn", "v
           # read from Hugging Face configs; carried to the Megatron flags (emit/megatron.py)
           "tie_embeddings", "linear_bias", "qkv_bias", "rope_base", "rope_scaling_factor",
           "rope_scaling_type", "rope_scaling", "rotary_percent", "norm_eps", "max_positions",
-          "seq_note", "family"}
+          "seq_note", "family",
+          # the user's file and its names for our fields (messages name them; spec/hf.py)
+          "source", "source_keys"}
 
 
 def tied_embeddings(d: dict) -> bool:
@@ -167,17 +176,20 @@ def _mla(d: dict, src: str) -> tuple:
 
 def _shapes(d: dict, arch: str, s: int, src: str) -> list[BlockShape]:
     """One BlockShape per transformer block (encoder blocks for T5)."""
-    L = _depth(need(d, "num_layers", int, src), "num_layers", src)
+    L = _depth(need(d, "num_layers", int, src), field_name(d, "num_layers"), src)
     h = need(d, "hidden", int, src)
     heads = need(d, "heads", int, src)
     kv = need(d, "kv_heads", int, src, heads)
+    n = {k: field_name(d, k) for k in ("hidden", "heads", "kv_heads")}
     if heads % kv:
-        raise SpecError(f"{src}: kv_heads {kv} does not divide heads {heads} (grouped-query "
-                        "attention shares each K/V head among a whole number of query heads)")
+        raise SpecError(f"{src}: {n['kv_heads']} {kv} does not divide {n['heads']} {heads} "
+                        "(grouped-query attention shares each K/V head among a whole number of "
+                        "query heads)")
     hd = _count(d, "head_dim", src)
     if not hd:
         if h % heads:
-            raise SpecError(f"{src}: hidden {h} is not divisible by heads {heads} (set head_dim)")
+            raise SpecError(f"{src}: {n['hidden']} {h} is not divisible by {n['heads']} {heads} "
+                            "(set head_dim)")
         hd = h // heads
     act = str(d.get("activation", "swiglu" if arch == "llama" else "gelu")).lower()
     if act not in ACTIVATIONS:
@@ -272,6 +284,8 @@ def load_model(model: "str | ModelSpec | dict", seq: int | None = None) -> Model
             d, src = resolve(str(model), "models")
         if "model_type" in d or "architectures" in d:
             d = from_hf_config(d, src)
+        if src == str(model):              # the user's file, not a preset
+            d = {**d, "source": src}
         m = build_model(d, src)
     if seq is not None:
         if int(seq) <= 0:
