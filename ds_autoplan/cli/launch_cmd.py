@@ -33,7 +33,21 @@ def _planner_options(env) -> dict:
             "out": env_str("DS_AUTOPLAN_OUT", "ds_autoplan_out", env=env),
             "pp": env_int("DS_AUTOPLAN_PP", env=env),
             "schedules": _known_schedules(env_list("DS_AUTOPLAN_SCHEDULES", env=env),
-                                          "DS_AUTOPLAN_SCHEDULES")}
+                                          "DS_AUTOPLAN_SCHEDULES"),
+            "offload": _known_offload(env_str("DS_AUTOPLAN_OFFLOAD", env=env), "DS_AUTOPLAN_OFFLOAD")}
+
+
+def _known_offload(text, where: str):
+    """An offload restriction in spec.parallel.Offload's text form (None: the planner's
+    choice), refused in one line when malformed."""
+    if text is None:
+        return None
+    from ..spec import SpecError
+    from ..spec.parallel import Offload
+    try:
+        return Offload.parse(text).text()
+    except SpecError as e:
+        raise UserError(f"{where}: {e}") from None
 
 
 def _known_schedules(scheds, where: str):
@@ -46,13 +60,14 @@ def _known_schedules(scheds, where: str):
         raise UserError(f"{where}: {e}") from None
 
 
-def _plan_model_now(model, cluster, global_batch, pp, schedules, world, out) -> str:
+def _plan_model_now(model, cluster, global_batch, pp, schedules, world, out, offload=None) -> str:
     """Plan a model description before launch; returns plan.json's path."""
     from ..emit.deepspeed import ds_config
     from ..search import plan_model
     from ..spec import SpecError
     try:
-        plan = plan_model(model, cluster, global_batch, pp=pp, schedules=schedules)
+        plan = plan_model(model, cluster, global_batch, pp=pp, schedules=schedules,
+                          fix={"offload": offload} if offload else None)
     except (SpecError, ValueError, KeyError) as e:
         raise UserError(f"planning {model} on {cluster} failed: {e}") from None
     if plan.world != world:
@@ -68,7 +83,7 @@ def _plan_model_now(model, cluster, global_batch, pp, schedules, world, out) -> 
 
 
 def apply_autoplan(args, world: int, env, model=None, cluster=None, global_batch=None, out=None,
-                   pp=None, schedules=None, via: str = "env") -> dict:
+                   pp=None, schedules=None, via: str = "env", offload=None) -> dict:
     """Rewrite the parsed launcher ``args`` so every rank runs the script through the
     bootstrap with the planner options (``--ds-autoplan=`` base64 JSON, shell-safe for
     multi-node launchers); with a ``model`` description, plan it now.  ``via``: how the user
@@ -84,12 +99,12 @@ def apply_autoplan(args, world: int, env, model=None, cluster=None, global_batch
     out = resolve_folder(out, create=False)[0]
     opts = {"cluster": cluster or o["cluster"], "global_batch": global_batch or o["global_batch"],
             "pp": pp or o["pp"], "schedules": schedules or o["schedules"], "out": out,
-            "module": bool(args.module), "via": via}
+            "offload": offload or o["offload"], "module": bool(args.module), "via": via}
     model = model or o["model"]
     if model:
         opts["plan"] = env[PLAN_ENV] = _plan_model_now(
             model, opts["cluster"] or f"cpu-{world}", opts["global_batch"] or 8, opts["pp"],
-            opts["schedules"], world, out)
+            opts["schedules"], world, out, opts["offload"])
     blob = base64.urlsafe_b64encode(json.dumps(opts).encode()).decode()
     args.user_args = [f"--ds-autoplan={blob}", args.user_script, *args.user_args]
     args.user_script, args.module = BOOTSTRAP, True
@@ -134,6 +149,9 @@ def _own_parser():
                    help="default: the script's DeepSpeed config (train_batch_size)")
     p.add_argument("--pp", type=int, default=None, help="restrict the search to this pipeline degree")
     p.add_argument("--schedules", default=None, help="comma-separated candidate schedules")
+    p.add_argument("--offload", default=None,
+                   help="what the plan offloads: none, opt, opt:FRACTION, opt+param (docs/offload.md); "
+                        "default: the planner's choice")
     p.add_argument("--out", default=None,
                    help=f"folder for plan.json, {MERGED_CONFIG} (the script's config merged with "
                         "the plan) and profile.json (default ds_autoplan_out); nothing else in it "
@@ -144,12 +162,12 @@ def _own_parser():
 
 def add_parser(subparsers):
     # every argument is passed through untouched ("+" is no option prefix for deepspeed or us):
-    # ours (--model, --cluster, --global-batch, --pp, --schedules, --out) are taken from the
+    # ours (--model, --cluster, --global-batch, --pp, --schedules, --offload, --out) are taken from the
     # part before the script
     p = subparsers.add_parser("launch", prefix_chars="+", add_help=False,
                               help="run the deepspeed launcher with the script's model planned "
                                    "(options: --model --cluster --global-batch --pp --schedules "
-                                   "--out, then deepspeed launcher options, script, script args)",
+                                   "--offload --out, then deepspeed launcher options, script, script args)",
                               description=doc_description(__doc__))
     p.add_argument("argv", nargs=argparse.REMAINDER)
     p.set_defaults(func=run)
@@ -195,7 +213,8 @@ def run(args) -> int:
     scheds = _known_schedules([x.strip() for x in own.schedules.split(",") if x.strip()]
                               if own.schedules else None, "--schedules")
     apply_autoplan(a, launch_world(a), os.environ, own.model, own.cluster, own.global_batch,
-                   own.out, own.pp, scheds, via="launch")
+                   own.out, own.pp, scheds, via="launch",
+                   offload=_known_offload(own.offload, "--offload"))
     from ..runtime.deepspeed.shm import sweep
     try:
         runner.main(argv[:cut] + ["--module", a.user_script] + a.user_args)

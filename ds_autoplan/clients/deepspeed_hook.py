@@ -160,9 +160,10 @@ def plan_pipeline_module(model, user: dict, training_data, collate_fn, world: in
         res = search(to_model_spec(prof, flops_ref=cluster.flops), cluster, B,
                      precision=config_precision(user), tp=1, pp=options.get("pp"),
                      schedules=options.get("schedules"), wide=False, baselines=False,
-                     keep_sim=False, world_size=world)
+                     keep_sim=False, world_size=world,
+                     fix={"offload": options["offload"]} if options.get("offload") else None)
     except SpecError as e:
-        given = [option(options, k, options[k]) for k in ("pp", "schedules") if options.get(k)]
+        given = [option(options, k, options[k]) for k in ("pp", "schedules", "offload") if options.get(k)]
         raise AutoplanRefused(f"planning the script's {len(prof.units)} layers failed: {e}"
                               + (f" (restricted by {', '.join(given)})" if given else "")) from None
     plan = res.plan

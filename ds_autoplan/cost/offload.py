@@ -26,7 +26,11 @@ DeepSpeed 0.19.8, ZeRO-3 (``runtime/zero/stage3.py``), ``offload_optimizer`` wit
 on the host, the others by a torch AdamW on the device -- the device's steps come first and run
 asynchronously while the host steps its share, so the step takes the longer of the two; the
 offloaded share's fp32 master, gradient and moments live on the host (16 r / d), the rest on the
-device (16 (1 - r) / d: master, moments and its fp32 gradient).  ``offload_param`` (ZeRO-Infinity,
+device (16 (1 - r) / d: master, moments and its fp32 gradient at the step).  The gradient
+partitions of every parameter are kept on the host (``grad_partitions_flat_buffer`` on
+``self.device`` = cpu, the model dtype): each micro-batch after the first fetches, adds and
+returns them.
+``offload_param`` (ZeRO-Infinity,
 Rajbhandari et al. 2021 §5) keeps the 16-bit partitions on the host: every forward and backward
 fetches the rank's partition (cb / d) before the all-gather, and the step writes the parameters
 on the host (no copy back).  On NVMe (ZeRO-Infinity §5.1, DeepSpeed's swappers) the states are read
@@ -128,13 +132,17 @@ def terms(engine: str, precision: str, zero: int, d: float, off: Offload,
                             cpu=1.0 / d, d2h=(4.0 + (2 * cb if zero == 1 else 0.0)) / d, h2d=cb / d,
                             accum=2 * cb / d if zero == 2 else 0.0)
     nv = off.device == "nvme"
-    p_dev = 0.0 if off.params else cb / d
-    states = 16.0 * r / d
-    return OffloadTerms(device=(p_dev, cb / d, 16.0 * (1 - r) / d),
-                        host=states + (cb / d if off.params else 0.0),     # NVMe: capped, host_cap
-                        nvme=(states + (cb / d if off.params else 0.0)) if nv else 0.0,
+    # the whole gradient partition lives on the host (grad_partitions_flat_buffer on
+    # self.device = cpu, in grad_accum_dtype: the model's by default, engine.get_data_types):
+    # every micro-batch after the first brings it over, adds and sends it back; the offloaded
+    # share's fp32 master and moments are host (or NVMe)
+    states, grads = 12.0 * r / d, cb / d
+    p_host = cb / d if off.params else 0.0
+    return OffloadTerms(device=(0.0 if off.params else cb / d, 0.0, 16.0 * (1 - r) / d),
+                        host=states + grads + p_host,       # NVMe: capped, host_cap
+                        nvme=(states + p_host) if nv else 0.0,
                         cpu=r / d, gpu=(1 - r) / d, d2h=4.0 * r / d,
-                        h2d=0.0 if off.params else cb * r / d,
+                        h2d=0.0 if off.params else cb * r / d, accum=2 * grads,
                         fetch=cb / d if off.params else 0.0,
                         nvme_step=28.0 * r / d if nv else 0.0,
                         nvme_fetch=cb / d if nv and off.params else 0.0, concurrent=r < 1)

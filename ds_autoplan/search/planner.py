@@ -811,12 +811,13 @@ class Planner:
     def min_memory(self) -> float:
         """Least per-device memory of any configuration of the (restricted) space, for the
         'cannot fit' message: its smallest micro-batch, a memory-balanced split, every block
-        recomputed unless the recompute mode rules that out (max pipeline stage)."""
+        recomputed unless the recompute mode rules that out (max pipeline stage); offloads
+        whose states the node's host memory cannot hold left out."""
         combos = list(self.combos())
         mb = min((c.micro_batch for c in combos), default=None)
         best = INF
         for c in combos:
-            if c.micro_batch != mb:
+            if c.micro_batch != mb or self._host_floor(c) > self.host_E:   # host memory too small
                 continue
             strats = self.mode_strats(c, self.ckpt)
             ctx = self.ctx_of(c, strats)
@@ -941,15 +942,19 @@ def search(model, cluster, global_batch: int, seq: int | None = None, *, precisi
         need = pl.min_memory()
         E = pl.E / GB
         what = f"model {model.label}" + (f" with {fix_text(pl.fix)}" if pl.fix else "")
+        missing = cluster.offload_missing()
+        host = (f"; offloading weighed too ({pl.host_E / GB:.0f} GB of host memory usable per node)"
+                if not missing else f"; offloading not weighed: the cluster has no host figures "
+                f"(missing {', '.join(missing)}; `ds-autoplan profile --hardware` measures them)")
         if math.isfinite(need) and need > pl.E:
             raise SpecError(f"{what} cannot fit on {cluster.name} with global batch "
                             f"{global_batch}: needs at least {need / GB:.1f} GB per device, budget is "
-                            f"{E:.1f} GB (short by {need / GB - E:.1f} GB)")
+                            f"{E:.1f} GB (short by {need / GB - E:.1f} GB){host}")
         if math.isfinite(need):     # the 1F1B floor fits; the schedules allowed hold more in flight
             raise SpecError(f"{what} cannot fit on {cluster.name} with global batch "
                             f"{global_batch}: no schedule, split and recompute choice it allows stays "
                             f"within the {E:.1f} GB budget per device (a memory-balanced 1F1B split "
-                            f"would need {need / GB:.1f} GB)")
+                            f"would need {need / GB:.1f} GB){host}")
         raise SpecError(f"model {model.label} cannot fit on {cluster.name} at any setting "
                         f"(budget {E:.1f} GB per device)")
     # the winner's simulation (2P micro-batches) is kept for the Gantt and memory plots
