@@ -232,3 +232,16 @@ def test_launch_takes_an_offload_restriction_and_refuses_a_bad_one(capsys, monke
     from ds_autoplan.search import plan_model
     p = plan_model("gpt-tiny", "cpu-2", 8, fix={"offload": "opt"})
     assert p.offload == "opt" and p.zero_stage >= 1
+
+
+def test_nvme_offload_needs_the_nodes_nvme_to_hold_the_states():
+    """ZeRO-Infinity on NVMe: LLaMA 3 405B on one DGX A100 fits only with the states on NVMe
+    (30 TB); the same node with a 1 TB drive cannot hold them and the search says it cannot fit."""
+    p = search("llama3-405b", "8xa100-80gb", 8, wide=False, baselines=False).plan
+    assert p.parallel.offload.device == "nvme" and p.zero_stage == 3
+    small = {**load_cluster("8xa100-80gb").__dict__, "nvme_gb": 1000}
+    with pytest.raises(SpecError, match="cannot fit"):
+        search("llama3-405b", small, 8, wide=False, baselines=False)
+    cm = CostModel(load_model("llama3-405b"), load_cluster(small), "bf16", "deepspeed", execution="deepspeed")
+    assert not config_cost(cm, Config(zero=3, dp=8, offload="nvme:opt+param", micro_batch=1,
+                                      num_microbatches=1, recompute="full")).fits

@@ -159,6 +159,9 @@ def config_cost(cm: CostModel, cfg: Config, budget: float | None = None,
     node_host = 0.0
     if cfg.offload.any:
         from .offload import host_budget_bytes, host_cap, node_host_bytes
+        if cfg.offload.device == "nvme":      # the states on the node's NVMe (cost/offload.py)
+            from ..spec.cluster import GB
+            fits = fits and node_host_bytes(host, cfg.stage_ranks, cm.cluster) <= (cm.cluster.nvme_gb or 0.0) * GB
         host = np.minimum(host, host_cap(cfg.offload, 4.0 if cm.precision == "fp32" else 2.0))
         node_host = node_host_bytes(host, cfg.stage_ranks, cm.cluster)
         fits = fits and node_host <= host_budget_bytes(cm.cluster)

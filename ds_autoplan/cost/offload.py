@@ -77,7 +77,6 @@ class OffloadTerms:
     """What one offload costs per parameter a rank holds (module docstring)."""
     device: tuple            # (parameter, gradient, optimizer) bytes left on the device
     host: float = 0.0        # host bytes
-    nvme: float = 0.0        # NVMe bytes
     cpu: float = 0.0         # parameters stepped by the host
     gpu: float = 0.0         # parameters stepped on the device
     d2h: float = 0.0         # to the host at the boundary, beside the last backward (DeepSpeed)
@@ -139,8 +138,9 @@ def terms(engine: str, precision: str, zero: int, d: float, off: Offload,
     states, grads = 12.0 * r / d, cb / d
     p_host = cb / d if off.params else 0.0
     return OffloadTerms(device=(0.0 if off.params else cb / d, 0.0, 16.0 * (1 - r) / d),
-                        host=states + grads + p_host,       # NVMe: capped, host_cap
-                        nvme=(states + p_host) if nv else 0.0,
+                        # on NVMe the host keeps buffers (host_cap) and this is what NVMe
+                        # holds (the host's gradient partition too: a bound from above)
+                        host=states + grads + p_host,
                         cpu=r / d, gpu=(1 - r) / d, d2h=4.0 * r / d,
                         h2d=0.0 if off.params else cb * r / d, accum=2 * grads,
                         fetch=cb / d if off.params else 0.0,
@@ -152,7 +152,8 @@ def host_cap(off: Offload, cb: float = 2.0) -> float:
     """The most host bytes one rank pins whatever its partition: with NVMe, the swappers'
     buffers (``buffer_count`` sub-groups of ``sub_group_size`` fp32 elements for the optimizer,
     ``max_in_cpu`` parameter elements); ``terms`` charges NVMe's states as host bytes up to this
-    cap (a small partition is buffered whole).  Unbounded for host memory."""
+    cap (a small partition is buffered whole), uncapped they are what NVMe must hold.  Unbounded
+    for host memory."""
     if off.device != "nvme":
         return float("inf")
     return (NVME_OPT_BUFFERS * 4.0 * SUB_GROUP_SIZE if off.optimizer else 0.0) + \

@@ -347,17 +347,18 @@ class Planner:
         return [o for o in want if (o.any or dd > 1 or z == 0) and (z > 0 or not o.any)
                 and self.cm.offload_refusal(Strategy(1, 1, z, offload=o), P) is None]
 
-    def host_need(self, c: Parallel, ctx: Context, parts) -> float:
-        """Host bytes of the busiest node of ``c`` with stage sizes ``parts`` (schedule stages
-        on rank ``stage % pp``; 0 without offload)."""
+    def host_need(self, c: Parallel, ctx: Context, parts) -> tuple[float, float]:
+        """(host, NVMe) bytes of the busiest node of ``c`` with stage sizes ``parts`` (schedule
+        stages on rank ``stage % pp``; 0 without offload, NVMe 0 unless offloaded there)."""
         if not c.offload.any or not parts:
-            return 0.0
+            return 0.0, 0.0
         host = ctx.tab.host[ctx.seq, 0]
         per_rank = np.zeros(c.pp)
         for i, (lo, hi) in enumerate(ctx.bounds(tuple(parts))):
             per_rank[i % c.pp] += host[lo:hi].sum()
         cap = ofl.host_cap(c.offload, 4.0 if self.precision == "fp32" else 2.0)
-        return ofl.node_host_bytes(np.minimum(per_rank, cap), c.stage_ranks, self.cluster)
+        nvme = ofl.node_host_bytes(per_rank, c.stage_ranks, self.cluster) if c.offload.device == "nvme" else 0.0
+        return ofl.node_host_bytes(np.minimum(per_rank, cap), c.stage_ranks, self.cluster), nvme
 
     def config(self, **degrees) -> Parallel:
         """A configuration of this planner's space (keywords as :class:`Parallel`), with
@@ -503,14 +504,18 @@ class Planner:
         return min(tot / c.pp, cap) * min(self.cluster.gpus_per_node, c.world_size)
 
     def _check_host(self, cand: Candidate) -> None:
-        """Set the candidate's node host bytes; one beyond the host budget does not fit."""
+        """Set the candidate's node host bytes; one beyond the host budget (or, offloading to
+        NVMe, beyond the node's NVMe) does not fit."""
         if cand.ctx is None or not cand.par.offload.any:
             return
-        cand.host = self.host_need(cand.par, cand.ctx, cand.parts)
+        cand.host, nvme = self.host_need(cand.par, cand.ctx, cand.parts)
         if cand.host > self.host_E:
             cand.time = INF
             cand.note = (f"host memory: {cand.host / GB:.0f} GB per node needed, "
                          f"{self.host_E / GB:.0f} GB usable")
+        elif nvme > (self.cluster.nvme_gb or 0.0) * GB:
+            cand.time = INF
+            cand.note = f"NVMe: {nvme / GB:.0f} GB per node needed, {self.cluster.nvme_gb or 0:.0f} GB"
 
     def lower_bound(self, c: Parallel) -> float:
         """No bubble, perfect balance, no recompute: m * sum_l c_ns / P (for B&B ordering)."""
