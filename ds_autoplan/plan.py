@@ -1,42 +1,133 @@
 """The Plan: what the planner decided, in a form the runtimes execute unchanged.
 
-Contract (what both runtimes read): ``pp, tp, dp, zero_stage, micro_batch_size, num_microbatches,
-global_batch_size, precision, schedule, schedule_options, layers_per_stage,
-recompute_per_stage`` and :meth:`Plan.build_schedule`.  The degrees are those of one
-:class:`~ds_autoplan.spec.parallel.Parallel` (:attr:`Plan.parallel`; a plan is built from one
-with :meth:`Plan.parallel_fields`), kept flat in ``plan.json``; ``ep``, ``etp`` and ``cp``
-are absent from older plan files and default to no expert / context parallelism.  Extra fields carry the model /
-cluster identity, the per-layer-group strategies of the wide Galvatron mode and the
-predicted cost, so ``plan.json`` alone reproduces the report.
+A plan holds one :class:`~ds_autoplan.spec.parallel.Parallel` (:attr:`Plan.parallel`: every
+degree and the batch split), the schedule and its per-stage lists, the model / cluster
+identity, the per-layer strategies of the wide Galvatron mode and a typed
+:class:`Prediction` (:attr:`Plan.predicted`), so ``plan.json`` alone reproduces the report.
 
-A plan validates itself on construction (and so when read from JSON): sizes, batch triple,
-precision, per-stage lists against the schedule's stage count (the builder registry's
-description); a violation is a :class:`~ds_autoplan.errors.PlanError` naming the field.
+``plan.json`` is flat: the Parallel's fields are top-level keys under their own names, but for
+the three older files spell differently (:data:`FILE_NAMES`: ``zero_stage``,
+``sequence_parallel``, ``micro_batch_size``); ``chunks`` is not written (the schedule's
+``layers_per_stage`` give it), ``global_batch_size`` is written for the reader, and a field is
+written in its JSON form (:meth:`Parallel.as_dict`: the offload as its text).  A plan is
+built from a Parallel (``Plan(parallel=par, ...)``) or, as it reads from ``plan.json``, from
+those flat keys (``Plan(pp=2, micro_batch_size=4, ...)``), and reads them back as read-only
+attributes valued as in the file (``plan.zero_stage`` is ``plan.parallel.zero``,
+``plan.offload`` the offload's text), generated from the same table: a
+field added to Parallel is in ``plan.json`` and on the plan with no change here.  Keys a newer
+file has and this code does not know are ignored; keys an older file lacks take their
+defaults (no expert / context parallelism, no prediction).
+
+Contract (what both runtimes read): those degrees, ``global_batch_size, precision, schedule,
+schedule_options, layers_per_stage, recompute_per_stage`` and :meth:`Plan.build_schedule`.
+
+A plan validates itself on construction (and so when read from JSON): degrees (Parallel's own
+checks, named as plan.json names them), batch triple, precision, per-stage lists against the
+schedule's stage count (the builder registry's description); a violation is a
+:class:`~ds_autoplan.errors.PlanError` naming the field.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import PlanError
 from .spec import SpecError
-from .spec.parallel import Offload, Parallel
+from .spec.parallel import Parallel, ParallelError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+# plan.json's names for the Parallel fields it spells differently (the files of every version
+# use them); every other field is written under its own name
+FILE_NAMES = {"zero": "zero_stage", "sp": "sequence_parallel", "micro_batch": "micro_batch_size"}
+# Parallel fields plan.json does not hold: the chunks per rank are the schedule's stages / pp
+NOT_WRITTEN = ("chunks",)
+# plan.json key -> Parallel field
+PARALLEL_KEYS = {FILE_NAMES.get(f.name, f.name): f.name for f in dataclasses.fields(Parallel)
+                 if f.name not in NOT_WRITTEN}
 
 
-@dataclass
-class Plan:
-    pp: int = 1
-    tp: int = 1
-    dp: int = 1
-    zero_stage: int = 0
-    micro_batch_size: int = 1
-    num_microbatches: int = 1
-    global_batch_size: int = 0           # 0: micro_batch_size * num_microbatches * dp
+# the fields of a Prediction that record the search rather than predict the plan
+SEARCH_TABLES = ("baselines", "wide", "schedules_tried", "search_phases_s")
+
+
+def _when_set():
+    """A :class:`Prediction` field written to plan.json only when it has a value (older plans
+    and plans without what it measures have no key for it)."""
+    return field(default=None, metadata={"when_set": True})
+
+
+@dataclass(frozen=True)
+class Prediction(Mapping):
+    """What the cost model predicts for a plan, and the record of the search that chose it
+    (``plan.json``'s ``"predicted"`` object: the field names are its keys).
+
+    Every field is None when a plan file does not have it (a hand-made plan has no prediction
+    at all: :attr:`Plan.predicted` is None).  Fields made with :func:`_when_set` are left out of
+    ``plan.json`` while None; a new measure (host memory when offloading) is such a field, so
+    plans without it are written as before.  The object also reads as its ``plan.json`` object
+    (``pred["mfu"]``, ``pred.get(...)``) for scripts written against that dict."""
+    # -- the prediction
+    iteration_time_s: float | None = None
+    throughput_tokens_per_s: float | None = None
+    samples_per_s: float | None = None
+    mfu: float | None = None
+    peak_memory_gb_per_stage: list | None = None     # per pipeline rank, GB (rounded to MB)
+    memory_budget_gb: float | None = None            # usable device memory the plan fits
+    memory_headroom_gb: float | None = None          # kept free below the budget
+    memory_runtime: str | None = None                # whose accounting: any, megatron, deepspeed
+    # what is offloaded, the busiest node's host GB and budget, the seconds it adds; or why none
+    # (search/result.py offload_summary)
+    offload: dict | None = _when_set()
+    execution: str | None = None                     # the engine's execution model (cost/engines.py)
+    error_band: dict | None = None                   # the expected error (cost.engines.error_band)
+    # -- the search that chose the plan (the report's tables)
+    search_time_s: float | None = None
+    baselines: dict | None = None                    # name -> Candidate.summary row (None: OOM)
+    wide: dict | None = None                         # the wide Galvatron-BMW mode's entries
+    candidates_evaluated: int | None = None
+    ratio_vs_best_baseline: float | None = None
+    wide_gain: float | None = _when_set()
+    wide_gain_vs_1f1b: float | None = _when_set()
+    schedules_tried: list | None = None              # per schedule: time, fits, split, memory
+    search_phases_s: dict | None = _when_set()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None or not f.metadata.get("when_set")}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Prediction | None":
+        """The prediction of a plan file's ``"predicted"`` object (None for an empty one)."""
+        if not isinstance(d, Mapping):
+            raise PlanError(f"plan: predicted must be a JSON object, got {d!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names}) if d else None
+
+    def figures(self) -> dict[str, Any]:
+        """The predicted figures, every field but the search's tables (baselines, wide-mode
+        entries, schedules tried, phase timings): what a one-line summary of the plan reports."""
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name not in SEARCH_TABLES}
+
+    # the plan.json object's view
+    def __getitem__(self, key: str):
+        return self.to_dict()[key]
+
+    def __iter__(self):
+        return iter(self.to_dict())
+
+    def __len__(self) -> int:
+        return len(self.to_dict())
+
+
+@dataclass(eq=True)
+class _PlanFields:
+    parallel: Parallel = field(default_factory=Parallel)
     precision: str = "bf16"
     schedule: str = "1f1b"
     schedule_options: dict = field(default_factory=dict)
@@ -48,52 +139,57 @@ class Plan:
     seq_len: int = 0
     num_layers: int = 0
     world_size: int = 1
-    sequence_parallel: bool = False      # Megatron SP (tp > 1 only); absent in old plan files
     selective_recompute: bool = False    # attention core recomputed on every layer (Megatron only)
     partitioner: str = "bmw"
-    ep: int = 1                          # expert parallelism (absent in old plan files)
-    etp: int = 0                         # expert tensor parallelism; 0: Megatron's default (= tp)
-    cp: int = 1                          # context parallelism
-    cp_comm: str = "p2p"                 # p2p: Megatron ring attention; a2a: Ulysses all-to-all
-    offload: str = "none"                # spec.parallel.Offload's text form (absent in old plan files)
-    # per-layer strategies of the wide (Galvatron) search: list of dicts
-    # {"tp": int, "dp": int, "sdp": bool, "ckpt": bool} (one per model layer)
+    # per-unit strategy labels of the wide (Galvatron) search (embedding, blocks, head)
     layer_strategies: list = field(default_factory=list)
-    predicted: dict = field(default_factory=dict)   # iteration_time_s, tokens/s, memory ...
+    predicted: Prediction | None = None
     notes: list = field(default_factory=list)
 
-    def __post_init__(self):
-        if self.etp == 0:
-            self.etp = self.tp
-        if self.global_batch_size == 0:
-            self.global_batch_size = self.micro_batch_size * self.num_microbatches * self.dp
+
+class Plan(_PlanFields):
+    """See the module docstring.  ``Plan(parallel=par, ...)`` or ``Plan(pp=..., ...)`` with
+    plan.json's flat degree keys (not both); ``global_batch_size`` is checked against the
+    batch split (0: not given); ``predicted`` a :class:`Prediction` or its plan.json object."""
+
+    def __init__(self, parallel: Parallel | None = None, *, global_batch_size: int = 0, **kw):
+        flat = {PARALLEL_KEYS[k]: kw.pop(k) for k in list(kw) if k in PARALLEL_KEYS}
+        if parallel is not None and flat:
+            raise TypeError(f"Plan: give parallel= or the degrees {sorted(flat)}, not both")
+        if flat.get("etp") == 0:            # older callers: 0 for Megatron's default (= tp)
+            flat["etp"] = None
+        if kw.get("predicted") is not None and not isinstance(kw["predicted"], Prediction):
+            kw["predicted"] = Prediction.from_dict(kw["predicted"])
+        try:
+            par = Parallel(**flat) if parallel is None else parallel
+        except ParallelError as e:
+            raise PlanError(f"plan: {FILE_NAMES.get(e.field, e.field)} {e.problem}"
+                            if e.field else f"plan: {e.problem}") from None
+        except SpecError as e:
+            raise PlanError(f"plan: {e}") from None
+        super().__init__(parallel=par, **kw)
+        gbs = global_batch_size or par.global_batch
+        if not isinstance(gbs, int) or isinstance(gbs, bool) or gbs < 1:
+            raise PlanError(f"plan: global_batch_size must be a positive integer, got {gbs!r}")
+        if gbs != par.global_batch:
+            raise PlanError(f"plan: global_batch_size {gbs} != micro_batch_size "
+                            f"{par.micro_batch} x num_microbatches {par.num_microbatches} "
+                            f"x dp {par.dp}")
         self.validate()
+        # the chunks per rank are the schedule's: its stages over the pipeline ranks
+        self.parallel = par.with_(chunks=max(1, len(self.layers_per_stage) // par.pp))
 
     def validate(self) -> "Plan":
-        """Raise :class:`PlanError` on the first field no runtime can execute."""
-        for k in ("pp", "tp", "dp", "ep", "etp", "cp", "micro_batch_size", "num_microbatches",
-                  "global_batch_size"):
-            v = getattr(self, k)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise PlanError(f"plan: {k} must be a positive integer, got {v!r}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise PlanError(f"plan: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        """Raise :class:`PlanError` on the first field no runtime can execute (the degrees
+        were checked when the plan's Parallel was made)."""
         if self.precision not in PRECISIONS:
             raise PlanError(f"plan: precision must be one of {', '.join(PRECISIONS)}, "
                             f"got {self.precision!r}")
-        if self.global_batch_size != self.micro_batch_size * self.num_microbatches * self.dp:
-            raise PlanError(f"plan: global_batch_size {self.global_batch_size} != micro_batch_size "
-                            f"{self.micro_batch_size} x num_microbatches {self.num_microbatches} "
-                            f"x dp {self.dp}")
         if not isinstance(self.schedule, str) or not self.schedule:
             raise PlanError(f"plan: schedule must be a builder name, got {self.schedule!r}")
         if not isinstance(self.schedule_options, dict):
             raise PlanError(f"plan: schedule_options must be a mapping, got {self.schedule_options!r}")
         self._validate_stages()
-        try:
-            self.parallel
-        except SpecError as e:
-            raise PlanError(f"plan: {e}") from None
         return self
 
     def _validate_stages(self) -> None:
@@ -146,22 +242,16 @@ class Plan:
         return self.parallel.world_size
 
     @property
-    def parallel(self) -> Parallel:
-        """The plan's degrees and batch split (chunks: schedule stages per pipeline rank)."""
-        return Parallel(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, etp=self.etp, cp=self.cp,
-                        cp_comm=self.cp_comm, zero=self.zero_stage, sp=bool(self.sequence_parallel),
-                        offload=Offload.parse(self.offload),
-                        chunks=max(1, len(self.layers_per_stage) // self.pp),
-                        micro_batch=self.micro_batch_size, num_microbatches=self.num_microbatches)
+    def global_batch_size(self) -> int:
+        """Samples per iteration: micro-batch x micro-batches x dp."""
+        return self.parallel.global_batch
 
     @staticmethod
     def parallel_fields(par: Parallel) -> dict[str, Any]:
-        """The Plan fields of ``par`` (``Plan(**Plan.parallel_fields(par), ...)``); chunks are
-        the schedule's (``layers_per_stage`` and ``schedule_options``)."""
-        return {"pp": par.pp, "tp": par.tp, "dp": par.dp, "ep": par.ep, "etp": par.etp,
-                "cp": par.cp, "cp_comm": par.cp_comm, "zero_stage": par.zero, "sequence_parallel": par.sp,
-                "offload": par.offload.text(),
-                "micro_batch_size": par.micro_batch, "num_microbatches": par.num_microbatches}
+        """``par`` as plan.json's flat keys (``Plan(**Plan.parallel_fields(par), ...)`` builds
+        the plan of ``par``; chunks are the schedule's: ``layers_per_stage``)."""
+        d = par.as_dict()
+        return {k: d[f] for k, f in PARALLEL_KEYS.items()}
 
     def build_schedule(self):
         """The pipeline schedule this plan runs (lazy import: planning needs no torch).
@@ -171,12 +261,19 @@ class Plan:
 
     # ---- serialisation ----
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """plan.json's object: the degrees flat, then the other fields."""
+        out = {**self.parallel_fields(self.parallel), "global_batch_size": self.global_batch_size}
+        for f in dataclasses.fields(_PlanFields):
+            if f.name != "parallel":
+                out[f.name] = copy.deepcopy(getattr(self, f.name))
+        out["predicted"] = self.predicted.to_dict() if self.predicted is not None else {}
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
-        names = {f.name for f in dataclasses.fields(cls)}
-        d = {k: v for k, v in d.items() if k in names}   # newer plan files may carry more keys
+        names = {f.name for f in dataclasses.fields(_PlanFields)} | PARALLEL_KEYS.keys() \
+            | {"global_batch_size"}
+        d = {k: v for k, v in d.items() if k in names - {"parallel"}}   # newer files: more keys
         for k, conv in (("layers_per_stage", int), ("recompute_per_stage", float)):
             if k in d:
                 try:
@@ -207,3 +304,10 @@ class Plan:
     def load(cls, path: str | os.PathLike) -> "Plan":
         with open(path) as f:
             return cls.from_json(f.read())
+
+
+# plan.json's degree keys as read-only attributes of the plan, valued as plan.json has them
+# (``plan.tp``, ``plan.zero_stage``, ``plan.offload`` the offload's text)
+for _key, _name in PARALLEL_KEYS.items():
+    setattr(Plan, _key, property(lambda self, _n=_name: self.parallel.as_dict()[_n],
+                                 doc=f"``parallel.{_name}`` as plan.json's ``{_key}``"))

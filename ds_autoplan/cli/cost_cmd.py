@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from . import doc_description
-from .plan_cmd import add_problem_args, execution_of
+from .plan_cmd import add_problem_args, search_options
 
 
 def add_parser(sub) -> None:
@@ -24,17 +24,15 @@ def add_parser(sub) -> None:
 
 def _costed(args, fix):
     from ..search import search
-    return search(args.model, args.cluster, args.global_batch, args.seq, precision=args.precision,
-                  budget_gb=args.memory_budget_gb, world_size=args.world_size, profile=args.profile,
-                  wide=False, keep_sim=False, fix=fix, runtime=args.runtime, headroom_gb=args.headroom_gb,
-                  execution=execution_of(args))
+    return search(args.model, args.cluster, args.global_batch, args.seq,
+                  search_options(args, wide=False, keep_sim=False, fix=fix))
 
 
 def _line(res) -> dict:
     s = res.best.summary(res.plan.global_batch_size, res.model.seq_len)
     pr = res.plan.predicted
-    s.update(mfu=pr["mfu"], memory_budget_gb=pr["memory_budget_gb"], execution=pr["execution"],
-             error_band=pr["error_band"])
+    s.update(mfu=pr.mfu, memory_budget_gb=pr.memory_budget_gb, execution=pr.execution,
+             error_band=pr.error_band)
     return s
 
 

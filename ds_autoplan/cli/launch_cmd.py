@@ -63,11 +63,11 @@ def _known_schedules(scheds, where: str):
 def _plan_model_now(model, cluster, global_batch, pp, schedules, world, out, offload=None) -> str:
     """Plan a model description before launch; returns plan.json's path."""
     from ..emit.deepspeed import ds_config
-    from ..search import plan_model
+    from ..search import SearchOptions, plan_model
     from ..spec import SpecError
     try:
-        plan = plan_model(model, cluster, global_batch, pp=pp, schedules=schedules,
-                          fix={"offload": offload} if offload else None)
+        plan = plan_model(model, cluster, global_batch, options=SearchOptions(
+            pp=pp, schedules=schedules, fix={"offload": offload} if offload else None))
     except (SpecError, ValueError, KeyError) as e:
         raise UserError(f"planning {model} on {cluster} failed: {e}") from None
     if plan.world != world:

@@ -21,8 +21,10 @@ def add_parser(sub) -> None:
                    help="how layers are cut into pipeline stages: bmw (Galvatron-BMW, balances time "
                         "and memory; default), even (equal layer counts), dawnpiper (DawnPiper's "
                         "binary partition), merak (Merak's graph sharding); the report compares all")
+    from ..schedule.builders import names, searched_by_default
     p.add_argument("--schedules", default=None,
-                   help="comma-separated candidate schedules (default 1f1b,interleaved,v-half,v-min,v-zb)")
+                   help=f"comma-separated candidate schedules (default {','.join(searched_by_default())}; "
+                        f"registered: {', '.join(names())})")
     p.add_argument("--pp", type=int, default=None, help="restrict the search to this pipeline degree")
     p.add_argument("--tp", type=int, default=None, help="restrict the search to this tensor degree")
     p.add_argument("--sequence-parallel", choices=["auto", "on", "off"], default="auto",
@@ -99,6 +101,17 @@ def execution_of(args):
                          getattr(args, "moe_dispatch", None))
 
 
+def search_options(args, **space):
+    """The :class:`~ds_autoplan.search.options.SearchOptions` of the problem arguments
+    (:func:`add_problem_args`: precision, budget, headroom, runtime, execution model, world
+    size, profile) and the command's own (``space``)."""
+    from ..search import SearchOptions
+    return SearchOptions(precision=args.precision, budget_gb=args.memory_budget_gb,
+                         headroom_gb=args.headroom_gb, runtime=args.runtime,
+                         execution=execution_of(args), world_size=args.world_size,
+                         profile=args.profile, **space)
+
+
 def param_counts(model) -> dict:
     """Parameters of the planned model: all of them and those each token goes through (a
     mixture of experts' routed experts it is not sent to left out; spec/blocks.py)."""
@@ -121,21 +134,14 @@ def params_line(model) -> str:
 
 
 def summary(plan, model=None) -> dict:
-    pr = plan.predicted
-    return {**(param_counts(model) if model is not None else {}),
-            "throughput_tokens_per_s": pr["throughput_tokens_per_s"],
-            "iteration_time_s": pr["iteration_time_s"], "pp": plan.pp, "tp": plan.tp, "dp": plan.dp,
-            "zero_stage": plan.zero_stage, "sequence_parallel": plan.sequence_parallel,
-            "ep": plan.ep, "etp": plan.etp, "cp": plan.cp, "cp_comm": plan.cp_comm,
-            "seq_len": plan.seq_len,
-            "schedule": plan.schedule,
-            "micro_batch_size": plan.micro_batch_size,
-            "peak_memory_gb_per_stage": pr["peak_memory_gb_per_stage"],
-            "search_time_s": pr["search_time_s"], "num_microbatches": plan.num_microbatches,
-            "layers_per_stage": plan.layers_per_stage, "recompute_per_stage": plan.recompute_per_stage,
-            "mfu": pr["mfu"], "ratio_vs_best_baseline": pr.get("ratio_vs_best_baseline"),
-            "execution": pr.get("execution"), "error_band": pr.get("error_band"),
-            "wide_gain": pr.get("wide_gain")}
+    """``--json``: the plan as plan.json has it (without the per-layer labels, notes and the
+    search's tables), its predicted figures (:meth:`Prediction.figures`; where a figure and a
+    plan field share a name, ``offload``, the plan's), and the model's parameter counts."""
+    d = plan.to_dict()
+    for k in ("layer_strategies", "notes", "predicted"):
+        del d[k]
+    figures = {k: v for k, v in plan.predicted.figures().items() if k not in d}
+    return {**(param_counts(model) if model is not None else {}), **d, **figures}
 
 
 def offload_line(o: dict | None) -> str:
@@ -190,12 +196,10 @@ def run(args) -> int:
     if args.global_batch <= 0:
         raise UserError(f"--global-batch must be positive, got {args.global_batch}")
     scheds = [s.strip() for s in args.schedules.split(",") if s.strip()] if args.schedules else None
-    res = search(args.model, args.cluster, args.global_batch, args.seq, precision=args.precision,
-                 budget_gb=args.memory_budget_gb, partitioner=args.partitioner, schedules=scheds,
-                 wide=not args.no_wide, progress=not args.quiet and sys.stderr.isatty(),
-                 world_size=args.world_size, profile=args.profile, keep_sim=args.out is not None,
-                 pp=args.pp, tp=args.tp, sequence_parallel=args.sequence_parallel, fix=args.fix,
-                 runtime=args.runtime, headroom_gb=args.headroom_gb, execution=execution_of(args))
+    res = search(args.model, args.cluster, args.global_batch, args.seq, search_options(
+        args, partitioner=args.partitioner, schedules=scheds, wide=not args.no_wide,
+        progress=not args.quiet and sys.stderr.isatty(), keep_sim=args.out is not None,
+        pp=args.pp, tp=args.tp, sequence_parallel=args.sequence_parallel, fix=args.fix))
     # the search's memoised schedules and tables (~10^6 objects) stay alive: out of the
     # cyclic collector's reach while the report and plots allocate (it would re-scan them,
     # some 0.3 s), back in it when the command returns
@@ -229,15 +233,15 @@ def _report(res, args) -> int:
         print(seq_line(plan, res.model, args.seq))
         print(params_line(res.model))
         print(f"layers per stage {plan.layers_per_stage}, recompute {plan.recompute_per_stage}")
-        print(f"predicted {pr['iteration_time_s']:.4g} s/iteration, "
-              f"{pr['throughput_tokens_per_s']:.6g} tokens/s, MFU {pr['mfu']:.1%}, "
-              f"peak memory {max(pr['peak_memory_gb_per_stage']):.2f} GB / {pr['memory_budget_gb']:.1f} GB"
-              f" (headroom {pr['memory_headroom_gb']:.1f} GB kept free, {pr['memory_runtime']} accounting)")
-        print(offload_line(pr.get("offload")))
+        print(f"predicted {pr.iteration_time_s:.4g} s/iteration, "
+              f"{pr.throughput_tokens_per_s:.6g} tokens/s, MFU {pr.mfu:.1%}, "
+              f"peak memory {max(pr.peak_memory_gb_per_stage):.2f} GB / {pr.memory_budget_gb:.1f} GB"
+              f" (headroom {pr.memory_headroom_gb:.1f} GB kept free, {pr.memory_runtime} accounting)")
+        print(offload_line(pr.offload))
         from ..cost.engines import band_text
-        print(f"execution model {pr['execution']}: {band_text(pr.get('error_band'))}")
-        if pr.get("ratio_vs_best_baseline"):
-            print(f"{pr['ratio_vs_best_baseline']:.3f}x the best baseline; search {pr['search_time_s']:.2f} s")
+        print(f"execution model {pr.execution}: {band_text(pr.error_band)}")
+        if pr.ratio_vs_best_baseline:
+            print(f"{pr.ratio_vs_best_baseline:.3f}x the best baseline; search {pr.search_time_s:.2f} s")
         if files:
             print(f"wrote {', '.join(files)} to {args.out}")
     return 0

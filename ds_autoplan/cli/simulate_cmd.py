@@ -15,8 +15,7 @@ def add_parser(sub) -> None:
                        description="Build a pipeline schedule, simulate it and report makespan, "
                                    "bubble ratio and peak activation memory per rank.")
     p.add_argument("--schedule", default="1f1b",
-                   help="builder name (gpipe, 1f1b, interleaved, zb-h1, v-min, v-half, v-zb, "
-                        "merak-scp, adaptive, ...)")
+                   help=f"builder name ({', '.join(names())})")
     p.add_argument("--compare", help="comma-separated schedules, printed side by side with "
                                      "ratios to the first")
     p.add_argument("--file", help="simulate a schedule file (.json or text form) instead")

@@ -138,7 +138,7 @@ def plan_pipeline_module(model, user: dict, training_data, collate_fn, world: in
     from ..plan import Plan
     from ..profile import to_model_spec
     from ..profile.layers import profile_layer_list
-    from ..search import search
+    from ..search import SearchOptions, search
     from ..spec import SpecError, load_cluster
     if options.get("plan"):
         return Plan.load(options["plan"])
@@ -158,10 +158,11 @@ def plan_pipeline_module(model, user: dict, training_data, collate_fn, world: in
     try:
         cluster = load_cluster(options.get("cluster") or _default_cluster(world))
         res = search(to_model_spec(prof, flops_ref=cluster.flops), cluster, B,
-                     precision=config_precision(user), tp=1, pp=options.get("pp"),
-                     schedules=options.get("schedules"), wide=False, baselines=False,
-                     keep_sim=False, world_size=world,
-                     fix={"offload": options["offload"]} if options.get("offload") else None)
+                     options=SearchOptions(precision=config_precision(user), tp=1,
+                                           pp=options.get("pp"), schedules=options.get("schedules"),
+                                           wide=False, baselines=False, keep_sim=False,
+                                           world_size=world,
+                                           fix={"offload": options["offload"]} if options.get("offload") else None))
     except SpecError as e:
         given = [option(options, k, options[k]) for k in ("pp", "schedules", "offload") if options.get(k)]
         raise AutoplanRefused(f"planning the script's {len(prof.units)} layers failed: {e}"

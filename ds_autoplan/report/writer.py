@@ -50,7 +50,7 @@ def report_files(res) -> dict:
     from ..outputs import text
     plan, best, pred = res.plan, res.best, res.plan.predicted
     fills = {}
-    budget = pred["memory_budget_gb"]
+    budget = pred.memory_budget_gb
     if best.sim is not None:
         sched, costs, sim = best.sim
         from ..schedule.plots import plot_gantt, plot_memory
@@ -59,15 +59,15 @@ def report_files(res) -> dict:
                                  f"{sched.num_microbatches} of {plan.num_microbatches} micro-batches (seconds)")
         fills["memory.png"] = lambda p: plot_memory(sched, sim, p)
     fills["memory_per_stage.png"] = lambda p: plot_stage_memory(
-        pred["peak_memory_gb_per_stage"], budget, p, f"{plan.model}: peak memory per pipeline rank")
+        pred.peak_memory_gb_per_stage, budget, p, f"{plan.model}: peak memory per pipeline rank")
     files = list(fills)
     L = []
     w = L.append
     w(f"# ds-autoplan plan: {plan.model} on {plan.cluster}\n")
     w(f"Global batch {plan.global_batch_size}, sequence {plan.seq_len}, precision {plan.precision}, "
-      f"memory budget {budget:.1f} GB per device (headroom {pred.get('memory_headroom_gb', 0.0):.1f} GB "
-      f"kept free below it; {pred.get('memory_runtime', 'any')} engine accounting), {plan.world_size} devices. "
-      f"Search took {pred['search_time_s']:.2f} s ({pred['candidates_evaluated']} configurations costed).\n")
+      f"memory budget {budget:.1f} GB per device (headroom {pred.memory_headroom_gb or 0.0:.1f} GB "
+      f"kept free below it; {pred.memory_runtime or 'any'} engine accounting), {plan.world_size} devices. "
+      f"Search took {pred.search_time_s:.2f} s ({pred.candidates_evaluated} configurations costed).\n")
     if getattr(res, "model", None) is not None:
         tot, act = res.model.total_params, res.model.active_params
         w(f"Model: {tot:,.0f} parameters" + (f", {act:,.0f} active per token (mixture of experts)"
@@ -82,15 +82,15 @@ def report_files(res) -> dict:
           f"parallelism {plan.parallel.expert_dp}); context parallelism {plan.cp}"
           + (f" ({'ring attention' if plan.cp_comm == 'p2p' else 'Ulysses all-to-all'})" if plan.cp > 1 else "")
           + ".\n")
-    w(f"Predicted iteration time **{pred['iteration_time_s']:.4g} s**, throughput "
-      f"**{pred['throughput_tokens_per_s']:.6g} tokens/s** ({pred['samples_per_s']:.4g} samples/s), "
-      f"MFU {pred['mfu']:.1%}.")
-    if pred.get("ratio_vs_best_baseline"):
-        w(f" Versus the best baseline: **{pred['ratio_vs_best_baseline']:.3f}x**.")
-    if pred.get("execution"):
+    w(f"Predicted iteration time **{pred.iteration_time_s:.4g} s**, throughput "
+      f"**{pred.throughput_tokens_per_s:.6g} tokens/s** ({pred.samples_per_s:.4g} samples/s), "
+      f"MFU {pred.mfu:.1%}.")
+    if pred.ratio_vs_best_baseline:
+        w(f" Versus the best baseline: **{pred.ratio_vs_best_baseline:.3f}x**.")
+    if pred.execution:
         from ..cost.engines import band_text
-        w(f" Execution model: {pred['execution']}; {band_text(pred.get('error_band'))}.")
-    off = pred.get("offload") or {}
+        w(f" Execution model: {pred.execution}; {band_text(pred.error_band)}.")
+    off = pred.offload or {}
     if off.get("what", "none") != "none":
         w(f"\nOffload: **{off['label']}** (DeepSpeed `offload_optimizer` / `offload_param`, Megatron "
           f"`--optimizer-cpu-offload`); host memory {off['host_memory_gb_per_node']:.1f} GB of "
@@ -105,7 +105,7 @@ def report_files(res) -> dict:
         w(f"| {i} | {n} | {r:.2f} |")
     w("\n| pipeline rank | peak memory (GB) |")
     w("|---|---|")
-    for r, g in enumerate(pred["peak_memory_gb_per_stage"]):
+    for r, g in enumerate(pred.peak_memory_gb_per_stage):
         w(f"| {r} | {g:.2f} |")
     if plan.layer_strategies:
         w("\n## Strategy per layer group (unit 0 = embedding, last = head)\n")
@@ -116,15 +116,15 @@ def report_files(res) -> dict:
     w("\n## Baselines (same cost model)\n")
     w("| baseline | pp | tp | SP | dp | ZeRO | offload | schedule | micro-batches | tokens/s | plan / baseline |")
     w("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, b in pred["baselines"].items():
+    for name, b in pred.baselines.items():
         if b is None or not b["iteration_time_s"]:
             w(f"| {name} | - | - | - | - | - | - | - | - | OOM | - |")
             continue
         w(f"| {name} | {b['pp']} | {b['tp']} | {_sp(b.get('sequence_parallel'))} | {b['dp']} | "
           f"{b['zero_stage']} | {b.get('offload', 'none')} | {b['schedule']} | "
           f"{b['num_microbatches']} | {b['throughput_tokens_per_s']:.6g} | "
-          f"{pred['throughput_tokens_per_s'] / b['throughput_tokens_per_s']:.3f} |")
-    wide = pred.get("wide") or {}
+          f"{pred.throughput_tokens_per_s / b['throughput_tokens_per_s']:.3f} |")
+    wide = pred.wide or {}
     if wide.get("bmw"):
         wb, ws = wide["bmw"], wide.get("base")
         w("\n## Wide Galvatron-BMW mode\n")
@@ -134,8 +134,8 @@ def report_files(res) -> dict:
         w(f"* Galvatron-BMW ({wb.get('source', 'per-layer search')}): pp={wb['pp']}, "
           f"{wb['num_microbatches']} micro-batches, split "
           f"{wb['layers_per_stage']}, {wb['throughput_tokens_per_s']:.6g} tokens/s "
-          f"(**{pred.get('wide_gain', 0):.3f}x** the executable plan"
-          + (f", {pred['wide_gain_vs_1f1b']:.3f}x its best 1F1B configuration" if pred.get("wide_gain_vs_1f1b") else "")
+          f"(**{pred.wide_gain or 0:.3f}x** the executable plan"
+          + (f", {pred.wide_gain_vs_1f1b:.3f}x its best 1F1B configuration" if pred.wide_gain_vs_1f1b else "")
           + ")")
         if ws:
             w(f"* Galvatron-Base (even split): pp={ws['pp']}, {ws['throughput_tokens_per_s']:.6g} tokens/s")
@@ -143,11 +143,11 @@ def report_files(res) -> dict:
         w("|---|---|")
         for a, b, lab in _groups(wb["strategies"]):
             w(f"| {a}-{b} | {lab} |")
-    if pred.get("schedules_tried"):
+    if pred.schedules_tried:
         w("\n## Schedules tried for the chosen configuration\n")
         w("| schedule | iteration (s) | fits | layers per stage | recomputed layers |")
         w("|---|---|---|---|---|")
-        for e in pred["schedules_tried"]:
+        for e in pred.schedules_tried:
             why = "" if e["fits"] else " (over budget)"
             w(f"| {e['schedule']} | {_fmt(e['iteration_time_s'], 4)}{why} | {e['fits']} | "
               f"{e['layers_per_stage']} | {e['recompute_layers']} |")
@@ -163,7 +163,7 @@ def report_files(res) -> dict:
     for c in sorted(res.alternatives, key=lambda c: c.time):
         why = "chosen" if c is best else ("does not fit" if not c.ok else
                                            f"{c.time / best.time:.3f}x slower")
-        w(f"| {c.pp} | {c.tp} | {_sp(c.sp)} | {c.dp} | {c.zero} | {c.m} | {c.schedule} | "
+        w(f"| {c.pp} | {c.tp} | {_sp(c.sp)} | {c.dp} | {c.zero} | {c.num_microbatches} | {c.schedule} | "
           f"{_fmt(c.time if c.ok else None, 4)} | {why} |")
     w("\n## Plots\n")
     for f in files:

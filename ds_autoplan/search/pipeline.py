@@ -13,16 +13,6 @@ from .fastsim import cached_build as _build
 from .dp import INF, Context
 from .partition import even_partition, minmax_partition, stage_matrices
 
-DEFAULT_SCHEDULES = ("1f1b", "interleaved", "v-half", "v-min", "v-zb")
-
-
-def available(names) -> list[str]:
-    """The names among ``names`` that are registered builders, in order."""
-    from ..schedule import names as registered
-    have = set(registered())
-    return [s for s in names if s in have]
-
-
 def schedule_options(name: str, v: int = 2) -> dict:
     """Builder options: ``v`` model chunks per rank for a builder whose option sets them
     (the interleaved schedule's ``v``)."""

@@ -1,8 +1,11 @@
 """One parallel configuration: every degree a plan sets, in one place (docs/architecture.md).
 
 :class:`Parallel` is what the cost model's closed form (cost/iteration.py), the search's
-candidates (search/planner.py), the Plan (plan.py) and the emitters read their degrees from.
-A new degree is a field here, its validation here, and its use where it costs or emits.
+space and candidates (search/space.py, search/evaluate.py), the Plan (plan.py) and the
+emitters read their degrees from.  A new degree is a field here, its validation here (and
+its JSON form in :meth:`Parallel.as_dict` if it is not a plain value), and its use where it
+costs, is searched, emitted or run (docs/architecture.md "How to add a parallel degree"):
+plan.json and the summaries carry it with no edit.
 
 Names follow Megatron-core's parallel_state (0.16.1): ``tp`` tensor, ``pp`` pipeline,
 ``dp`` data, ``cp`` context, ``ep`` expert, ``etp`` expert tensor parallelism.  The ranks of
@@ -102,6 +105,15 @@ class Offload:
 NO_OFFLOAD = Offload()
 
 
+class ParallelError(SpecError):
+    """A configuration :class:`Parallel` refuses: ``field`` names the degree (None: a relation
+    of several), ``problem`` the rest of the message (callers with other names for the
+    fields, such as plan.json's, say it in theirs)."""
+    def __init__(self, field: str | None, problem: str):
+        self.field, self.problem = field, problem
+        super().__init__(f"{field} {problem}" if field else problem)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Parallel:
     """The degrees and the batch split of one uniform configuration (keywords only).
@@ -133,11 +145,11 @@ class Parallel:
         for k in ("tp", "pp", "dp", "ep", "etp", "cp", "chunks", "micro_batch", "num_microbatches"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise SpecError(f"{k} must be a positive integer, got {v!r}")
+                raise ParallelError(k, f"must be a positive integer, got {v!r}")
         if self.cp_comm not in CP_COMM:
-            raise SpecError(f"cp_comm must be one of {', '.join(CP_COMM)}, got {self.cp_comm!r}")
+            raise ParallelError("cp_comm", f"must be one of {', '.join(CP_COMM)}, got {self.cp_comm!r}")
         if self.zero not in ZERO_STAGES:
-            raise SpecError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+            raise ParallelError("zero", f"must be 0, 1, 2 or 3, got {self.zero!r}")
         if not isinstance(self.offload, Offload):
             object.__setattr__(self, "offload", Offload.parse(self.offload))
         if self.offload.any and self.zero < 1:
@@ -146,8 +158,8 @@ class Parallel:
         if self.offload.params and self.zero != 3:
             raise SpecError("parameter offload needs ZeRO-3 (DeepSpeed's offload_param)")
         if (self.tp * self.cp * self.dp) % (self.ep * self.etp):
-            raise SpecError(f"ep x etp = {self.ep} x {self.etp} must divide the tp x cp x dp = "
-                            f"{self.tp * self.cp * self.dp} ranks of a pipeline stage")
+            raise ParallelError(None, f"ep x etp = {self.ep} x {self.etp} must divide the tp x cp "
+                                f"x dp = {self.tp * self.cp * self.dp} ranks of a pipeline stage")
 
     # ---- derived ----
     @property

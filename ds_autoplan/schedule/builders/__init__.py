@@ -32,7 +32,7 @@ from . import classic, vshape, zb, merak, adaptive, dynapipe  # noqa: F401,I001
 from .registry import BUILDERS, REGISTRY, BuilderInfo, check_args, register
 
 __all__ = ["BUILDERS", "BuilderInfo", "REGISTRY", "build", "builder_info", "check_args",
-           "check_names", "names", "register"]
+           "check_names", "names", "register", "searched_by_default"]
 
 
 def builder_info(name: str) -> BuilderInfo:
@@ -52,6 +52,13 @@ def build(name: str, d: int, n: int, **options) -> Schedule:
 def names() -> list[str]:
     """The registered builders' names, in registration order."""
     return list(REGISTRY)
+
+
+def searched_by_default() -> list[str]:
+    """The builders the planner costs unless the user names schedules: those registered with
+    a ``search_order``, in that order."""
+    return sorted((n for n, i in REGISTRY.items() if i.search_order is not None),
+                  key=lambda n: REGISTRY[n].search_order)
 
 
 def check_names(wanted):

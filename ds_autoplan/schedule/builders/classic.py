@@ -28,7 +28,7 @@ def one_f_one_b_order(d: int, n: int, rank: int) -> list[tuple]:
     return keys
 
 
-@register("1f1b")
+@register("1f1b", search_order=0)
 def one_f_one_b(d: int, n: int) -> Schedule:
     """1F1B (PipeDream-flush, Megatron's non-interleaved schedule), fused backward BW."""
     return draft(n, sequential_placement(d), [one_f_one_b_order(d, n, r) for r in range(d)])
@@ -45,7 +45,8 @@ def interleaved_table(n: int, v: int, group: int) -> list[tuple[int, int]]:
     return table
 
 
-@register("interleaved", placement="interleaved", chunks_option="v", min_n=lambda d: d)
+@register("interleaved", placement="interleaved", chunks_option="v", min_n=lambda d: d,
+          search_order=1)
 def interleaved(d: int, n: int, v: int = 2, group: int | None = None) -> Schedule:
     """Interleaved 1F1B with ``v`` model chunks per rank (stage = chunk·d + rank)."""
     if not isinstance(v, int) or v < 1:

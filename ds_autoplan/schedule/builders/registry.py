@@ -26,6 +26,10 @@ class BuilderInfo:
     stages_of: Callable[[int, dict], int] | None = None   # (d, options) -> stages, "option" placement
     min_d: int = 2                      # fewest ranks
     min_n: Callable[[int], int] = _one  # fewest micro-batches for d ranks
+    # place in the list the planner costs unless the user names schedules (None: costed only
+    # when named).  The order is kept: each schedule is costed under the best time of those
+    # before it (search/pipeline.py choose_schedule), so it decides what is cut early
+    search_order: int | None = None
 
     @property
     def options(self) -> dict[str, Any]:
@@ -81,7 +85,7 @@ BUILDERS: dict[str, Callable[..., Schedule]] = {}
 def register(name: str, **info):
     """Register the decorated builder under its CLI name with its :class:`BuilderInfo`
     fields (``placement``, ``stages_per_rank``, ``chunks_option``, ``stages_of``, ``min_d``,
-    ``min_n``).
+    ``min_n``, ``search_order``: set it for a builder the planner tries by default).
 
     The name is written here only: the registered function (also when called directly)
     checks ``d`` and ``n`` with :meth:`BuilderInfo.check` before the builder runs, and names

@@ -333,23 +333,23 @@ def _build(block_of, d: int, n: int) -> Schedule:
     meta = {"block": block_of(d)}
     if n < 2 * d:
         meta["warning"] = (f"n={n} < 2d={2 * d}; bubbles and the stated peak memory "
-                           f"are only guaranteed for n >= 2d (docs/schedules.md §8.5)")
+                           f"are only guaranteed for n >= 2d (docs/schedules.md §8, decision 5)")
     return slots_to_schedule(_cached(block_of, d, n), **meta)
 
 
-@register("v-min", placement="v", stages_per_rank=2, min_n=lambda d: d)
+@register("v-min", placement="v", stages_per_rank=2, min_n=lambda d: d, search_order=3)
 def v_min(d: int, n: int) -> Schedule:
     """V-Min: δ0 = δ1 = 1, peak (d+4)//3 units (≈ 1/3 of 1F1B), bubble ≈ 2/3 of 1F1B's."""
     return _build(vmin_block, d, n)
 
 
-@register("v-half", placement="v", stages_per_rank=2, min_n=lambda d: d)
+@register("v-half", placement="v", stages_per_rank=2, min_n=lambda d: d, search_order=2)
 def v_half(d: int, n: int) -> Schedule:
     """V-Half: (δ0, δ1) = (2, 1), peak (d+2)//2 units (≈ 1/2 of 1F1B), bubble ≈ 1/2 of 1F1B's."""
     return _build(vhalf_block, d, n)
 
 
-@register("v-zb", placement="v", stages_per_rank=2, min_n=lambda d: d)
+@register("v-zb", placement="v", stages_per_rank=2, min_n=lambda d: d, search_order=4)
 def v_zb(d: int, n: int) -> Schedule:
     """V-ZB: (δ0, δ1) = (4, 2), peak d units (= 1F1B), bubble d-1 unit slots."""
     return _build(vzb_block, d, n)
