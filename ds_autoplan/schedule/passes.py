@@ -17,7 +17,7 @@ the layers after the prefix), R allocates ``mem_f - keep_ckpt``.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from .ir import Action, Kind, Schedule, ScheduleError
 
@@ -73,16 +73,30 @@ def with_recompute(sched: Schedule, fractions: Sequence[float],
     return add_recompute(sched, recompute_counts(fractions, layer_counts))
 
 
-def plan_schedule(plan, schedule: Schedule | None = None) -> Schedule:
-    """The action list a :class:`~ds_autoplan.plan.Plan` runs -- the one Plan -> schedule path
-    of both runtimes: ``schedule`` (a hand-written list, one DynaPipe step's) or the plan's
-    own (``plan.build_schedule()``; :func:`single_stage` for pp = 1), with the plan's
-    ``recompute_per_stage`` as R actions (:func:`with_recompute`).  A plan whose
-    ``layers_per_stage`` does not give one count per stage of the schedule (DeepSpeed's own
-    ``partition_method``) gets its R once the runtime has cut the model (the DeepSpeed module
-    calls :func:`with_recompute` with its partition's counts)."""
+class PipelinePlan(Protocol):
+    """What the schedule layer reads of a plan: these fields of a
+    :class:`~ds_autoplan.plan.Plan`, described here so that the schedule package (below the
+    plan in the layer order) neither imports the Plan nor calls back into it."""
+    pp: int
+    num_microbatches: int
+    schedule: str                      # a registered builder's name
+    schedule_options: dict
+    layers_per_stage: Sequence[int]
+    recompute_per_stage: Sequence[float]
+
+
+def plan_schedule(plan: PipelinePlan, schedule: Schedule | None = None) -> Schedule:
+    """The action list a plan runs -- the one plan -> schedule path of both runtimes:
+    ``schedule`` (a hand-written list, one DynaPipe step's) or the plan's own (its builder with
+    its options; :func:`single_stage` for pp = 1), with the plan's ``recompute_per_stage`` as
+    R actions (:func:`with_recompute`).  A plan whose ``layers_per_stage`` does not give one
+    count per stage of the schedule (DeepSpeed's own ``partition_method``) gets its R once the
+    runtime has cut the model (the DeepSpeed module calls :func:`with_recompute` with its
+    partition's counts)."""
     if schedule is None:
-        schedule = single_stage(plan.num_microbatches) if plan.pp == 1 else plan.build_schedule()
+        from .builders import build
+        schedule = single_stage(plan.num_microbatches) if plan.pp == 1 else \
+            build(plan.schedule, plan.pp, plan.num_microbatches, **plan.schedule_options)
     if len(plan.layers_per_stage) != schedule.num_stages:
         return schedule
     return with_recompute(schedule, plan.recompute_per_stage, plan.layers_per_stage)
