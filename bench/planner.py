@@ -95,17 +95,17 @@ def run_case(model, cluster, B, opts):
     r = search(model, cluster, B, **opts)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     p, pr = r.plan, r.plan.predicted
-    tok = pr["throughput_tokens_per_s"]
+    tok = pr.throughput_tokens_per_s
     bl = {k: (v["throughput_tokens_per_s"] if v and v["iteration_time_s"] else 0.0)
-          for k, v in pr["baselines"].items()}
+          for k, v in pr.baselines.items()}
     best_bl = max(bl.values()) if bl else 0.0
     return {"model": model, "cluster": cluster, "global_batch": B,
             "plan": f"pp{p.pp} tp{p.tp}{'+sp' if p.sequence_parallel else ''} dp{p.dp}"
                     f"{f' ep{p.ep}' if p.ep > 1 else ''}{f' cp{p.cp}' if p.cp > 1 else ''} z{p.zero_stage} "
                     f"{p.schedule} mbs{p.micro_batch_size}x{p.num_microbatches}",
-            "tokens_per_s": tok, "mfu": pr["mfu"], "baselines": bl,
+            "tokens_per_s": tok, "mfu": pr.mfu, "baselines": bl,
             "ratio_vs_best_baseline": tok / best_bl if best_bl else None,
-            "wide_gain": pr.get("wide_gain"), "wide_gain_vs_1f1b": pr.get("wide_gain_vs_1f1b"),
+            "wide_gain": pr.wide_gain, "wide_gain_vs_1f1b": pr.wide_gain_vs_1f1b,
             "search_wall_s": wall, "search_cpu_s": cpu}
 
 

@@ -301,17 +301,17 @@ def free_choice(r: dict, cluster):
     cfg = Config(**p.parallel.with_(chunks=2 if p.schedule == "interleaved" else 1).as_dict(),
                  recompute="full" if any(x > 0 for x in p.recompute_per_stage) else "none")
     cm = CostModel(model, cluster, r["precision"], execution=execution(r))
-    check = config_cost(cm, cfg, res.plan.predicted["memory_budget_gb"] * GB)
-    over = max(p.predicted["peak_memory_gb_per_stage"]) * GB > p.predicted["memory_budget_gb"] * GB * (1 + 1e-9)
+    check = config_cost(cm, cfg, p.predicted.memory_budget_gb * GB)
+    over = max(p.predicted.peak_memory_gb_per_stage) * GB > p.predicted.memory_budget_gb * GB * (1 + 1e-9)
     # independent re-check where the closed form models the schedule exactly (1F1B or
     # Megatron's interleaving, no partial recompute; the search splits layers unevenly, so
     # the closed form's even split may differ by a layer: 2% slack)
     if p.schedule in ("1f1b", "interleaved") and cfg.recompute == "none" and p.pp == 1:
-        over = over or max(check.peak) > p.predicted["memory_budget_gb"] * GB * 1.02
+        over = over or max(check.peak) > p.predicted.memory_budget_gb * GB * 1.02
     return {"config": f"tp{p.tp} pp{p.pp} dp{p.dp} z{p.zero_stage} mbs{p.micro_batch_size} {p.schedule}"
                       f"{' sp' if p.sequence_parallel else ''}",
-            "time": p.predicted["iteration_time_s"], "over_budget": bool(over),
-            "peak_gb": max(p.predicted["peak_memory_gb_per_stage"])}, None
+            "time": p.predicted.iteration_time_s, "over_budget": bool(over),
+            "peak_gb": max(p.predicted.peak_memory_gb_per_stage)}, None
 
 
 def main(argv=None) -> int:
