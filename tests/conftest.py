@@ -14,7 +14,12 @@ ops (minutes each) whenever they alternate.
 DeepSpeed's op loader asks py-cpuinfo for the build flags each time it loads an op (seconds
 per call: a fresh Python that times the clock), in every rank of every launch.  The answer is
 asked once here and given to this process and to every process a test starts
-(tests/ranksite, first on their PYTHONPATH); see tests/ranksite/cached_cpuinfo.py."""
+(tests/ranksite, first on their PYTHONPATH); see tests/ranksite/cached_cpuinfo.py.
+
+The session has a temporary folder of its own, the TMPDIR of this process and of every process
+a test starts, removed at the end: what they leave in a temporary folder (multiprocessing's
+pymp-* folders of a killed Manager server, torchrun's torchelastic_* logs) does not stay in
+/tmp.  pytest's own tmp_path folders stay where pytest keeps them (its last 3 sessions)."""
 import os
 import shutil
 import sys
@@ -23,14 +28,20 @@ import tempfile
 RANKSITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ranksite")
 
 
-def _cache_cpuinfo() -> str | None:
-    """py-cpuinfo's answer in a session temporary file, named by $DS_AUTOPLAN_TEST_CPUINFO;
-    the folder to remove at the end (None without py-cpuinfo)."""
+def _session_tmp(config) -> str:
+    """The session's temporary folder, made TMPDIR here and for every process started."""
+    config._tmp_path_factory.getbasetemp()      # pytest's, fixed before TMPDIR moves
+    folder = tempfile.mkdtemp(prefix="ds-autoplan-tests-")
+    os.environ["TMPDIR"] = tempfile.tempdir = folder
+    return folder
+
+
+def _cache_cpuinfo(folder: str) -> None:
+    """py-cpuinfo's answer in a session file, named by $DS_AUTOPLAN_TEST_CPUINFO."""
     try:
         import cpuinfo
     except ImportError:
-        return None
-    folder = tempfile.mkdtemp(prefix="ds-autoplan-tests-")
+        return
     path = os.path.join(folder, "cpuinfo.json")
     with open(path, "w") as f:
         f.write(cpuinfo.get_cpu_info_json())
@@ -39,14 +50,14 @@ def _cache_cpuinfo() -> str | None:
     sys.path.insert(0, RANKSITE)
     import cached_cpuinfo
     cached_cpuinfo.install()
-    return folder
 
 
 def pytest_sessionstart(session):
     import importlib.util
+    session.config._ds_autoplan_tmp = _session_tmp(session.config)
     if importlib.util.find_spec("deepspeed") is None:     # the tests that need it skip
         return
-    session.config._ds_autoplan_tmp = _cache_cpuinfo()
+    _cache_cpuinfo(session.config._ds_autoplan_tmp)
     from ds_autoplan.runtime.deepspeed.shm import sweep
     sweep()      # ... and by earlier sessions (each is RAM until removed)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))

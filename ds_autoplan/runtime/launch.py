@@ -205,10 +205,16 @@ def _worker(cases_path: str) -> None:
 
 
 def _exit(code: int) -> None:
-    """Leave at once (os._exit skips atexit), first stopping this rank's multiprocessing
-    children, which atexit would have stopped: e.g. the Manager process Megatron's
-    dist_checkpointing writer starts, left orphaned otherwise."""
+    """Leave at once (os._exit skips atexit), first ending this rank's multiprocessing
+    children as atexit would (multiprocessing.util's exit function): the finalizers of
+    priority >= 0, e.g. the shutdown of the Manager Megatron's dist_checkpointing writer
+    starts, whose server then exits by itself and removes its pymp-* folder and listener
+    socket (a terminated one leaves them in the temporary folder), then the children still
+    running are stopped.  Not its finalizers of negative priority, which may wait (a queue's
+    feeder thread)."""
     import multiprocessing
+    from multiprocessing import util
+    util._run_finalizers(0)
     for child in multiprocessing.active_children():
         child.terminate()
     from .common import trace

@@ -24,6 +24,7 @@ it from what the forked cases left) and runs those cases in the launch's own pro
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import importlib
 import json
@@ -40,6 +41,7 @@ DEEPSPEED = ["deepspeed", "ds_autoplan.runtime.deepspeed.api", "torch._dynamo"]
 MEGATRON = ["megatron.core.optimizer", "megatron.core.distributed", "ds_autoplan.runtime.megatron.checkpoint",
             "ds_autoplan.models.megatron_gpt"]
 CHILD_TIMEOUT = 300.0     # a forked case's children end in seconds; past this they are killed
+PR_SET_PDEATHSIG = 1      # linux/prctl.h
 
 
 def exit_now(code: int) -> None:
@@ -64,13 +66,19 @@ def fork_wait(child, out: str, timeout: float, hurry=None, grace: float = 5.0) -
     """Run ``child()`` in a forked process whose stdout and stderr go to ``out`` (appended: the
     children of several ranks may share it); its exit status (``child``'s return value, 1 if it
     raised; negative: the signal that ended it).  Past ``timeout`` seconds the child is killed;
-    once ``hurry()`` is true it gets ``grace`` seconds more at most."""
+    once ``hurry()`` is true it gets ``grace`` seconds more at most.  The child leads a process
+    group of its own, killed whole once the child has ended: what it started and left running
+    (a killed child's Manager server: Megatron's dist_checkpointing writer) ends with it.  Out
+    of the caller's group it no longer gets the terminal's Ctrl-C: it dies with the caller
+    instead (Linux's parent-death signal)."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
+            os.setpgid(0, 0)
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
@@ -78,16 +86,28 @@ def fork_wait(child, out: str, timeout: float, hurry=None, grace: float = 5.0) -
         except BaseException:
             traceback.print_exc()
         launch._exit(code)
+    try:
+        os.setpgid(pid, pid)                # (both sides: whichever runs first)
+    except OSError:
+        pass
     deadline = time.time() + timeout
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
+            _kill_group(pid)
             return os.waitstatus_to_exitcode(status)
         if hurry is not None and deadline > time.time() + grace and hurry():
             deadline = time.time() + grace
         if time.time() > deadline:
-            os.kill(pid, signal.SIGKILL)
+            _kill_group(pid)
         time.sleep(0.05)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):     # nobody left in it
+        pass
 
 
 def _child(case: dict, files: str, rank: int, world: int) -> None:
