@@ -5,7 +5,7 @@ capped by the node's DRAM bandwidth (cost/offload.py HostRates).  This bench tak
 core of the ``cpu-1`` preset (the figure written into the presets), predicts the step of
 DeepSpeed's ``DeepSpeedCPUAdam`` over 10^7 .. 10^8 fp32 parameters with fp32 gradients and
 moments (one rank's offloaded partition) on 1 and on every core of this machine, measures it
-(``profile.hardware.cpu_adam_rate``: median of 3 steps after a warm-up) and prints
+(``profile.hardware.cpu_adam_rate``: median of 5 steps after a warm-up) and prints
 measured / predicted per size, then one JSON line.  torch's fused AdamW on the host (Megatron's
 HybridDeviceOptimizer) is measured beside it against ``TORCH_CPU_ADAM_SPEED``.
 
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         rate = HostRates.of(cl).cpu                 # parameters per second of one rank's step
         for n in sizes:
             for opt, speed in (("deepspeed", 1.0), ("torch", TORCH_CPU_ADAM_SPEED)):
-                m = cpu_adam_rate(n, threads=threads, optimizer=opt)
+                m = cpu_adam_rate(n, threads=threads, optimizer=opt, repeats=5)
                 pred = n / (rate * speed)
                 rows.append({"optimizer": opt, "threads": threads, "params": n,
                              "predicted_s": round(pred, 4), "measured_s": round(m["step_s"], 4),

@@ -59,9 +59,9 @@ from ..spec.parallel import Offload
 # the master into the 16-bit buffer (read 4, write 2: stage_1_and_2.py step)
 CPU_ADAM_BYTES = 34.0
 # torch.optim.AdamW(fused=True) on the host (Megatron's HybridDeviceOptimizer) over
-# DeepSpeedCPUAdam, per core: 159-185 vs 221 M params/s measured on one AMD EPYC core
-# (profile.hardware.cpu_adam_rate, 2^22-2^24 fp32 parameters; bench/offload_cpu.py)
-TORCH_CPU_ADAM_SPEED = 0.75
+# DeepSpeedCPUAdam, per core: 952 vs 714 M params/s for 10^8 fp32 parameters on one AMD EPYC
+# (Zen 4) core, 1.33-1.44 on 1-2 threads, quiet machine (bench/offload_cpu.py)
+TORCH_CPU_ADAM_SPEED = 1.33
 # host memory kept for the OS, data loaders and the engines' other host allocations [decision]
 HOST_RESERVE_FRACTION = 0.1
 # DeepSpeed's zero_optimization.sub_group_size default (elements) and offload_optimizer /
