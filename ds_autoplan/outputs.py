@@ -10,10 +10,12 @@ is written through (the link stays a link); a missing parent folder is created. 
 the umask.
 
 An output *folder* (``plan --out``, ``launch --out``) keeps a manifest of what ds-autoplan
-wrote there (``.ds-autoplan-manifest.json``: name -> sha256).  A file in the folder is only
-replaced when the manifest says ds-autoplan wrote it and it is unchanged since; anything else
-there (the user's ``train.py``, ``data/``, a hand-edited ``ds_config.json``) is never touched,
-and a name clash with it is refused before anything is written.  A run that writes the whole
+wrote there (``.ds-autoplan-manifest.json``: name -> sha256 and inode number).  A file in the
+folder is only replaced when the manifest says ds-autoplan wrote it -- the same file (inode:
+a copy, or a manifest copied or crafted beside the user's files, does not match) -- and it is
+unchanged since (sha256); anything else there (the user's ``train.py``, ``data/``, a
+hand-edited ``ds_config.json``) is never touched, and a name clash with it is refused before
+anything is written.  A run that writes the whole
 set (``complete=True``) removes the files of the last run it no longer produces (a plot) and
 nothing else.  Writers of one folder take turns (``flock`` on the folder); temporary files of
 a killed writer (no longer holding the ``flock`` a writer keeps on its temporary file) are
@@ -34,7 +36,7 @@ from typing import Callable
 from .errors import UserError
 
 MANIFEST = ".ds-autoplan-manifest.json"
-MANIFEST_FORMAT = "ds-autoplan-outputs/1"
+MANIFEST_FORMAT = "ds-autoplan-outputs/2"
 TMP_TAG = ".ds-autoplan-tmp"
 _TMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)-[0-9a-f]+" + re.escape(TMP_TAG) + r"(\.[^.]*)?$")
 
@@ -66,7 +68,8 @@ def _os_error(what: str, path: str, e: OSError) -> OutputError:
     return OutputError(f"cannot write {what} {path}: {e.strerror or e}")
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` is, for a message ("a FIFO", ...)."""
     return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
             "a socket" if stat.S_ISSOCK(mode) else "a device node"
             if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
@@ -111,7 +114,7 @@ def resolve_file(path, what: str = "output", create_parent: bool = True) -> str:
     through)."""
     path, mode = _follow(path, what)
     if mode is not None and not stat.S_ISREG(mode):
-        raise OutputError(f"{what} {path} is {_kind(mode)}; give a file path")
+        raise OutputError(f"{what} {path} is {file_kind(mode)}; give a file path")
     _parent(path, what, create_parent)
     return path
 
@@ -122,7 +125,7 @@ def resolve_folder(path, what: str = "--out", create: bool = True) -> tuple[str,
     path, mode = _follow(path, what)
     if mode is not None:
         if not stat.S_ISDIR(mode):
-            raise OutputError(f"{what} {path} is {'a file' if stat.S_ISREG(mode) else _kind(mode)}; "
+            raise OutputError(f"{what} {path} is {'a file' if stat.S_ISREG(mode) else file_kind(mode)}; "
                               "give a folder")
         return path, False
     _parent(path, what)
@@ -249,26 +252,48 @@ def _replace(tmp: str, path: str) -> None:
 
 def write_file(path, fill: Fill, what: str = "output") -> str:
     """Write one output file atomically (see the module doc); returns the path written."""
-    real = resolve_file(path, what)
-    folder, name = os.path.split(real)
-    clean_temps(folder, {name})
+    return write_files({path: (fill, what)})[0]
+
+
+def write_files(files: dict) -> list[str]:
+    """Write several output files (path -> ``(fill, what)``) as one: every file is rendered to
+    its temporary file first, and only when all are complete are they moved into place, so a
+    failure (a full disk, a failing plot) leaves every target as it was.  Returns the paths
+    written."""
+    staged: list[tuple[str, str]] = []
     try:
-        tmp = _render(folder, name, fill)
-        try:
-            _replace(tmp, real)
-        except BaseException:
-            _release(tmp, remove=True)
-            raise
-    except OSError as e:
-        raise _os_error(what, os.fspath(path), e) from None
-    _fsync_dir(folder)
-    return real
+        for path, (fill, what) in files.items():
+            real = resolve_file(path, what)
+            folder, name = os.path.split(real)
+            clean_temps(folder, {name})
+            try:
+                staged.append((_render(folder, name, fill), real))
+            except OSError as e:
+                raise _os_error(what, os.fspath(path), e) from None
+        for (tmp, real), (path, (_, what)) in zip(staged, files.items()):
+            try:
+                _replace(tmp, real)
+            except OSError as e:
+                raise _os_error(what, os.fspath(path), e) from None
+            _fsync_dir(os.path.dirname(real))
+    finally:
+        for tmp, _ in staged:
+            if tmp in _held:                         # not moved into place
+                _release(tmp, remove=True)
+    return [real for _, real in staged]
 
 
 # ----------------------------------------------------------------------------- folders
-def read_manifest(folder: str) -> dict[str, list[str]]:
-    """name -> accepted sha256 digests of what ds-autoplan wrote in ``folder`` ({} if none
-    or unreadable: then nothing there counts as ds-autoplan's)."""
+Stamp = tuple[str, int]      # (sha256, inode number) of a file ds-autoplan wrote
+
+
+def _stamp(path: str) -> Stamp:
+    return sha256(path), os.lstat(path).st_ino
+
+
+def read_manifest(folder: str) -> dict[str, list[Stamp]]:
+    """name -> the stamps of what ds-autoplan wrote in ``folder`` ({} if none, unreadable or
+    of an older format: then nothing there counts as ds-autoplan's)."""
     p = os.path.join(folder, MANIFEST)
     if os.path.islink(p) or not os.path.isfile(p):
         return {}
@@ -276,17 +301,17 @@ def read_manifest(folder: str) -> dict[str, list[str]]:
         with open(p, encoding="utf-8") as fh:
             d = json.load(fh)
         files = d["files"] if d.get("format") == MANIFEST_FORMAT else {}
-        return {str(k): [str(h) for h in (v if isinstance(v, list) else [v])]
+        return {str(k): [(str(e["sha256"]), int(e["inode"])) for e in v]
                 for k, v in files.items() if os.sep not in str(k) and str(k) not in (".", "..")}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
 
 
-def _write_manifest(folder: str, files: dict[str, list[str]]) -> None:
+def _write_manifest(folder: str, files: dict[str, list[Stamp]]) -> None:
     blob = {"format": MANIFEST_FORMAT,
-            "note": "files ds-autoplan wrote in this folder (name -> sha256); the next run "
-                    "replaces or removes only these, and only while unchanged",
-            "files": {k: v for k, v in sorted(files.items())}}
+            "note": "files ds-autoplan wrote in this folder (name -> sha256, inode); the next "
+                    "run replaces or removes only these files themselves, and only while unchanged",
+            "files": {k: [{"sha256": h, "inode": i} for h, i in v] for k, v in sorted(files.items())}}
     tmp = _render(folder, MANIFEST, json_text(blob, indent=1))
     os.replace(tmp, os.path.join(folder, MANIFEST))
     _release(tmp)
@@ -302,7 +327,18 @@ def _locked(folder: str):
         os.close(fd)                                 # releases the lock
 
 
-def _conflicts(folder: str, names, owned: dict[str, list[str]]) -> list[str]:
+def _not_ours(path: str, stamps: list[Stamp]) -> str | None:
+    """Why the regular file ``path`` is not one ds-autoplan wrote there and left unchanged
+    (one of ``stamps``); None when it is."""
+    ino = os.lstat(path).st_ino
+    if all(i != ino for _, i in stamps):
+        return "is not the file ds-autoplan wrote there (a copy, or replaced since)"
+    if (sha256(path), ino) not in stamps:
+        return "was changed since ds-autoplan wrote it"
+    return None
+
+
+def _conflicts(folder: str, names, owned: dict[str, list[Stamp]]) -> list[str]:
     out = []
     for name in names:
         p = os.path.join(folder, name)
@@ -312,11 +348,11 @@ def _conflicts(folder: str, names, owned: dict[str, list[str]]) -> list[str]:
         if stat.S_ISLNK(st.st_mode):
             out.append(f"{name} is a symlink")
         elif not stat.S_ISREG(st.st_mode):
-            out.append(f"{name} is {_kind(st.st_mode)}")
+            out.append(f"{name} is {file_kind(st.st_mode)}")
         elif name not in owned:
             out.append(f"{name} was not written by ds-autoplan")
-        elif sha256(p) not in owned[name]:
-            out.append(f"{name} was changed since ds-autoplan wrote it")
+        elif (why := _not_ours(p, owned[name])) is not None:
+            out.append(f"{name} {why}")
     return out
 
 
@@ -355,21 +391,21 @@ def write_folder(path, files: dict[str, Fill], complete: bool = True,
                 raise OutputError(_clash(what, folder, bad))
             for name, fill in files.items():
                 temps[name] = _render(folder, name, fill)
-            new = {name: sha256(tmp) for name, tmp in temps.items()}
+            new = {name: _stamp(tmp) for name, tmp in temps.items()}    # os.replace keeps the inode
             # while files move into place, both versions count as ours (a kill in between
             # leaves a folder the next run still owns)
-            _write_manifest(folder, {**old, **{n: old.get(n, []) + [h] for n, h in new.items()}})
+            _write_manifest(folder, {**old, **{n: old.get(n, []) + [st] for n, st in new.items()}})
             for name in files:
                 _replace(temps.pop(name), os.path.join(folder, name))
-            final = {n: [h] for n, h in new.items()}
-            for name, digests in old.items():       # the last run's files not written now
+            final = {n: [st] for n, st in new.items()}
+            for name, stamps in old.items():        # the last run's files not written now
                 if name in final:
                     continue
                 p = os.path.join(folder, name)
                 if not complete:
                     if os.path.lexists(p):
-                        final[name] = digests        # still ours while unchanged
-                elif os.path.isfile(p) and not os.path.islink(p) and sha256(p) in digests:
+                        final[name] = stamps         # still ours while unchanged
+                elif os.path.isfile(p) and not os.path.islink(p) and _not_ours(p, stamps) is None:
                     os.unlink(p)                     # ours, unchanged, no longer produced
             _write_manifest(folder, final)
             _fsync_dir(folder)
@@ -385,5 +421,6 @@ def write_folder(path, files: dict[str, Fill], complete: bool = True,
     return list(files)
 
 
-__all__ = ["MANIFEST", "OutputError", "check_folder", "clean_temps", "json_text", "read_manifest",
-           "resolve_file", "resolve_folder", "sha256", "text", "write_file", "write_folder"]
+__all__ = ["MANIFEST", "OutputError", "check_folder", "clean_temps", "file_kind", "json_text",
+           "read_manifest", "resolve_file", "resolve_folder", "sha256", "text", "write_file",
+           "write_files", "write_folder"]

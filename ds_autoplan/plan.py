@@ -302,8 +302,14 @@ class Plan(_PlanFields):
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
-        with open(path) as f:
-            return cls.from_json(f.read())
+        """A ``plan.json``; one that cannot be read raises :class:`PlanError` naming it."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanError(f"cannot read the plan {os.fspath(path)}: "
+                            f"{getattr(e, 'strerror', None) or 'not a text file'}") from None
+        return cls.from_json(text)
 
 
 # plan.json's degree keys as read-only attributes of the plan, valued as plan.json has them

@@ -2,6 +2,8 @@
 and a non-zero exit, never a traceback, a silently ignored value or an unbounded search."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ds_autoplan.cli import main
@@ -41,6 +43,38 @@ def test_env_helpers_defaults_and_values(monkeypatch):
             env_float("DS_AUTOPLAN_X")
 
 
+@pytest.mark.parametrize("var,value,needle", [
+    ("DS_AUTOPLAN_CHECKPOINT_DELAY", "abc", "is not a finite number"),
+    ("DS_AUTOPLAN_CHECKPOINT_DELAY", "-1", "must be a finite number of at least 0"),
+    ("DS_AUTOPLAN_CHECKPOINT_FAULT", "file:x@y", "is not POINT[:N][@RANK]"),
+    ("DS_AUTOPLAN_CHECKPOINT_FAULT", "nope", "POINT one of staged, file"),
+])
+def test_checkpoint_fault_variables_are_read_through_env(monkeypatch, tmp_path, var, value, needle):
+    """A checkpoint save with a malformed fault-injection variable: one EnvError line naming it
+    (was: ``ValueError`` from ``float()`` / ``int()`` deep in the save)."""
+    from ds_autoplan.runtime import checkpoint_files as cf
+    monkeypatch.setenv(var, value)
+    with pytest.raises(EnvError, match=re.escape(f"{var}={value!r}") + ".*" + re.escape(needle)):
+        cf.save_atomically(tmp_path / "t", lambda d: None)
+    assert not (tmp_path / "t").exists()
+
+
+def test_an_unreadable_plan_named_by_the_environment_is_one_line(monkeypatch, tmp_path):
+    """``DS_AUTOPLAN_PLAN`` naming a missing or binary file (``ds_autoplan.initialize`` without
+    a plan): one PlanError naming the file and the variable (was: ``FileNotFoundError``)."""
+    pytest.importorskip("deepspeed")
+    from ds_autoplan.errors import PlanError
+    from ds_autoplan.runtime.deepspeed.api import as_plan
+    binary = tmp_path / "plan.json"
+    binary.write_bytes(bytes(range(256)))
+    for path, why in (("/nonexistent/plan.json", "No such file or directory"),
+                      (str(binary), "not a text file")):
+        monkeypatch.setenv("DS_AUTOPLAN_PLAN", path)
+        with pytest.raises(PlanError, match=re.escape(f"cannot read the plan {path}: {why} "
+                                                      "(named by DS_AUTOPLAN_PLAN)")):
+            as_plan(None)
+
+
 @pytest.fixture
 def script(tmp_path):
     p = tmp_path / "train.py"
@@ -52,6 +86,9 @@ def script(tmp_path):
     ("DS_AUTOPLAN_PP", "abc", "DS_AUTOPLAN_PP='abc' is not a whole number"),
     ("DS_AUTOPLAN_GLOBAL_BATCH", "abc", "DS_AUTOPLAN_GLOBAL_BATCH='abc' is not a whole number"),
     ("DS_AUTOPLAN_SCHEDULES", "nope", "unknown schedule(s) 'nope'; choose from gpipe, 1f1b"),
+    ("DS_AUTOPLAN_CHECKPOINT_DELAY", "abc", "DS_AUTOPLAN_CHECKPOINT_DELAY='abc' is not a finite number"),
+    ("DS_AUTOPLAN_CHECKPOINT_FAULT", "file:x@y", "DS_AUTOPLAN_CHECKPOINT_FAULT='file:x@y' is not "
+                                                 "POINT[:N][@RANK]"),
 ])
 def test_launch_refuses_a_bad_environment_variable(monkeypatch, capsys, tmp_path, script, var,
                                                    value, needle):
@@ -66,6 +103,33 @@ def test_launch_refuses_an_unknown_schedule_option(monkeypatch, capsys, tmp_path
     monkeypatch.setenv("DS_AUTOPLAN_OUT", str(tmp_path / "out"))
     _one_line_error(capsys, ["launch", "--schedules", "1f1b,nope", "--num_gpus", "2", str(script)],
                     "--schedules: unknown schedule(s) 'nope'")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--global-batch", "0"], "--global-batch must be at least 1, got 0"),     # was dropped
+    (["--pp", "-1"], "--pp must be at least 1, got -1"),                       # was ignored
+    (["--num_gpus", "0"], "--num_gpus 0: give at least 1"),                    # ran 1 rank
+    (["--num_nodes", "0"], "--num_nodes 0: give at least 1"),
+])
+def test_launch_refuses_counts_below_one(monkeypatch, capsys, tmp_path, script, args, needle):
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("DS_AUTOPLAN_OUT", str(tmp_path / "out"))
+    _one_line_error(capsys, ["launch", *args, str(script)], needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_launch_on_a_port_in_use_says_to_pass_master_port(monkeypatch, capsys, tmp_path, script):
+    """Another launch holds the master port (a listening socket here): refused before any rank
+    starts (was: torch's ``DistNetworkError EADDRINUSE`` traceback on rank 0)."""
+    pytest.importorskip("deepspeed")
+    import socket
+    monkeypatch.setenv("DS_AUTOPLAN_OUT", str(tmp_path / "out"))
+    with socket.socket() as other:
+        other.bind(("", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        _one_line_error(capsys, ["launch", "--num_gpus", "2", "--master_port", str(port), str(script)],
+                        f"port {port} (--master_port) is in use", "pass --master_port")
 
 
 def test_the_planner_refuses_unknown_schedules_it_is_given():
@@ -89,6 +153,75 @@ def test_memory_budget_must_be_a_finite_positive_number(capsys, flag, value):
     _one_line_error(capsys, PLAN + [flag, value], flag.strip("-").split("-")[0])
 
 
+def _hf(tmp_path, **fields):
+    import json
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1] / "configs" / "hf" / "Meta-Llama-3-8B" / "config.json"
+    p = tmp_path / "hf" / "config.json"
+    p.parent.mkdir()
+    p.write_text(json.dumps({**json.loads(root.read_text()), **fields}))
+    return str(p)
+
+
+SPEC_FILES = {   # name -> (plan arguments, needle); was a traceback or silently accepted
+    "binary-model": (lambda t: ["--model", _binary(t, "m.yaml"), "--cluster", "cpu-2"],
+                     "not a text file (not UTF-8)"),                       # UnicodeDecodeError
+    "binary-cluster": (lambda t: ["--model", "gpt-tiny", "--cluster", _binary(t, "c.json")],
+                       "not a text file (not UTF-8)"),
+    "nan-memory": (lambda t: ["--model", "gpt-tiny", "--cluster", _text(
+        t, "c.yaml", "name: c\ngpus_per_node: 2\nmemory_gb: .nan\npeak_tflops: 1\n"
+                     "intra_node_GBps: 10\ninter_node_GBps: 10\n")],
+        "field 'memory_gb' must be a finite positive number, got nan"),   # NaN -> int
+    "nan-reserve": (lambda t: ["--model", "gpt-tiny", "--cluster", _text(
+        t, "c.yaml", "name: c\ngpus_per_node: 2\nmemory_gb: 8\nreserve_gb: .nan\npeak_tflops: 1\n"
+                     "intra_node_GBps: 10\ninter_node_GBps: 10\n")],
+        "reserve_gb nan: every figure must be a finite number"),
+    "huge-budget": (lambda t: ["--model", "gpt-tiny", "--cluster", "cpu-2", "--memory-budget-gb",
+                               "1e308"], "memory budget 1e+308 GB is too large"),
+    "hf-heads-string": (lambda t: ["--model", _hf(t, num_attention_heads="32"), "--cluster",
+                                   "8xa100-80gb"],
+                        "field 'num_attention_heads' must be a number, got the string '32'"),
+    "hf-nan-eps": (lambda t: ["--model", _hf(t, rms_norm_eps=float("nan")), "--cluster", "8xa100-80gb"],
+                   "field 'norm_eps' must be a finite positive number, got nan"),
+}
+
+
+def _binary(tmp_path, name):
+    p = tmp_path / name
+    p.write_bytes(bytes(range(256)) * 4)
+    return str(p)
+
+
+def _text(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize("case", sorted(SPEC_FILES))
+def test_malformed_model_and_cluster_inputs_are_one_line(capsys, tmp_path, case):
+    args, needle = SPEC_FILES[case]
+    _one_line_error(capsys, ["plan", *args(tmp_path), "--global-batch", "8", "--out",
+                             str(tmp_path / "out")], needle)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("config,needle", [("tp=2,tp=1", "--config: tp is given twice"),  # last won
+                                           ("mbs=1,micro_batch_size=2", "mbs is given twice"),
+                                           ("", "--config: names nothing")])      # was: no restriction
+def test_cost_config_given_twice_or_empty(capsys, config, needle):
+    _one_line_error(capsys, ["cost", *PLAN[1:], "--config", config], needle)
+
+
+def test_cost_of_a_configuration_that_cannot_run_exits_non_zero(capsys):
+    """The report (the planner's choice beside it) is kept; one error line, exit 2 (was 0)."""
+    rc = main(["cost", *PLAN[1:], "--config", "pp=4"])
+    cap = capsys.readouterr()
+    assert rc == 2 and "your configuration : cannot run" in cap.out and "planner's choice" in cap.out
+    assert cap.err.count("\n") == 1 and cap.err.startswith(
+        "ds-autoplan cost: error: your configuration cannot run: pp=4 must divide the 2 devices"), cap.err
+
+
 def test_absurd_num_layers_refused_before_any_allocation(capsys, tmp_path):
     from ds_autoplan.spec.model import MAX_LAYERS
     y = tmp_path / "deep.yaml"
@@ -96,6 +229,26 @@ def test_absurd_num_layers_refused_before_any_allocation(capsys, tmp_path):
                  "vocab: 512\nseq_len: 64\n")
     _one_line_error(capsys, ["plan", "--model", str(y), "--cluster", "cpu-2", "--global-batch", "8"],
                     "num_layers 1000000000", str(MAX_LAYERS))
+
+
+def test_a_model_far_beyond_the_budget_is_refused_without_the_quadratic_split(monkeypatch):
+    """4000 layers of hidden 500000: the 'cannot fit' floor comes from the model states alone
+    (no stage holds less than their mean), without the memory-balanced split whose tables are
+    (layers x layers) per configuration (was: about a minute before the refusal); a model near
+    the budget still gets the exact split's figure."""
+    from ds_autoplan.search import partition
+    from ds_autoplan.search.planner import Planner
+    from ds_autoplan.spec.cluster import load_cluster
+    from ds_autoplan.spec.model import load_model
+    big = load_model({"name": "big", "arch": "gpt", "num_layers": 4000, "hidden": 500000,
+                      "heads": 1000, "vocab": 50000, "seq_len": 2048})
+    split = partition.stage_matrices
+    calls = []
+    monkeypatch.setattr(partition, "stage_matrices", lambda *a: calls.append(1) or split(*a))
+    pl = Planner(big, load_cluster("8xa100-80gb"), 8)
+    assert pl.min_memory() > 10 * pl.E and calls == []
+    tiny = Planner(load_model("gpt-tiny"), load_cluster("cpu-2"), 8)
+    assert 0 < tiny.min_memory() < tiny.E and calls
 
 
 def test_micro_batch_enumeration_is_bounded_by_memory_not_by_the_batch(monkeypatch):
@@ -156,6 +309,15 @@ def test_divisors_match_the_definition():
         assert divisors(n) == full
         for u in (1, 2, 7, 64, n):
             assert divisors(n, u) == [k for k in full if k <= u]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["gpt-tiny", "--threads", "-1"], "--threads must be >= 1"),     # was torch's RuntimeError
+    (["module:../../x"], "expected module:package.module.factory"),  # was TypeError (relative import)
+])
+def test_profile_refuses_bad_options(capsys, tmp_path, args, needle):
+    _one_line_error(capsys, ["profile", *args, "--out", str(tmp_path / "p.json")], needle)
+    assert not (tmp_path / "p.json").exists()
 
 
 # -- schedule files ------------------------------------------------------------------------------

@@ -162,8 +162,41 @@ def test_a_failing_writer_leaves_the_existing_checkpoint_and_no_staging(tmp_path
     def bad(d):
         _write(d, "new", n=2)
         raise OSError(28, "No space left on device")
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CheckpointError, match=f"cannot save {tmp_path / 't'}: No space left"):
         cf.save_atomically(tmp_path / "t", bad)
+    assert _contents(tmp_path / "t") == {"old"} and _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("fault", ["full-disk", "read-only", "no-space-for-the-manifest"])
+def test_a_full_disk_or_a_read_only_file_system_is_one_line(tmp_path, monkeypatch, fault):
+    """torch's zip writer on a full disk (``/dev/full``: its ``RuntimeError: [enforce fail at
+    inline_container.cc]``), a read-only file system (EROFS injected: CI runs as root), no
+    space left for the manifest: one :class:`CheckpointError` line naming the checkpoint (was:
+    the raw error), the existing checkpoint kept, no staging folder left."""
+    import errno
+    cf.save_atomically(tmp_path / "t", lambda d: _write(d, "old"))
+    write, want = (lambda d: _write(d, "new")), "No space left on device"
+    if fault == "full-disk":
+        write, want = (lambda d: torch.save({"w": torch.ones(10 ** 5)}, "/dev/full")), \
+            "torch could not write a file of it (a full disk?"
+    elif fault == "read-only":
+        def mkdir(path, *a, **k):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        monkeypatch.setattr(cf.os, "mkdir", mkdir)
+        want = "Read-only file system"
+    else:
+        real = json.dump
+
+        def dump(obj, f, **kw):
+            if isinstance(obj, dict) and obj.get("format") == cf.MANIFEST_FORMAT:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(obj, f, **kw)
+        monkeypatch.setattr(cf.json, "dump", dump)
+    with pytest.raises(CheckpointError) as e:
+        cf.save_atomically(tmp_path / "t", write)
+    msg = str(e.value)
+    assert msg.startswith(f"cannot save {tmp_path / 't'}: ") and want in msg and "\n" not in msg, msg
+    monkeypatch.undo()
     assert _contents(tmp_path / "t") == {"old"} and _leftovers(tmp_path) == []
 
 
@@ -229,6 +262,75 @@ def test_a_missing_manifest_means_an_incomplete_save(sealed):
     (sealed / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="has no manifest.json: its save did not complete"):
         cf.verify(sealed)
+
+
+class _Hang(Exception):
+    pass
+
+
+@pytest.fixture
+def no_hang(tmp_path):
+    """Fail (instead of waiting for ever) when the test blocks for 20 s: every reader blocked
+    in the ``open`` of a FIFO of ``tmp_path`` (in any thread) is released, and the test fails."""
+    def alarm(*_):
+        for p in tmp_path.rglob("*"):
+            if p.is_fifo():
+                os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
+        raise _Hang("blocked for 20 s")
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def _list(folder, rel, data: bytes = b""):
+    """Add ``rel`` to ``folder``'s manifest with the size and sha256 of ``data`` (as an attacker
+    who rewrites the manifest would, matching the file it points to)."""
+    import hashlib
+    m = json.loads((folder / "manifest.json").read_text())
+    m["files"][rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("entry", ["ABS", "../../../../OUT", "/dev/null", "sub/../../OUT", "link",
+                                   "linkdir/outside.txt", "a\x00b"])
+def test_manifest_entries_outside_the_folder_are_refused(sealed, entry, no_hang):
+    """Each name the manifest lists is a normalised relative path whose real path lies inside
+    the checkpoint folder (symlinks followed): an absolute path, ``..``, a symlink out of the
+    folder are refused naming the entry, before anything outside is read -- with the outside
+    file's true size and sha256 (was: hashed, and the checkpoint accepted)."""
+    outside = sealed.parent / "outside.txt"
+    outside.write_bytes(b"not yours")
+    (sealed / "link").symlink_to(outside)
+    (sealed / "linkdir").symlink_to(sealed.parent)
+    rel = entry.replace("ABS", str(outside)).replace("OUT", os.path.relpath(outside, "/"))
+    _list(sealed, rel, b"" if rel == "/dev/null" else outside.read_bytes())
+    with pytest.raises(CheckpointError, match="which is not a file inside") as e:
+        cf.verify(sealed)
+    assert "\n" not in str(e.value)
+    with pytest.raises(CheckpointError, match="is damaged: .*which is not a file inside"):
+        cf.verify_before_load(sealed)
+
+
+@pytest.mark.parametrize("what", ["fifo", "fifo-manifest"])
+def test_a_fifo_in_a_checkpoint_is_refused_not_waited_on(sealed, what, no_hang):
+    """A FIFO listed in the manifest (size 0) or a FIFO manifest: refused in one line without
+    opening it (opening a FIFO waits for a writer for ever; was: a hang), by the verification
+    and by a direct read."""
+    if what == "fifo":
+        fifo = sealed / "extra.pt"
+        os.mkfifo(fifo)
+        _list(sealed, "extra.pt")
+        assert cf.verify(sealed) == [f"{fifo}: a FIFO, not a checkpoint file"]
+    else:
+        fifo = sealed / "manifest.json"
+        fifo.unlink()
+        os.mkfifo(fifo)
+        with pytest.raises(CheckpointError, match="manifest.json: a FIFO, not a checkpoint file"):
+            cf.verify(sealed)
+    with pytest.raises(CheckpointError, match=f"{fifo}: a FIFO, not a checkpoint file"):
+        cf.safe_load(fifo)
 
 
 # -- no code on load ---------------------------------------------------------------------------
@@ -322,6 +424,19 @@ def test_checkpoint_info_verifies_the_files(tmp_path, capsys):
     rc, out, err = _info(ck, capsys)
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert f"{ck / 'f3.pt'}: truncated: 10 bytes" in err
+
+
+@pytest.mark.parametrize("tag", ["/etc", "..", "../c", "."])
+def test_checkpoint_info_never_follows_latest_out_of_the_folder(tmp_path, capsys, tag, no_hang):
+    """``latest`` names a tag, a folder of the checkpoint folder: a path in it is refused (was:
+    "its latest checkpoint is /etc"); a FIFO ``latest`` is not opened."""
+    (tmp_path / "latest").write_text(tag)
+    rc, out, err = _info(tmp_path, capsys)
+    assert rc == 2 and err.count("\n") == 1 and "which is not a tag" in err, err
+    (tmp_path / "latest").unlink()
+    os.mkfifo(tmp_path / "latest")
+    rc, out, err = _info(tmp_path, capsys)
+    assert rc == 2 and "latest: a FIFO, not a checkpoint file" in err, err
 
 
 @pytest.mark.parametrize("content", ["{\"format\": 1, ", "[]", "\x00\x01", "{\"format\": 1}",
@@ -459,6 +574,18 @@ def _ds_loads(root) -> list:
         else:
             (bad / name / rel).unlink()
         cases.append({"name": name, "dir": str(bad / name)})
+    outside = root / "outside.pt"           # a file of the user's, beside the checkpoints
+    shutil.copyfile(good / "autoplan_train_state.pt", outside)
+    for name, how in UNSOUND:
+        shutil.copytree(good, bad / name)
+        if how == "outside":
+            _list(bad / name, str(outside), outside.read_bytes())
+        elif how == "fifo":
+            os.mkfifo(bad / name / "extra.pt")
+            _list(bad / name, "extra.pt")
+        else:
+            (bad / name / "manifest.json").unlink()
+        cases.append({"name": name, "dir": str(bad / name)})
     return [{"fn": WORKER + ":load", "cases": cases}]
 
 
@@ -515,6 +642,25 @@ def test_deepspeed_damaged_checkpoint_is_refused_naming_the_file(ds_loads, name,
     for r in range(2):
         err = rows[(name, r)].get("error", "")
         assert err.startswith("checkpoint ") and file in err, rows[(name, r)]
+
+
+UNSOUND = [("manifest-lists-outside", "outside"), ("fifo-listed", "fifo"),
+           ("missing-manifest", "missing")]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)      # the first test pays for its fixture's process groups
+@pytest.mark.parametrize("name,want", [
+    ("manifest-lists-outside", "outside.pt', which is not a file inside"),
+    ("fifo-listed", "extra.pt: a FIFO, not a checkpoint file"),
+    ("missing-manifest", "has no manifest.json: its save did not complete")])
+def test_deepspeed_load_refuses_an_unsound_manifest_on_every_rank(ds_loads, name, want):
+    """A manifest listing a file outside the checkpoint (its true size and sha256), a FIFO it
+    lists, no manifest: ``engine.load_checkpoint`` on 2 ranks stops every rank with the same
+    one line (was: the outside file accepted; the FIFO hung every rank)."""
+    rows, _ = ds_loads
+    errs = [rows[(name, r)].get("error", "") for r in range(2)]
+    assert errs[0] == errs[1] and want in errs[0] and "\n" not in errs[0], errs
 
 
 # -- the Megatron-core runtime on 2 ranks ------------------------------------------------------

@@ -108,7 +108,7 @@ def test_tp_refusal_names_the_real_limit(capsys, tmp_path):
     """8 divides the 32 attention heads; the 4 key/value heads are the limit."""
     rc, out, _ = _run(capsys, ["cost", "--model", _config(tmp_path / "m"), "--cluster", "8xa100-80gb",
                                "--global-batch", "64", "--config", "tp=8"])
-    assert rc == 0
+    assert rc == 2          # the configuration cannot run (tests/test_bad_inputs.py)
     assert ("tp=8 is not possible here: it does not divide the 4 key/value heads "
             "(num_key_value_heads=4); choose from [1, 2, 4]") in out
     assert "attention heads" not in out

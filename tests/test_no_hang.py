@@ -4,6 +4,7 @@ every other rank exit within the step watchdog, naming the action and the peer i
 Every multi-rank run is bounded by the launcher's kill timeout: a hang fails the test."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -180,3 +181,79 @@ def test_a_left_op_build_lock_is_named_not_waited_on_silently(tmp_path, monkeypa
             if err:
                 break
     assert lock in err and "remove that file" in err, err
+
+
+# -- Ctrl-C of a launch ---------------------------------------------------------------------------
+SLEEPER = """import os, sys, time
+with open(os.path.join(sys.argv[-1], "rank%s.pid" % os.environ["RANK"]), "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(600)
+"""
+# DeepSpeed's runner, patched for --autoplan, run from a copy (site-packages is not edited)
+RUN_COPY = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location("
+            "'deepspeed.launcher.runner', sys.argv.pop(1)); m = importlib.util.module_from_spec(spec); "
+            "sys.modules[spec.name] = m; spec.loader.exec_module(m); m.main()")
+
+
+@pytest.mark.multiproc
+def test_ctrl_c_of_a_launch_stops_every_rank(tmp_path):
+    """SIGINT to ``ds-autoplan launch`` and to ``deepspeed --autoplan`` (two 2-rank launches of
+    a script that sleeps, side by side): each launcher stops its ranks and DeepSpeed's
+    per-node launcher, says so in one line and exits 130, no traceback (was: exit 130 with a
+    ``KeyboardInterrupt`` traceback, the per-node launcher reparented and both ranks still
+    running)."""
+    pytest.importorskip("deepspeed")
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    from ds_autoplan.cli import patch_cmd
+    from ds_autoplan.runtime.launch import free_port
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    runner = tmp_path / "runner.py"
+    runner.write_text(patch_cmd.patched(patch_cmd.unpatched(Path(patch_cmd.runner_file()[0]).read_text())))
+    launches = {"ds-autoplan launch": [sys.executable, "-m", "ds_autoplan", "launch"],
+                "ds-autoplan": [sys.executable, "-c", RUN_COPY, str(runner), "--autoplan"]}
+    env = {**os.environ, **ENV, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for i, (prog, cmd) in enumerate(launches.items()):
+        d = tmp_path / f"launch{i}"
+        d.mkdir()
+        runs[prog] = (d, subprocess.Popen(
+            cmd + ["--num_gpus", "2", "--master_port", str(free_port()), str(script), str(d)],
+            cwd=d, env={**env, "DS_AUTOPLAN_OUT": str(d / "out")}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,      # SIGINT handled as in a terminal's job
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)))
+    trees: dict = {}
+    try:
+        deadline = time.time() + 240
+        while not all(len(list(d.glob("rank*.pid"))) == 2 for d, _ in runs.values()):
+            assert time.time() < deadline and all(p.poll() is None for _, p in runs.values()), \
+                {prog: (p.poll(), p.poll() is not None and p.stdout.read()[-3000:])
+                 for prog, (_, p) in runs.items()}
+            time.sleep(0.2)
+        trees = {prog: psutil.Process(p.pid).children(recursive=True) for prog, (_, p) in runs.items()}
+        for _, p in runs.values():
+            p.send_signal(signal.SIGINT)
+        for prog, (d, p) in runs.items():
+            out, _ = p.communicate(timeout=120)
+            assert p.returncode == 130, (prog, out[-3000:])
+            assert "Traceback" not in out and "KeyboardInterrupt" not in out, (prog, out[-3000:])
+            assert out.strip().splitlines()[-1].startswith(f"{prog}: interrupted (SIGINT): stopped "
+                                                           "the launch"), (prog, out[-3000:])
+            ranks = {int(f.read_text()) for f in d.glob("rank*.pid")}
+            assert ranks <= {q.pid for q in trees[prog]}           # the launch's own processes
+            left = [q for q in trees[prog] if q.is_running() and q.status() != psutil.STATUS_ZOMBIE]
+            assert left == [], (prog, left)
+    finally:                 # nothing of the test's left running, whatever failed
+        for q in [q for tree in trees.values() for q in tree]:
+            with contextlib.suppress(psutil.Error):
+                q.kill()
+        for _, p in runs.values():
+            p.kill()
+            p.wait()

@@ -12,6 +12,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -44,6 +45,11 @@ def _user_files(d: Path) -> dict:
 
 def _snapshot(d: Path) -> dict:
     return {str(p.relative_to(d)): (p.read_bytes() if p.is_file() else None) for p in d.rglob("*")}
+
+
+def _stamp(p: Path) -> dict:
+    """The manifest's record of a file ds-autoplan wrote."""
+    return {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "inode": p.stat().st_ino}
 
 
 def _temps(d: Path) -> list:
@@ -132,8 +138,8 @@ def test_plan_out_dot_keeps_the_users_files(tmp_path, capsys):
                        "report.md", "memory_per_stage.png", MANIFEST}
     manifest = json.loads((proj / MANIFEST).read_text())["files"]
     assert set(manifest) == written - {MANIFEST}
-    for name, digests in manifest.items():
-        assert digests == [hashlib.sha256((proj / name).read_bytes()).hexdigest()]
+    for name, stamps in manifest.items():
+        assert stamps == [_stamp(proj / name)]
     # again, with a different plan: our files replaced, the user's untouched
     assert main(PLAN[:-2] + ["16", "--quiet", "--out", str(proj)]) == 0
     assert json.loads((proj / "plan.json").read_text())["global_batch_size"] == 16
@@ -209,6 +215,35 @@ def test_stale_files_are_only_the_last_runs_own(tmp_path):
     assert not (out / "gantt.png").exists()
     assert (out / "memory.png").exists() and (out / "mine.txt").read_text() == "mine\n"
     assert "memory.png" not in json.loads((out / MANIFEST).read_text())["files"]
+
+
+@pytest.mark.parametrize("fmt", ["ds-autoplan-outputs/1", outputs.MANIFEST_FORMAT])
+def test_a_crafted_or_copied_manifest_owns_nothing(tmp_path, capsys, fmt):
+    """A manifest naming the user's files with their true sha256 (crafted, or copied beside
+    them; the older name -> sha256 format and the current one, whose inodes cannot be the
+    user's files'): ``plan --out`` neither replaces ``ds_config.json`` (a clash, one line) nor
+    removes ``notes.md`` -- only the files ds-autoplan wrote there themselves count as its own
+    (was: both gone).  A copied output folder's files are refused as copies, not overwritten."""
+    proj = tmp_path / "proj"
+    _user_files(proj)
+
+    def entry(name):
+        h = hashlib.sha256((proj / name).read_bytes()).hexdigest()
+        return h if fmt.endswith("/1") else {"sha256": h, "inode": 1}
+    (proj / MANIFEST).write_text(json.dumps({"format": fmt, "files": {
+        n: [entry(n)] for n in ("notes.md", "ds_config.json")}}))
+    before = _snapshot(proj)
+    rc, err = main(PLAN + ["--out", str(proj)]), capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "ds_config.json " in err, err
+    assert _snapshot(proj) == before
+    (proj / "ds_config.json").unlink()
+    del before["ds_config.json"], before[MANIFEST]
+    assert main(PLAN + ["--out", str(proj)]) == 0
+    assert {k: v for k, v in _snapshot(proj).items() if k in before} == before   # notes.md kept
+    copy = tmp_path / "copy"
+    shutil.copytree(proj, copy)
+    rc, err = main(PLAN + ["--out", str(copy)]), capsys.readouterr().err
+    assert rc == 2 and "plan.json is not the file ds-autoplan wrote there" in err, err
 
 
 def test_a_readonly_file_system_is_one_line(tmp_path, monkeypatch, capsys):
@@ -306,8 +341,8 @@ def test_concurrent_writers_leave_one_consistent_set(tmp_path):
     manifest = json.loads((out / MANIFEST).read_text())["files"]
     on_disk = {p.name for p in out.iterdir()} - {MANIFEST}
     assert set(manifest) == on_disk and _temps(out) == []
-    for name, digests in manifest.items():
-        assert digests == [hashlib.sha256((out / name).read_bytes()).hexdigest()]
+    for name, stamps in manifest.items():
+        assert stamps == [_stamp(out / name)]
     batch = json.loads((out / "plan.json").read_text())["global_batch_size"]
     cfg = json.loads((out / "ds_config.json").read_text())
     assert cfg["train_batch_size"] == batch                       # files of one run
@@ -341,6 +376,25 @@ def test_simulate_writes_only_the_files_it_is_given(tmp_path, capsys):
     assert sorted(p.name for p in real.iterdir()) == ["c-1f1b.svg", "c-gpipe.svg", "g.png"]
 
 
+def test_simulate_files_are_written_together(tmp_path, monkeypatch, capsys):
+    """``--save s.json --plot s.png``: the plot fails on a full disk (ENOSPC injected while it
+    renders) -- neither file changes (was: s.json replaced, s.png not), one error line, no
+    temporary file left."""
+    from ds_autoplan.schedule import plots
+    for name in ("s.json", "s.png"):
+        (tmp_path / name).write_text("old\n")
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(plots, "plot_gantt", full)
+    rc = main(["simulate", "-d", "2", "-n", "2", "--save", str(tmp_path / "s.json"), "--plot",
+               str(tmp_path / "s.png")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "No space left on device" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "s.png"]
+    assert {p.read_text() for p in tmp_path.iterdir()} == {"old\n"}
+
+
 # ----------------------------------------------------------------------------- profile
 @pytest.mark.parametrize("kind", sorted(WRONG_FILE))
 def test_profile_out_of_the_wrong_kind_is_refused_before_measuring(tmp_path, kind, capsys):
@@ -351,6 +405,17 @@ def test_profile_out_of_the_wrong_kind_is_refused_before_measuring(tmp_path, kin
                  + (["--out", str(tmp_path / "p.json")] if opt != "--out" else []), kind, capsys,
                  "profile")
         assert _snapshot(tmp_path) == before
+
+
+def test_profile_hardware_never_replaces_an_existing_file(tmp_path, capsys):
+    """``--hardware FILE`` names an output; an existing FILE may be the cluster file the user
+    meant to read: refused in one line before measuring (was: overwritten), unless --force."""
+    mine = tmp_path / "cluster.yaml"
+    mine.write_text("name: mine\n")
+    assert main(["profile", "--hardware", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--hardware {mine} exists: refusing to replace it" in err, err
+    assert "--force" in err and mine.read_text() == "name: mine\n"
 
 
 def test_profile_writes_only_its_out(tmp_path, capsys, monkeypatch):
@@ -377,8 +442,11 @@ def test_profile_writes_only_its_out(tmp_path, capsys, monkeypatch):
 
 # ----------------------------------------------------------------------------- launch --out
 def _launch_args(tmp_path):
+    """DeepSpeed's parsed launcher arguments, as far as ds-autoplan reads them (a local launch)."""
+    from ds_autoplan.runtime.launch import free_port
     return SimpleNamespace(no_python=False, module=False, user_script=str(tmp_path / "train.py"),
-                           user_args=[])
+                           user_args=[], num_gpus=-1, num_nodes=-1, master_port=free_port(),
+                           hostfile=str(tmp_path / "no-hostfile"))
 
 
 def test_launch_out_dot_never_writes_the_users_ds_config(tmp_path, monkeypatch):

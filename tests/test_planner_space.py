@@ -179,7 +179,8 @@ def test_published_llama3_405b_configuration_does_not_beat_the_plan(capsys):
 
 
 def test_a_fixed_configuration_that_does_not_fit_says_what_it_needs(capsys):
-    assert main(["cost", *README_175B, "--config", "tp=8,pp=8,mbs=16,recompute=none", "--json"]) == 0
+    """The report (JSON here) says why; the exit status says it cannot run."""
+    assert main(["cost", *README_175B, "--config", "tp=8,pp=8,mbs=16,recompute=none", "--json"]) == 2
     err = json.loads(capsys.readouterr().out)["error"]
     assert "gpt3-175b with tp=8,pp=8,mbs=16,recompute=none cannot fit on 64xa100-80gb with global batch " \
            "1536: needs at least" in err and "GB per device, budget is 72.0 GB (short by" in err, err

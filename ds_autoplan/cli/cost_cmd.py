@@ -5,6 +5,7 @@ the faster one wins."""
 from __future__ import annotations
 
 import json
+import sys
 
 from . import doc_description
 from .plan_cmd import add_problem_args, search_options
@@ -52,7 +53,7 @@ def run(args) -> int:
         out["reasons"] = reasons(mine, free) if out["speedup"] > 1 + 1e-9 else []
     if args.json:
         print(json.dumps(out, default=float))
-        return 0
+        return _verdict(why_not)
     print(f"execution model: {free['execution']}")
     for label, s in (("your configuration", mine), ("planner's choice", free)):
         if s is None:
@@ -72,4 +73,13 @@ def run(args) -> int:
             print("your configuration is the planner's choice" if x > 1 - 1e-9 else
                   f"your configuration is {1 / x:.3f}x faster than the planner's choice (a search "
                   f"heuristic missed it: please report)")
-    return 0
+    return _verdict(why_not)
+
+
+def _verdict(why_not) -> int:
+    """Exit status: 0 when the configuration can run, else 2 after one error line (the report,
+    with the planner's choice, is printed first)."""
+    if why_not is None:
+        return 0
+    print(f"ds-autoplan cost: error: your configuration cannot run: {why_not}", file=sys.stderr)
+    return 2

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import os
+import signal
+import sys
 
 from ..emit.deepspeed import MERGED_CONFIG   # the script's ds_config.json is never written
 from . import UserError, doc_description
@@ -21,6 +24,57 @@ BOOTSTRAP = "ds_autoplan.clients.bootstrap"
 
 # what a launch writes under --out (ds_autoplan.outputs.write_folder)
 OUT_FILES = ("plan.json", MERGED_CONFIG, "profile.json")
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_GRACE = 40.0     # DeepSpeed's per-node launcher gives its ranks 30 s after SIGTERM
+
+
+def stop_launch_on_signals(prog: str) -> dict:
+    """Make SIGINT (Ctrl-C), SIGTERM and SIGHUP to this launcher process stop the whole launch;
+    returns the handlers it replaced.  DeepSpeed's runner handles no signal on a local launch:
+    its per-node launcher (``deepspeed.launcher.launch``) was reparented to PID 1 and kept the
+    ranks training.  Here the signal is passed on to this process's children (the per-node
+    launcher stops its ranks on it), every descendant gets :data:`STOP_GRACE` seconds to end,
+    what is left is killed (at once on a second signal), and the launcher exits 128 + the
+    signal's number after one line (``SystemExit``: ``finally`` blocks run).  A signal this
+    process ignores (``nohup``'s SIGHUP, SIGINT in a background job) stays ignored."""
+    import psutil
+    stopping = []
+
+    def kill(procs) -> None:
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(procs, timeout=5)
+
+    def handler(signum, frame):
+        me = psutil.Process()
+        procs = me.children(recursive=True)
+        if stopping:                        # a second signal while the first one waits
+            kill(procs)
+            return
+        stopping.append(signum)
+        for child in me.children():
+            with contextlib.suppress(psutil.Error):
+                child.send_signal(signum)
+        _, alive = psutil.wait_procs(procs, timeout=STOP_GRACE)
+        kill(alive)
+        print(f"{prog}: interrupted ({signal.Signals(signum).name}): stopped the launch "
+              f"({len(procs)} processes)", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+    return {s: signal.signal(s, handler) for s in STOP_SIGNALS
+            if signal.getsignal(s) is not signal.SIG_IGN}
+
+
+@contextlib.contextmanager
+def launch_stops_on_signals(prog: str):
+    """:func:`stop_launch_on_signals` while the block runs (the caller's handlers after it)."""
+    old = stop_launch_on_signals(prog)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def _planner_options(env) -> dict:
@@ -113,13 +167,40 @@ def apply_autoplan(args, world: int, env, model=None, cluster=None, global_batch
 
 def autoplan_in_runner(args, world: int, env) -> dict:
     """:func:`apply_autoplan` for ``deepspeed --autoplan`` (called by the patched DeepSpeed
-    launcher): a refusal is one ``ds-autoplan: error:`` line and exit 2, not a traceback."""
-    import sys
+    launcher): a refusal is one ``ds-autoplan: error:`` line and exit 2, not a traceback.  From
+    here on, a signal to the runner stops the launch (:func:`stop_launch_on_signals`)."""
+    stop_launch_on_signals("ds-autoplan")
     try:
+        check_launch(args)
         return apply_autoplan(args, world, env)
     except UserError as e:
         print(f"ds-autoplan: error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def check_launch(a) -> None:
+    """Refuse, before any rank starts, what DeepSpeed's launcher would run wrongly: no devices
+    (``--num_gpus 0`` / ``--num_nodes 0``: it ran one rank), and a local launch whose master
+    port is taken (another launch on this node: its rank 0 could not listen there and the
+    other ranks would join the other launch's rendezvous)."""
+    import errno
+    import socket
+
+    from deepspeed.launcher import runner
+    for flag, v in (("--num_gpus", a.num_gpus), ("--num_nodes", a.num_nodes)):
+        if v == 0 or v < -1:
+            raise UserError(f"{flag} {v}: give at least 1 (or leave it out: all)")
+    if runner.fetch_hostfile(a.hostfile):          # nodes of a hostfile: the master is elsewhere
+        return
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as torch's TCPStore
+        try:
+            s.bind(("", a.master_port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            raise UserError(f"port {a.master_port} (--master_port) is in use on this node (another "
+                            "launch?): pass --master_port with a free port") from None
 
 
 def launch_world(a) -> int:
@@ -192,7 +273,14 @@ def print_help() -> None:
 
 
 def run(args) -> int:
+    with launch_stops_on_signals("ds-autoplan launch"):
+        return _run(args)
+
+
+def _run(args) -> int:
     from deepspeed.launcher import runner
+
+    from ..runtime.checkpoint_files import fault_settings
     argv = list(args.argv)
     # the script is the first token runner.parse_args leaves as user_script; split there
     own, rest = _own_parser().parse_known_args(_before_script(argv) if _has_script(argv) else argv)
@@ -200,6 +288,7 @@ def run(args) -> int:
         print_help()
         return 0
     _planner_options(os.environ)          # a bad DS_AUTOPLAN_* value: refused before anything runs
+    fault_settings(os.environ)
     if not argv:
         raise UserError("give the training script, e.g. ds-autoplan launch --num_gpus 2 train.py")
     argv = rest + argv[len(_before_script(argv)):]
@@ -209,6 +298,10 @@ def run(args) -> int:
         raise UserError("could not parse the deepspeed launcher arguments") from None
     if not a.module and not os.path.exists(a.user_script):
         raise UserError(f"training script not found: {a.user_script}")
+    for flag, v in (("--global-batch", own.global_batch), ("--pp", own.pp)):
+        if v is not None and v < 1:
+            raise UserError(f"{flag} must be at least 1, got {v}")
+    check_launch(a)
     cut = len(argv) - len(a.user_args) - 1
     scheds = _known_schedules([x.strip() for x in own.schedules.split(",") if x.strip()]
                               if own.schedules else None, "--schedules")

@@ -37,7 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed runs before the timed repeats")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--threads", type=int, default=None, help="torch threads on CPU")
-    p.add_argument("--force", action="store_true", help="re-measure even if --out exists")
+    p.add_argument("--force", action="store_true",
+                   help="re-measure even if --out exists; replace an existing --hardware file")
     p.add_argument("--hardware", metavar="CLUSTER_YAML",
                    help="also benchmark matmul FLOP/s, collectives, the CPU optimizer (DeepSpeedCPUAdam) and the host-device copy into this cluster spec")
     p.add_argument("--world", type=int, default=2, help="processes for the collective benchmark")
@@ -111,13 +112,18 @@ def _partition(prof, args) -> None:
 def run(args) -> int:
     if args.model is None and not args.hardware:
         raise UserError("give a MODEL to profile and/or --hardware CLUSTER_YAML")
-    if args.batch_size < 1 or args.repeats < 1 or args.warmup < 0:
-        raise UserError("--batch-size and --repeats must be >= 1, --warmup >= 0")
+    if args.batch_size < 1 or args.repeats < 1 or args.warmup < 0 or \
+            (args.threads is not None and args.threads < 1):
+        raise UserError("--batch-size, --repeats and --threads must be >= 1, --warmup >= 0")
     from ..outputs import resolve_file
     for opt, path in (("--out", args.out if args.model else None), ("--policy-out", args.policy_out),
                       ("--hardware", args.hardware)):
         if path is not None:            # a wrong target is refused before anything is measured
             resolve_file(path, opt, create_parent=False)     # (and before torch's import: ~2 s)
+    if args.hardware and os.path.lexists(args.hardware) and not args.force:
+        raise UserError(f"--hardware {args.hardware} exists: refusing to replace it (a cluster file "
+                        "to read is given with --cluster to plan/cost); pass --force to measure "
+                        "again and overwrite it")
     import torch
     from ..models import resolve_model
     from ..profile import hardware_cluster_spec, profile_model

@@ -118,7 +118,7 @@ def _targets(args, names: list[str]) -> dict:
 
 
 def run(args) -> int:
-    from ..outputs import write_file
+    from ..outputs import write_files
     f, b, w = _times(args.times)
     if args.file:
         scheds = [Schedule.load(args.file)]
@@ -146,17 +146,17 @@ def run(args) -> int:
                     if max(base.peak_units) else 1.0,
                     **({} if len(rows) > 1 else {"schedule_lists": sched.to_dict()["ranks"]})})
     wrote = []                     # (what, the path the user named)
+    files = {}        # written together: a failure (a full disk) leaves none of them changed
     if ("--save", 0) in targets:
         sched, _, costs = rows[0]
-        low = lower(sched, costs)
-        write_file(targets["--save", 0], low.save, what="--save")
+        files[targets["--save", 0]] = (lower(sched, costs).save, "--save")
         wrote.append((f"the {sched.name} schedule (lowered)", args.save))
     if ("--trace", 0) in targets:
         from ..outputs import json_text
         from ..schedule.trace import trace_events
         groups = [(s.name, res.timeline()) for s, res, _ in rows]
-        write_file(targets["--trace", 0], json_text(trace_events(groups, scale=1e3), indent=None),
-                   what="--trace")
+        files[targets["--trace", 0]] = (json_text(trace_events(groups, scale=1e3), indent=None),
+                                        "--trace")
         wrote.append(("the trace (open it in https://ui.perfetto.dev)", args.trace))
     if targets.keys() - {("--save", 0), ("--trace", 0)}:
         from ..schedule.plots import plot_gantt, plot_memory
@@ -166,8 +166,10 @@ def run(args) -> int:
                     ("--memory-plot", args.memory_plot, plot_memory, "activation-memory plot")):
                 if (opt, i) in targets:
                     path = targets[opt, i]
-                    write_file(path, lambda p: draw(sched, res, p, fmt=_fmt(path)), what=opt)
+                    files[path] = (lambda p, draw=draw, sched=sched, res=res, fmt=_fmt(path):
+                                   draw(sched, res, p, fmt=fmt), opt)
                     wrote.append((f"the {sched.name} {what}", _named(given, sched.name, len(rows))))
+    write_files(files)
     if args.json:
         _wrote(wrote, sys.stderr)       # stdout is the JSON
         if len(out) == 1:

@@ -113,6 +113,9 @@ def usable_budget(cluster, budget_gb: float | None = None, headroom_gb: float | 
     base = budget_gb * GB if budget_gb else cluster.budget_bytes
     if headroom_gb is None:
         headroom_gb = 0.0 if budget_gb else HEADROOM_FRACTION * cluster.memory_gb
+    if not math.isfinite(base):     # 1e308 GB: beyond a float's range once in bytes
+        raise SpecError(f"memory budget {budget_gb or cluster.memory_gb:g} GB is too large to "
+                        "count in bytes")
     E = base - headroom_gb * GB
     if E <= 0:
         raise SpecError(f"memory headroom {headroom_gb:g} GB leaves no budget (budget before headroom "

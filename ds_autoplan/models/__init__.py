@@ -111,6 +111,9 @@ def resolve_model(name: str) -> ModelEntry:
                         "or module:path.to.factory")
     path = name[len("module:"):]
     mod_name, _, attr = path.replace(":", ".").rpartition(".")
+    if not all(part.isidentifier() for part in [*mod_name.split("."), attr]):
+        raise UserError(f"model {name!r}: expected module:package.module.factory (Python names; "
+                        "an importable module, not a file path)")
     try:
         factory = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError, ValueError) as e:

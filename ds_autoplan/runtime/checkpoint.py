@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint_files import (MANIFEST, CheckpointError, fault_point, loadable_without_code,
-                               read_manifest, safe_load, torch_save, verify)
+                               open_regular, read_latest, read_manifest, safe_load, torch_save,
+                               verify)
 from .rng import RngState
 
 META = "autoplan_checkpoint.json"
@@ -70,14 +71,11 @@ def read_meta(ckpt_dir, framework: str | None = None, num_layers: int | None = N
     ds_autoplan checkpoint or was written by another framework or for another layer count."""
     path = os.path.join(os.fspath(ckpt_dir), META)
     if not os.path.isfile(path):
-        latest = os.path.join(os.fspath(ckpt_dir), "latest")     # engine.save_checkpoint's
-        hint = ""
-        if os.path.isfile(latest):
-            with open(latest) as f:
-                hint = f"; its latest checkpoint is {os.path.join(os.fspath(ckpt_dir), f.read().strip())}"
+        tag = read_latest(ckpt_dir)                                 # engine.save_checkpoint's
+        hint = "" if tag is None else f"; its latest checkpoint is {os.path.join(os.fspath(ckpt_dir), tag)}"
         raise CheckpointError(f"{ckpt_dir} is not a ds_autoplan checkpoint (no {META}){hint}")
     try:
-        with open(path) as f:
+        with open_regular(path) as f:
             meta = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({str(e).splitlines()[0]})") from None

@@ -46,12 +46,14 @@ import pickle
 import secrets
 import shutil
 import signal
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from .. import outputs
+from ..env import EnvError, env_float, env_str
 from ..errors import UserError
 from .common.collectives import broadcast_text, gather_text
 from .common.collectives import rank as _rank, world as _world
@@ -98,26 +100,76 @@ def _one_line(exc: BaseException) -> str:
 # -- fault injection --------------------------------------------------------------------------
 
 _reached: dict[str, int] = {}
+FAULT_ENV, DELAY_ENV = "DS_AUTOPLAN_CHECKPOINT_FAULT", "DS_AUTOPLAN_CHECKPOINT_DELAY"
+
+
+def fault_settings(env=None) -> tuple[float | None, tuple[str, int, int] | None]:
+    """``DS_AUTOPLAN_CHECKPOINT_DELAY`` (seconds, None when unset) and ``(point, n, rank)`` of
+    ``DS_AUTOPLAN_CHECKPOINT_FAULT=POINT[:N][@RANK]`` (None when unset); a malformed value
+    raises :class:`~ds_autoplan.env.EnvError` naming it."""
+    delay, spec = env_float(DELAY_ENV, env=env), env_str(FAULT_ENV, env=env)
+    if spec is None:
+        return delay, None
+    where, at, rank = spec.partition("@")
+    name, colon, nth = where.partition(":")
+    if name not in FAULT_POINTS or (colon and not nth.isdigit()) or (at and not rank.isdigit()) \
+            or nth.isdigit() and int(nth) < 1:
+        raise EnvError(f"{FAULT_ENV}={spec!r} is not POINT[:N][@RANK] (N >= 1, RANK >= 0) with "
+                       f"POINT one of {', '.join(FAULT_POINTS)}")
+    return delay, (name, int(nth or 1), int(rank or 0))
 
 
 def fault_point(point: str) -> None:
     """Where a save may be interrupted (see the module's docstring)."""
-    delay = os.environ.get("DS_AUTOPLAN_CHECKPOINT_DELAY")
+    delay, spec = fault_settings()
     if delay:
-        time.sleep(float(delay))
-    spec = os.environ.get("DS_AUTOPLAN_CHECKPOINT_FAULT")
-    if not spec:
-        return
-    where, _, rank = spec.partition("@")
-    name, _, nth = where.partition(":")
-    if name != point or _rank() != int(rank or 0):
+        time.sleep(delay)
+    if spec is None or spec[0] != point or _rank() != spec[2]:
         return
     _reached[point] = _reached.get(point, 0) + 1
-    if _reached[point] == int(nth or 1):
+    if _reached[point] == spec[1]:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 # -- reading ----------------------------------------------------------------------------------
+
+def open_regular(path):
+    """``open(path, "rb")`` of a regular file: a FIFO (whose open would wait for a writer for
+    ever), device node or socket raises :class:`CheckpointError` before it is opened (and the
+    opened file is checked again); a missing file raises ``FileNotFoundError``."""
+    path = os.fspath(path)
+    mode = os.stat(path).st_mode
+    fd = -1
+    if stat.S_ISREG(mode):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)     # replaced by a FIFO since: no wait
+        mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        if fd >= 0:
+            os.close(fd)
+        raise CheckpointError(f"{path}: {outputs.file_kind(mode)}, not a checkpoint file: refusing "
+                              "to read it")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_latest(ckpt_dir) -> str | None:
+    """The tag DeepSpeed's ``ckpt_dir/latest`` names (None without that file): a plain folder
+    name, never a path (``latest`` comes with the checkpoint: it must not lead elsewhere)."""
+    latest = os.path.join(os.fspath(ckpt_dir), "latest")
+    try:
+        with open_regular(latest) as fh:
+            raw = fh.read(4096)
+    except FileNotFoundError:
+        return None
+    try:
+        tag = raw.decode().strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{latest}: not a tag name (not text)") from None
+    if not tag or os.sep in tag or tag in (".", "..") or "\0" in tag:
+        raise CheckpointError(f"{latest} names {tag[:200]!r}, which is not a tag (a folder name in "
+                              f"{ckpt_dir})")
+    return tag
+
 
 def _refusal(path, exc: BaseException) -> str:
     """torch's weights-only message, reduced to the object it refused."""
@@ -134,7 +186,8 @@ def safe_load(path, map_location="cpu"):
     that needs any other object raise :class:`CheckpointError` naming ``path``."""
     path = os.fspath(path)
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        with open_regular(path) as fh:
+            return torch.load(fh, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
     except pickle.UnpicklingError as e:
@@ -262,11 +315,12 @@ def no_code_on_load(what):
 # -- manifest ---------------------------------------------------------------------------------
 
 def _files(folder) -> list[str]:
-    """Every file under ``folder`` but the manifest, relative, sorted."""
+    """Every file under ``folder`` but the manifest, relative, sorted; a symlink to a folder
+    counts as a file (it is not walked: a checkpoint holds none, so it is never listed)."""
     out = []
     for root, dirs, names in os.walk(folder):
         dirs.sort()
-        for n in names:
+        for n in names + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
             rel = os.path.relpath(os.path.join(root, n), folder)
             if rel != MANIFEST:
                 out.append(rel)
@@ -275,7 +329,7 @@ def _files(folder) -> list[str]:
 
 def _digest(path, sync: bool = False) -> tuple[int, str]:
     h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
             size += len(chunk)
@@ -300,27 +354,36 @@ def _fsync_dir(path) -> None:
         os.close(fd)
 
 
-def _seal(folder) -> None:
+def _seal(folder, final=None) -> None:
     """Collective: fsync and hash the folder's files (rank r takes every world-th), then rank
-    0 writes ``manifest.json`` and fsyncs the folder."""
-    files = _files(folder)
-    mine = _digests(folder, files[_rank()::_world()], sync=True)
+    0 writes ``manifest.json`` and fsyncs the folder.  A rank that fails (no space for the
+    manifest, an I/O error) fails it on every rank, naming ``final`` (default ``folder``)."""
+    files, exc = _files(folder), None
+    try:
+        mine = _digests(folder, files[_rank()::_world()], sync=True)
+    except OSError as e:
+        mine, exc = {}, _write_error(final or folder, e)
     rows = [json.loads(t) for t in gather_text(json.dumps(mine))]
+    agree(exc, f"saving {final or folder} failed")
     if _rank() == 0:
         entries = {rel: {"size": s, "sha256": h} for part in rows for rel, (s, h) in part.items()}
-        with open(os.path.join(folder, MANIFEST), "w") as f:
-            json.dump({"format": MANIFEST_FORMAT, "files": dict(sorted(entries.items()))}, f,
-                      indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(folder)
+        try:
+            with open(os.path.join(folder, MANIFEST), "w") as f:
+                json.dump({"format": MANIFEST_FORMAT, "files": dict(sorted(entries.items()))}, f,
+                          indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(folder)
+        except OSError as e:
+            exc = _write_error(final or folder, e)
+    agree(exc, f"saving {final or folder} failed")
 
 
 def read_manifest(folder) -> dict:
     """``{relative path: {"size", "sha256"}}`` of ``folder``'s manifest."""
     path = os.path.join(os.fspath(folder), MANIFEST)
     try:
-        with open(path) as f:
+        with open_regular(path) as f:
             data = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{folder} has no {MANIFEST}: its save did not complete (or a "
@@ -336,7 +399,21 @@ def read_manifest(folder) -> dict:
     if data.get("format") != MANIFEST_FORMAT:
         raise CheckpointError(f"{path}: manifest format {data.get('format')!r}, this version "
                               f"reads format {MANIFEST_FORMAT}")
+    outside = next((rel for rel in files if not _inside(folder, rel)), None)
+    if outside is not None:
+        raise CheckpointError(f"{path}: lists {outside[:200]!r}, which is not a file inside "
+                              f"{folder}: refusing to read it")
     return files
+
+
+def _inside(folder, rel: str) -> bool:
+    """``rel`` names a path inside ``folder``, also once symlinks are followed: a relative,
+    normalised name (no ``..``) whose real path lies under the folder's."""
+    if not rel or "\0" in rel or os.path.isabs(rel) or os.path.normpath(rel) != rel \
+            or rel.split(os.sep)[0] == "..":
+        return False
+    real = os.path.realpath(folder)
+    return os.path.realpath(os.path.join(folder, rel)).startswith(real.rstrip(os.sep) + os.sep)
 
 
 def verify(folder, part: tuple[int, int] = (0, 1)) -> list[str]:
@@ -353,10 +430,14 @@ def verify(folder, part: tuple[int, int] = (0, 1)) -> list[str]:
     for rel in names:
         path, want = os.path.join(folder, rel), files[rel]
         try:
-            size = os.stat(path).st_size
+            st = os.stat(path)
         except FileNotFoundError:
             problems.append(f"{path}: missing (listed in {MANIFEST})")
             continue
+        if not stat.S_ISREG(st.st_mode):        # never opened: a FIFO's open would wait for ever
+            problems.append(f"{path}: {outputs.file_kind(st.st_mode)}, not a checkpoint file")
+            continue
+        size = st.st_size
         if size != want["size"]:
             what = "truncated" if size < want["size"] else "larger than saved"
             problems.append(f"{path}: {what}: {size} bytes, {want['size']} when saved")
@@ -513,6 +594,23 @@ def _stage(final) -> tuple[str, int]:
             os.close(fd)
 
 
+def _write_error(final, e: BaseException) -> BaseException:
+    """A failed write of a save as one line: the system's reason (a read-only file system, no
+    permission, no space), torch's zip writer's failure (how a full disk shows through
+    ``torch.save``) with the space left; other exceptions as they are."""
+    if isinstance(e, OSError):
+        where = f" ({e.filename})" if e.filename else ""
+        return CheckpointError(f"cannot save {final}: {e.strerror or _one_line(e)}{where}")
+    if isinstance(e, RuntimeError) and ("inline_container" in str(e) or "PytorchStreamWriter" in str(e)):
+        try:
+            free = f"{shutil.disk_usage(os.path.dirname(final)).free / 2 ** 20:.0f} MiB free there"
+        except OSError:
+            free = "free space unknown"
+        return CheckpointError(f"cannot save {final}: torch could not write a file of it (a full "
+                               f"disk? {free}): {_one_line(e)}")
+    return e
+
+
 def save_atomically(final, write) -> None:
     """Collective: ``write(folder)`` on every rank into one staging folder, then (when every
     rank succeeded) seal it with a manifest and move it to ``final`` (see the module's
@@ -523,7 +621,7 @@ def save_atomically(final, write) -> None:
         try:
             staging, fd = _stage(final)
         except Exception as e:              # noqa: BLE001 -- every rank must hear of it
-            exc = e
+            exc = _write_error(final, e)
     try:
         agree(exc, f"cannot save {final}")
         staging = broadcast_text(staging)
@@ -533,10 +631,10 @@ def save_atomically(final, write) -> None:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:          # noqa: BLE001 -- DCP's CheckpointException too
-            exc = e
+            exc = _write_error(final, e)
         agree(exc, f"saving {final} failed")
         fault_point("written")
-        _seal(staging)
+        _seal(staging, final)
         fault_point("manifest")
         if _rank() == 0:
             try:
@@ -603,7 +701,6 @@ class SafeFiles:
 
 
 __all__ = ["CheckpointError", "FAULT_POINTS", "MANIFEST", "SafeFiles", "agree", "check_dcp_metadata",
-           "fault_point",
-           "first_error", "loadable_without_code", "no_code_on_load", "read_manifest", "resolve",
-           "safe_load", "save_atomically", "torch_save", "verify", "verify_before_load",
-           "write_file", "write_latest"]
+           "fault_point", "fault_settings", "first_error", "loadable_without_code", "no_code_on_load",
+           "open_regular", "read_latest", "read_manifest", "resolve", "safe_load", "save_atomically",
+           "torch_save", "verify", "verify_before_load", "write_file", "write_latest"]

@@ -322,16 +322,28 @@ class Evaluator(Space):
         """Least per-device memory of any configuration of the (restricted) space, for the
         'cannot fit' message: its smallest micro-batch, a memory-balanced split, every block
         recomputed unless the recompute mode rules that out (max pipeline stage); offloads
-        whose states the node's host memory cannot hold left out."""
+        whose states the node's host memory cannot hold left out.  Where a floor of every
+        configuration is already over the budget, the least floor (the message says "at
+        least")."""
         combos = list(self.combos())
         mb = min((c.micro_batch for c in combos), default=None)
-        best = INF
+        cands = []
         for c in combos:
             if c.micro_batch != mb or self._host_floor(c) > self.host_E:   # host memory too small
                 continue
             strats = self.mode_strats(c, self.ckpt)
             ctx = self.ctx_of(c, strats)
             plan = [1 if len(strats) > 1 and self.cm.units[u].checkpointable else 0 for u in ctx.seq]
+            # a floor of the busiest stage without splitting (each stage's memory, dp.Context.
+            # stage_costs, has no negative term): the mean of the model states, and each unit's
+            # states, kept activation and output together
+            A = ctx.layer_arrays(plan)
+            cands.append((max(float(A["ms"].sum()) / c.pp, float((A["ms"] + A["f1"] + A["ob"]).max())),
+                          c, ctx, plan))
+        if cands and min(x[0] for x in cands) > self.E:      # settled without the L^2 split
+            return min(x[0] for x in cands)
+        best = INF
+        for _, c, ctx, plan in cands:
             parts = part.minmax_partition(part.stage_matrices(ctx, plan, "mem")) if c.pp > 1 else (self.L,)
             if parts is None:
                 continue

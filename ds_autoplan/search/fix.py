@@ -21,9 +21,12 @@ def parse_fix(text: str | dict | None, option: str = "--fix") -> dict:
     recompute: auto (the planner's per-stage choice), none, full (every block, even split into
     the schedule's stages, as Megatron's --recompute-granularity full), selective (the attention core of every
     layer, Megatron's --recompute-granularity selective).  ``option``: the command-line option
-    the text came from, named in refusals (``ds-autoplan cost`` takes it as --config)."""
-    if not text:
+    the text came from, named in refusals (``ds-autoplan cost`` takes it as --config).  A key
+    given twice, or a text naming nothing, is refused."""
+    if text is None or isinstance(text, dict) and not text:
         return {}
+    if isinstance(text, str) and not text.replace(",", "").strip():
+        raise SpecError(f"{option}: names nothing; give key=value pairs, e.g. tp=2,pp=2")
     items = text.items() if isinstance(text, dict) else \
         (kv.split("=", 1) if "=" in kv else (kv, None) for kv in str(text).split(",") if kv.strip())
     out = {}
@@ -31,6 +34,8 @@ def parse_fix(text: str | dict | None, option: str = "--fix") -> dict:
         k = ALIASES.get(k.strip().lower(), k.strip().lower())
         if k not in KEYS or v is None or str(v).strip() == "":
             raise SpecError(f"{option}: expected key=value with key in {', '.join(sorted(KEYS))}; got {k!r}")
+        if k in out:
+            raise SpecError(f"{option}: {k} is given twice")
         v = str(v).strip().lower()
         if k in INT_KEYS:
             if not v.isdigit() or int(v) < (0 if k == "zero" else 1):

@@ -18,6 +18,7 @@ planner says which are missing: :meth:`ClusterSpec.offload_missing`):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -140,6 +141,10 @@ class ClusterSpec:
                 host_link_shared_by=_opt(d, "host_link_shared_by", int, src) or 1,
                 nvme_GBps=_opt(d, "nvme_GBps", float, src),
                 nvme_gb=_opt(d, "nvme_gb", float, src))
+        odd = {k: v for k, v in vars(c).items() if isinstance(v, float) and not math.isfinite(v)}
+        if odd:
+            raise SpecError(f"{src}: " + ", ".join(f"{k} {v}" for k, v in odd.items())
+                            + ": every figure must be a finite number")
         if c.reserve_gb < 0 or c.reserve_gb >= c.memory_gb:
             raise SpecError(f"{src}: reserve_gb must lie in [0, memory_gb)")
         if not 0 < c.compute_efficiency <= 1:

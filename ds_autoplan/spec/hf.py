@@ -8,7 +8,6 @@ family carries the defaults of the keys we read, from transformers'
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from . import SpecError
@@ -243,4 +242,4 @@ def from_hf_config(d: dict, src: str) -> dict:
     if arch == "vit":
         for k in ("seq_len", "max_positions", "seq_note"):
             out.pop(k)
-    return {k: v for k, v in out.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+    return {k: v for k, v in out.items() if v is not None}

@@ -9,6 +9,7 @@ them for fp32.  ``pre`` (embedding) is attached to the first pipeline stage and 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,6 +125,10 @@ FIELDS = {"name", "arch", "num_layers", "hidden", "heads", "kv_heads", "ffn", "v
           "source", "source_keys"}
 
 
+# numbers no cost reads, carried to the emitted Megatron flags: checked like the rest
+CARRIED_NUMBERS = ("norm_eps", "rope_base", "rope_scaling_factor", "rotary_percent")
+
+
 def tied_embeddings(d: dict) -> bool:
     """Input embedding shared with the output layer: the mapping's ``tie_embeddings``, else
     Megatron's default for the arch (tied, except LLaMA-style models)."""
@@ -147,7 +152,8 @@ def _count(d: dict, key: str, src: str) -> int:
     v = d.get(key)
     if v is None or v is False:
         return 0
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 0:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or v != int(v) or v < 0:
         raise SpecError(f"{src}: field {key!r} must be a non-negative integer, got {v!r}")
     return int(v)
 
@@ -232,6 +238,9 @@ def build_model(d: dict, src: str = "model") -> ModelSpec:
     arch = str(d.get("arch", "gpt")).lower()
     if arch not in ARCHS:
         raise SpecError(f"{src}: unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
+    for k in CARRIED_NUMBERS:
+        if d.get(k) is not None:
+            need(d, k, float, src)
     h = need(d, "hidden", int, src)
     if arch == "vit":
         img, p = need(d, "image_size", int, src, 224), need(d, "patch_size", int, src, 16)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -58,9 +59,11 @@ def read_mapping(path: str | Path) -> dict:
     import yaml
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise SpecError(f"cannot read {p}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{p}: not a text file (not UTF-8): expected YAML or JSON") from None
     try:
         # libyaml's parser where PyYAML was built with it (same SafeConstructor, ~10x faster)
         data = json.loads(text) if p.suffix == ".json" else \
@@ -110,12 +113,14 @@ def need(d: dict, key: str, typ, src: str, default=None):
             return default
         raise SpecError(f"{src}: missing required field {name!r}")
     v = d[key]
+    if typ in (int, float) and isinstance(v, str):      # "32": a quoted number is a typo
+        raise SpecError(f"{src}: field {name!r} must be a number, got the string {v!r}")
     if typ is int and (isinstance(v, bool) or (isinstance(v, float) and not v.is_integer())):
         raise SpecError(f"{src}: field {name!r} must be an integer, got {v!r}")
     try:
         v = typ(v)
     except (TypeError, ValueError):
         raise SpecError(f"{src}: field {name!r} must be {typ.__name__}, got {d[key]!r}") from None
-    if typ in (int, float) and v <= 0:
-        raise SpecError(f"{src}: field {name!r} must be positive, got {d[key]!r}")
+    if typ in (int, float) and not (v > 0 and math.isfinite(v)):
+        raise SpecError(f"{src}: field {name!r} must be a finite positive number, got {d[key]!r}")
     return v

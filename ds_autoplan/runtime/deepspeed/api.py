@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from ...errors import PlanError
 from ...schedule import Schedule, ScheduleError, build
 from ...schedule.passes import plan_schedule
 from ..common import accept, check_world
@@ -24,6 +25,10 @@ def as_plan(plan):
         plan = env_str("DS_AUTOPLAN_PLAN")
         if plan is None:
             raise ValueError("no plan given (pass plan=... or launch with ds-autoplan / --autoplan)")
+        try:
+            return Plan.load(plan)
+        except PlanError as e:
+            raise PlanError(f"{e} (named by DS_AUTOPLAN_PLAN)") from None
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, dict):

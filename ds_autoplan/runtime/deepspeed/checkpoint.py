@@ -34,8 +34,8 @@ from ..checkpoint import (META, CheckpointError, apply_rank_state, load_schedule
                           load_train_state, rank_state_source, read_meta, read_rank_state,
                           restore_param_groups, save_rank_state, save_train_state, state_path,
                           write_meta)
-from ..checkpoint_files import (SafeFiles, agree, resolve, safe_load, save_atomically, torch_save,
-                                verify_before_load, write_latest)
+from ..checkpoint_files import (SafeFiles, agree, read_latest, resolve, safe_load, save_atomically,
+                                torch_save, verify_before_load, write_latest)
 
 MASTER = "fp32"      # key of the fp32 master weight in a parameter's saved state
 
@@ -291,17 +291,12 @@ def _tagged_dir(load_dir, tag):
     else ``load_dir`` itself when :func:`save_checkpoint` wrote it; None when there is none."""
     if tag is not None:
         return resolve(os.path.join(load_dir, str(tag)))
-    latest = os.path.join(load_dir, "latest")
-    if os.path.isfile(latest):
-        with open(latest, "rb") as fh:
-            try:
-                tag = fh.read().decode().strip()
-            except UnicodeDecodeError:
-                raise CheckpointError(f"{latest}: not a tag name (not text)") from None
+    tag = read_latest(load_dir)
+    if tag is not None:
         path = resolve(os.path.join(load_dir, tag))
-        if not tag or os.sep in tag or not os.path.isdir(path):
-            raise CheckpointError(f"{latest} names {tag!r}, which is not a checkpoint folder in "
-                                  f"{load_dir}")
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{os.path.join(load_dir, 'latest')} names {tag!r}, which is not "
+                                  f"a checkpoint folder in {load_dir}")
         return path
     return load_dir if os.path.isfile(os.path.join(load_dir, META)) else None
 
