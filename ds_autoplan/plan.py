@@ -246,6 +246,21 @@ class Plan(_PlanFields):
         """Samples per iteration: micro-batch x micro-batches x dp."""
         return self.parallel.global_batch
 
+    @property
+    def schedule_label(self) -> str:
+        """The pipeline schedule as messages name it: none with one stage (pp = 1)."""
+        return self.schedule if self.pp > 1 else "none (no pipeline, pp=1)"
+
+    def stage_placement(self) -> tuple[int, ...]:
+        """The pipeline rank of each stage: the schedule's placement (the builder registry's),
+        stage s on rank s mod pp where the builder decides it itself."""
+        from .schedule.builders import REGISTRY
+        info = REGISTRY.get(self.schedule)
+        place = info.stage_placement(self.pp, **self.schedule_options) if info and self.pp > 1 else None
+        if place is None or len(place) != self.num_stages:
+            place = tuple(s % self.pp for s in range(self.num_stages))
+        return place
+
     @staticmethod
     def parallel_fields(par: Parallel) -> dict[str, Any]:
         """``par`` as plan.json's flat keys (``Plan(**Plan.parallel_fields(par), ...)`` builds

@@ -106,8 +106,7 @@ def main():
     engine, *_ = initialize(model.layers(), plan, loss_fn=gpt_loss, config=ds_cfg)
     dp_rank = engine.grid.data_parallel_id
     if rank == 0:
-        what = plan.schedule if plan.pp > 1 else "no pipeline (1 rank)"
-        print(f"plan: pp={plan.pp} dp={plan.dp} schedule={what} layers={cfg.num_layers} "
+        print(f"plan: pp={plan.pp} dp={plan.dp} schedule={plan.schedule_label} layers={cfg.num_layers} "
               f"layers_per_stage={plan.layers_per_stage} recompute={plan.recompute_per_stage}",
               flush=True)
     if args.load:

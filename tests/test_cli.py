@@ -1,8 +1,10 @@
 """The command line as a newcomer meets it (issue 33): help, refusals in the user's words,
 pipes, the files a command says it wrote, plots that read right.  In-process calls of
 ``ds_autoplan.cli.main`` unless a real process is the point."""
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -153,6 +155,63 @@ def test_small_models_show_their_parameters(capsys):
     rc, out, _ = _run(capsys, ["plan", "--model", "gpt-tiny", "--cluster", "cpu-2", "--global-batch",
                                "8", "--quiet"])
     assert rc == 0 and "parameters 432.3 K\n" in out and "0.000 B" not in out
+
+
+# -- the plan as printed and reported ---------------------------------------------------------
+
+V_HALF = ["--model", "gpt3-13b", "--cluster", "2x8xa100-ib200", "--global-batch", "256", "--quiet",
+          "--no-wide", "--fix", "pp=2,tp=1,mbs=1,schedule=v-half"]
+
+
+def test_plan_output_explains_the_batch_and_the_stages_of_each_rank(capsys):
+    rc, out, _ = _run(capsys, ["plan", *V_HALF])
+    assert rc == 0
+    assert "schedule=v-half\nglobal batch 256 = micro-batch 1 x 32 micro-batches per iteration " \
+           "(pipelined) x dp 8\n" in out, out
+    assert "(4 stages, 2 per pipeline rank: rank 0 runs stages 0, 3; rank 1 runs stages 1, 2)\n" in out
+    rc, out, _ = _run(capsys, ["plan", "--model", "gpt-tiny", "--cluster", "cpu-2", "--global-batch",
+                               "8", "--quiet"])
+    assert "schedule=none (no pipeline, pp=1)\n" in out and "stages," not in out
+
+
+def _table(md: str, heading: str) -> list[dict]:
+    """The rows of the first table under ``## heading`` as {column: cell}."""
+    part = md.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0].splitlines()
+    first = next(i for i, line in enumerate(part) if line.startswith("|"))
+    lines = list(itertools.takewhile(lambda line: line.startswith("|"), part[first:]))
+    cols = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(cols, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
+
+
+def test_report_alternatives_say_why_each_lost(capsys, tmp_path):
+    """The chosen plan is not among its alternatives; each row has its micro-batch size and
+    says by how much it does not fit, or that it is slower."""
+    rc, _, _ = _run(capsys, ["plan", "--model", "llama2-70b", "--cluster", "8xa100-80gb",
+                             "--global-batch", "64", "--quiet", "--no-wide", "--out", str(tmp_path)])
+    assert rc == 0
+    md = (tmp_path / "report.md").read_text()
+    chosen, = _table(md, "Chosen plan")
+    rows = _table(md, "Alternatives costed")
+    assert rows and all(r["micro-batch"].isdigit() for r in rows)
+    key = ("pp", "tp", "dp", "micro-batch", "micro-batches")
+    assert not [r for r in rows if all(r[k] == chosen[k] for k in key)
+                and r["best schedule"] == chosen["schedule"].split()[0]]
+    short = [r["why it lost"] for r in rows if r["why it lost"].startswith("does not fit")]
+    assert short and all(re.fullmatch(r"does not fit: needs [0-9.]+ GB per device, budget 72.0 GB "
+                                      r"\(short by [0-9.]+ GB\)", s) for s in short), short
+    assert all(re.fullmatch(r"[0-9.]+x slower|does not fit: .*|slower: even its least possible "
+                            r"time exceeds the best plan's \(not costed further\)", r["why it lost"])
+               for r in rows)
+
+
+def test_report_names_the_rank_of_each_stage(capsys, tmp_path):
+    rc, _, _ = _run(capsys, ["plan", *V_HALF, "--out", str(tmp_path)])
+    assert rc == 0
+    md = (tmp_path / "report.md").read_text()
+    stages = _table(md, "Layers, recompute and memory per stage")
+    assert [(r["stage"], r["pipeline rank"]) for r in stages] == [("0", "0"), ("1", "1"), ("2", "1"),
+                                                                  ("3", "0")]
+    assert "as micro-batches of 1: 32 per data-parallel rank (pipelined), on 8 data-parallel ranks" in md
 
 
 # -- pipes and files ---------------------------------------------------------------------------

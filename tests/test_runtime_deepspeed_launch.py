@@ -2,6 +2,7 @@
 2 CPU ranks; the patch is always reverted."""
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,10 @@ def test_deepspeed_autoplan_end_to_end(tmp_path):
         out = run.stdout + run.stderr
         assert run.returncode == 0, out[-3000:]
         assert "step 1 loss" in out
+        # the launcher and the ranks name the same schedule
+        launcher = re.search(r"ds-autoplan: gpt-tiny on cpu-2 \(2 ranks\): .* schedule=(.+) -> ", out)
+        ranks = re.search(r"plan: pp=1 dp=2 schedule=(.+) layers=", out)
+        assert launcher[1] == ranks[1] == "none (no pipeline, pp=1)", out[-3000:]
         assert (tmp_path / "ds_autoplan_out" / "ds_config.autoplan.json").exists()
         assert (tmp_path / "ds_autoplan_out" / "plan.json").exists()
     finally:

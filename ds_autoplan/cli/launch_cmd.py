@@ -132,7 +132,7 @@ def _plan_model_now(model, cluster, global_batch, pp, schedules, world, out, off
                        MERGED_CONFIG: json_text(ds_config(plan))}, complete=False)
     plan_path = os.path.join(out, "plan.json")
     print(f"ds-autoplan: {model} on {cluster} ({world} ranks): pp={plan.pp} tp={plan.tp} "
-          f"dp={plan.dp} schedule={plan.schedule} -> {plan_path}", flush=True)
+          f"dp={plan.dp} schedule={plan.schedule_label} -> {plan_path}", flush=True)
     return plan_path
 
 

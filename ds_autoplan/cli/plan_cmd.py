@@ -154,6 +154,28 @@ def offload_line(o: dict | None) -> str:
             "(host step, copies)")
 
 
+def batch_line(plan) -> str:
+    """How the global batch is split: micro-batch size x micro-batches x data-parallel ranks."""
+    return (f"global batch {plan.global_batch_size} = micro-batch {plan.micro_batch_size} x "
+            f"{plan.num_microbatches} micro-batches per iteration "
+            f"({'pipelined' if plan.pp > 1 else 'gradient accumulation'}) x dp {plan.dp}")
+
+
+def stages_line(plan) -> str:
+    """Layers and recompute per pipeline stage; where a rank runs several stages (interleaved,
+    V schedules), which ones."""
+    out = f"layers per stage {plan.layers_per_stage}, recompute {plan.recompute_per_stage}"
+    if plan.num_stages <= plan.pp:
+        return out
+    place = plan.stage_placement()
+    held = [[s for s, r in enumerate(place) if r == rank] for rank in range(plan.pp)]
+    shown = [f"rank {r} runs stages {', '.join(map(str, held[r]))}" for r in range(plan.pp)]
+    if len(shown) > 3:
+        shown = [*shown[:2], "...", shown[-1]]
+    return (f"{out} ({plan.num_stages} stages, {plan.num_stages // plan.pp} per pipeline rank: "
+            f"{'; '.join(shown)})")
+
+
 def seq_line(plan, model, seq_arg) -> str:
     """The sequence length planned for, and where it came from."""
     if seq_arg is not None:
@@ -228,11 +250,11 @@ def _report(res, args) -> int:
               f"{' (sequence parallel)' if plan.sequence_parallel else ''} dp={plan.dp} "
               f"{f'ep={plan.ep} etp={plan.etp} ' if plan.ep > 1 else ''}"
               f"{f'cp={plan.cp} ({plan.cp_comm}) ' if plan.cp > 1 else ''}"
-              f"ZeRO-{plan.zero_stage} schedule={plan.schedule} micro-batch={plan.micro_batch_size} "
-              f"x {plan.num_microbatches}")
+              f"ZeRO-{plan.zero_stage} schedule={plan.schedule_label}")
+        print(batch_line(plan))
         print(seq_line(plan, res.model, args.seq))
         print(params_line(res.model))
-        print(f"layers per stage {plan.layers_per_stage}, recompute {plan.recompute_per_stage}")
+        print(stages_line(plan))
         print(f"predicted {pr.iteration_time_s:.4g} s/iteration, "
               f"{pr.throughput_tokens_per_s:.6g} tokens/s, MFU {pr.mfu:.1%}, "
               f"peak memory {max(pr.peak_memory_gb_per_stage):.2f} GB / {pr.memory_budget_gb:.1f} GB"

@@ -25,6 +25,17 @@ def _sp(on) -> str:
     return "on" if on else "off"
 
 
+def _schedule(name: str, options: dict) -> str:
+    """``interleaved v=10``."""
+    return " ".join([name, *(f"{k}={v}" for k, v in (options or {}).items())])
+
+
+def _same(c, best) -> bool:
+    """``c`` is the chosen plan (costed once in the search, once more in full for the report)."""
+    return c is best or (c.par == best.par and c.schedule == best.schedule
+                         and c.ok and abs(c.time - best.time) <= 1e-9 * best.time)
+
+
 def plot_stage_memory(peaks_gb: list[float], budget_gb: float, path: str, title: str) -> str:
     import matplotlib
     matplotlib.use("Agg")
@@ -75,8 +86,13 @@ def report_files(res) -> dict:
     w("## Chosen plan\n")
     w("| pp | tp | sequence parallel | dp | ZeRO | schedule | micro-batch | micro-batches | partitioner |")
     w("|---|---|---|---|---|---|---|---|---|")
-    w(f"| {plan.pp} | {plan.tp} | {_sp(plan.sequence_parallel)} | {plan.dp} | {plan.zero_stage} | {plan.schedule} "
-      f"{plan.schedule_options or ''} | {plan.micro_batch_size} | {plan.num_microbatches} | {plan.partitioner} |\n")
+    w(f"| {plan.pp} | {plan.tp} | {_sp(plan.sequence_parallel)} | {plan.dp} | {plan.zero_stage} | "
+      f"{_schedule(plan.schedule_label, plan.schedule_options)} | {plan.micro_batch_size} | "
+      f"{plan.num_microbatches} | {plan.partitioner} |\n")
+    w(f"Each iteration trains the global batch of {plan.global_batch_size} samples as micro-batches of "
+      f"{plan.micro_batch_size}: {plan.num_microbatches} per data-parallel rank "
+      f"({'pipelined' if plan.pp > 1 else 'gradient accumulation'}), on {plan.dp} data-parallel "
+      f"rank{'s' if plan.dp > 1 else ''}.\n")
     if plan.ep > 1 or plan.cp > 1:
         w(f"Expert parallelism {plan.ep} (expert tensor parallelism {plan.etp}, expert data "
           f"parallelism {plan.parallel.expert_dp}); context parallelism {plan.cp}"
@@ -99,10 +115,14 @@ def report_files(res) -> dict:
     elif off.get("why"):
         w(f"\nOffload: none ({off['why']}).")
     w("\n## Layers, recompute and memory per stage\n")
-    w("| stage | layers | recomputed fraction |")
-    w("|---|---|---|")
-    for i, (n, r) in enumerate(zip(plan.layers_per_stage, plan.recompute_per_stage)):
-        w(f"| {i} | {n} | {r:.2f} |")
+    if plan.num_stages > plan.pp:
+        w(f"{plan.num_stages} stages, {plan.num_stages // plan.pp} per pipeline rank "
+          f"({plan.schedule}'s placement).\n")
+    w("| stage | pipeline rank | layers | recomputed fraction |")
+    w("|---|---|---|---|")
+    for i, (rank, n, r) in enumerate(zip(plan.stage_placement(), plan.layers_per_stage,
+                                         plan.recompute_per_stage)):
+        w(f"| {i} | {rank} | {n} | {r:.2f} |")
     w("\n| pipeline rank | peak memory (GB) |")
     w("|---|---|")
     for r, g in enumerate(pred.peak_memory_gb_per_stage):
@@ -158,13 +178,16 @@ def report_files(res) -> dict:
         for pn, c in res.partitioners.items():
             w(f"| {pn} | {_fmt(c.time if c.ok else None, 4)} | {list(c.parts)} |")
     w("\n## Alternatives costed\n")
-    w("| pp | tp | SP | dp | ZeRO | micro-batches | best schedule | iteration (s) | why it lost |")
-    w("|---|---|---|---|---|---|---|---|---|")
-    for c in sorted(res.alternatives, key=lambda c: c.time):
-        why = "chosen" if c is best else ("does not fit" if not c.ok else
-                                           f"{c.time / best.time:.3f}x slower")
-        w(f"| {c.pp} | {c.tp} | {_sp(c.sp)} | {c.dp} | {c.zero} | {c.num_microbatches} | {c.schedule} | "
-          f"{_fmt(c.time if c.ok else None, 4)} | {why} |")
+    w("Configurations the search costed, fastest first, and why each lost to the chosen plan "
+      f"({best.time:.4g} s per iteration).\n")
+    w("| pp | tp | SP | dp | ZeRO | offload | micro-batch | micro-batches | best schedule | "
+      "recomputed blocks | iteration (s) | why it lost |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for c in sorted((c for c in res.alternatives if not _same(c, best)), key=lambda c: c.time):
+        why = (c.note or "does not fit") if not c.ok else f"{c.time / best.time:.3f}x slower"
+        w(f"| {c.pp} | {c.tp} | {_sp(c.sp)} | {c.dp} | {c.zero} | {c.offload.text()} | {c.micro_batch} | "
+          f"{c.num_microbatches} | {c.schedule if c.ok else '-'} | "
+          f"{sum(c.recompute) if c.ok else '-'} | {_fmt(c.time if c.ok else None, 4)} | {why} |")
     w("\n## Plots\n")
     for f in files:
         w(f"![{f}]({f})")

@@ -245,25 +245,29 @@ class Evaluator(Space):
         L, P = self.L, c.pp
 
         def cand(time, schedule, parts, recompute, peak, partitioner, cx, plan=None, sim=None,
-                 bubble=0.0):
+                 bubble=0.0, note=""):
             return Candidate(name, par=c.with_(chunks=max(1, len(parts or ()) // P)), time=time,
                              schedule=schedule, parts=parts, recompute=recompute, peak=peak,
-                             partitioner=partitioner, ctx=cx, plan=plan, sim=sim, bubble=bubble)
+                             partitioner=partitioner, ctx=cx, plan=plan, sim=sim, bubble=bubble,
+                             note=note)
         if ckpt == "full":
             parts = part.even_partition(L, P)
             plan = [1 if self.cm.units[u].checkpointable else 0 for u in ctx.seq]
             full = self.ctx_of(c, self.exec_strats(c))
             if P == 1:
                 C, Cns, Mem = full.stage_costs(parts, plan)
-                T = full.pipeline_time(parts, plan) if Mem.max() <= self.E else INF
-                return cand(T, "1f1b", parts, [L], list(Mem), "even", full, plan)
+                if Mem.max() > self.E:
+                    return cand(INF, "1f1b", parts, [L], list(Mem), "even", full, plan,
+                                note=over_budget(float(Mem.max()), self.E))
+                return cand(full.pipeline_time(parts, plan), "1f1b", parts, [L], list(Mem), "even",
+                            full, plan)
             # every schedule with every block recomputed (Megatron runs full recompute with its
             # interleaving too), blocks split evenly into the schedule's stages
             evs = full_recompute_evals(full, schedules or self.schedules, keep_sim, self.chunks)
             if not evs or not evs[0].ok:
                 e = evs[0] if evs else None
                 return cand(INF, "1f1b", parts, e.recompute if e else [], e.peak if e else [], "even",
-                            full, plan)
+                            full, plan, note=why_out(evs, self.E))
             e = evs[0]
             out = cand(e.time, e.schedule, e.parts, e.recompute, e.peak, "even", full, plan, e.sim,
                        bubble=e.bubble)
@@ -279,8 +283,11 @@ class Evaluator(Space):
         else:
             T, parts, plan = part.merak(ctx)
         if P == 1 or not schedules and schedules is not None:
-            if plan is None:
-                return cand(INF, "1f1b", parts or (), [], [], pname, ctx)
+            if plan is None:           # the leanest strategies of its split do not fit
+                parts = parts or part.even_partition(L, P)
+                _, _, Mem = ctx.stage_costs(parts, part.frugal_plan(ctx))
+                return cand(INF, "1f1b", parts, [], [], pname, ctx,
+                            note=over_budget(float(Mem.max()), self.E))
             _, _, Mem = ctx.stage_costs(parts, plan)
             rec = [sum(1 for u in range(lo, hi) if plan[u] == 1) for lo, hi in ctx.bounds(parts)]
             return cand(T, "1f1b", parts, rec, list(Mem), pname, ctx, plan)
@@ -294,7 +301,7 @@ class Evaluator(Space):
         if lean:
             evs = [e for e in evs if not any(e.recompute)]
         if not evs or not evs[0].ok:
-            return cand(INF, "1f1b", parts, [], [], pname, ctx, plan)
+            return cand(INF, "1f1b", parts, [], [], pname, ctx, plan, note=why_out(evs, self.E))
         e: Eval = evs[0]
         out = cand(e.time, e.schedule, e.parts, e.recompute, e.peak,
                    pname if e.schedule == "1f1b" else e.partitioner, full, plan, e.sim, bubble=e.bubble)
@@ -350,6 +357,21 @@ class Evaluator(Space):
             _, _, Mem = ctx.stage_costs(parts, plan)
             best = min(best, float(Mem.max()))
         return best
+
+
+def why_out(evals: list[Eval], budget: float) -> str:
+    """Why no schedule of a configuration is kept, for the report: the least peak memory one
+    of them needs over the per-device ``budget`` (bytes), or that costing stopped where its
+    least possible time could not beat the best plan found."""
+    if any(e.cut for e in evals):
+        return "slower: even its least possible time exceeds the best plan's (not costed further)"
+    over = [max(e.peak) for e in evals if e.peak]
+    return over_budget(min(over), budget) if over else "no schedule of it fits its layers"
+
+
+def over_budget(need: float, budget: float) -> str:
+    return (f"does not fit: needs {need / GB:.1f} GB per device, budget {budget / GB:.1f} GB "
+            f"(short by {(need - budget) / GB:.1f} GB)")
 
 
 def _busiest(x: np.ndarray, P: int, q: int) -> float:

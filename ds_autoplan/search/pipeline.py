@@ -85,6 +85,7 @@ class Eval:
     ctx: object = None               # the context and stage figures it was costed with
     figs: list = None
     partitioner: str = "time-balanced"   # non-1F1B split: time-balanced or rank_balance's
+    cut: bool = False                # not costed to the end: its time floor reached the bound
 
     @property
     def ok(self) -> bool:
@@ -262,8 +263,10 @@ def stage_aware_recompute(ctx: Context, name: str, parts: tuple, figs: list, rec
     rec = list(rec0) if rec0 is not None else [0] * S
     full = [g["nblk"] for g in figs]
     place = _placement(ctx, name, parts)
-    if place is None or time_floor(ctx, place, figs, rec) >= bound:   # recompute only adds
+    if place is None:
         return Eval(name, INF, parts, rec, fits=False)
+    if time_floor(ctx, place, figs, rec) >= bound:                    # recompute only adds
+        return Eval(name, INF, parts, rec, fits=False, cut=True)
     memo = {}
 
     def peak(r):
@@ -278,7 +281,7 @@ def stage_aware_recompute(ctx: Context, name: str, parts: tuple, figs: list, rec
 
     def final(r):
         if time_floor(ctx, place, figs, r) >= bound:        # no bubble, no wait: too slow
-            return Eval(name, INF, parts, list(r), list(peak(r)), fits=False)
+            return Eval(name, INF, parts, list(r), list(peak(r)), fits=False, cut=True)
         return _evaluate(ctx, name, parts, r, figs, keep_sim)
 
     if fits(rec) or max_rounds == 0:
