@@ -83,6 +83,8 @@ class Prediction(Mapping):
     # what is offloaded, the busiest node's host GB and budget, the seconds it adds; or why none
     # (search/result.py offload_summary)
     offload: dict | None = _when_set()
+    # trained parameters and the model states beside a full fine-tune's (Space.trainable_summary)
+    trainable: dict | None = _when_set()
     execution: str | None = None                     # the engine's execution model (cost/engines.py)
     error_band: dict | None = None                   # the expected error (cost.engines.error_band)
     # -- the search that chose the plan (the report's tables)

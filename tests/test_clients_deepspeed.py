@@ -6,7 +6,8 @@ stand-in with random CIFAR-like tensors, ``torch.cuda.set_device`` neutralised, 
 The plan is for AlexNet's 22 layers (profiled in the ranks); the script's ds_config.json keeps
 its optimizer and logging, only parallel/batch/schedule keys change (reported); 1F1B losses
 equal DeepSpeed's own engine (TrainSchedule) run with the same config and partition; V-ZB
-trains; a script that passes no PipelineModule is refused with one message.
+trains; a script that passes a plain module (its -p 0 path) is planned for DeepSpeed's own
+engine and trains as by hand with the config it wrote.
 
 The module's launches start at set-up and run in the background, two 2-rank launches at a time
 (a 4-rank one alone; tests/harness/background.py), with DeepSpeed's launcher patched for the
@@ -132,7 +133,8 @@ def launches(client, patched_runner, tmp_path_factory, request):
     under the unrestricted 2-rank plan's merged config (every rank's micro-step losses), then
     the pipeline engine (TrainSchedule) under the 1F1B plan's merged config and cut
     (``train_batch`` losses), ``{"zero2": (rc, out, per-step losses), "1f1b": (...)}``; the
-    two refusals."""
+    refusal of a pipeline without example input; ``"plain-module"`` and ``"plain-module-by-hand"``:
+    the -p 0 path planned, then by hand with the config it wrote."""
     nodata = tmp_path_factory.mktemp("nodata")
     (nodata / "train_nodata.py").write_text(NO_DATA_SCRIPT)
     jobs = Launches(ranks=4)
@@ -142,9 +144,15 @@ def launches(client, patched_runner, tmp_path_factory, request):
              after=["1f1b", ("deepspeed", 2)])
     jobs.add("v-zb", 2, lambda: _readme_run("ds-autoplan", client))
     jobs.add(("launch", 2), 2, lambda: _unrestricted("launch", 2, client))
-    # -p 0: the script's non-pipelined path (deepspeed.initialize(model=AlexNet(...)))
-    jobs.add("no-pipeline-module", 2, lambda: _run(_launcher("--out", "out-base", args=[
-        "--deepspeed_config=ds_config.json", "-p", "0", "--backend", "gloo"]), client, _env(), timeout=300))
+    # -p 0: the script's non-pipelined path (deepspeed.initialize(model=AlexNet(...))), planned,
+    # then by hand in DeepSpeed's own launcher with the config the planned run wrote
+    jobs.add("plain-module", 2, lambda: _run(_launcher("--out", "out-base", args=[
+        "--deepspeed_config=ds_config.json", "-p", "0", "--steps=2", "--backend", "gloo"]), client, _env(),
+        timeout=300))
+    jobs.add("plain-module-by-hand", 2, lambda: _run(
+        [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "train.py",
+         "--deepspeed_config=out-base/ds_config.autoplan.json", "-p", "0", "--steps=2", "--backend", "gloo"],
+        client, _env(), timeout=300), after=["plain-module"])
     jobs.add("no-example-input", 2, lambda: _run(
         [sys.executable, "-m", "ds_autoplan", "launch", "--num_gpus", "2", "--master_port", str(free_port()),
          "train_nodata.py"], nodata, _env(), timeout=300))
@@ -294,13 +302,34 @@ def _launcher(*extra, args=ARGS):
             "--master_port", str(free_port()), "train.py", *args]
 
 
-@pytest.mark.launches("no-pipeline-module")
-def test_a_model_that_is_no_pipeline_module_is_refused(launches):
-    rc, out, _ = launches.result("no-pipeline-module")
-    assert rc != 0
-    assert "ds-autoplan: error: the script passes AlexNet to deepspeed.initialize, not a " \
-           "deepspeed.pipe.PipelineModule" in out
-    assert "Traceback" not in out
+def _micro_losses(out: str) -> dict:
+    per_rank: dict = {}
+    for ln in out.splitlines():
+        if ln.startswith("SHIM_MICRO_LOSS "):
+            _, r, v = ln.split()
+            per_rank.setdefault(int(r), []).append(v)
+    return per_rank
+
+
+@pytest.mark.launches("plain-module", "plain-module-by-hand")
+def test_a_plain_module_script_trains_planned_as_by_hand(client, launches):
+    """The script's non-pipelined path (a plain AlexNet module) is planned for DeepSpeed's own
+    engine (ZeRO stage, micro-batch, accumulation), its config's optimizer kept, and trains with
+    the losses of the same script run by hand with the config the planned run wrote."""
+    rc, out, _ = launches.result("plain-module")
+    assert rc == 0 and "Traceback" not in out, out[-4000:]
+    assert re.search(r"ds-autoplan: AlexNet on cpu-2: dp=2 ZeRO-\d micro-batch \d+ x \d+ accumulation "
+                     r"steps, activation checkpointing off, in DeepSpeed's engine", out), out[-4000:]
+    cfg = json.loads((client / "out-base" / "ds_config.autoplan.json").read_text())
+    user = json.loads((client / "ds_config.json").read_text())
+    assert cfg["optimizer"] == user["optimizer"] and cfg["train_batch_size"] == user["train_batch_size"]
+    if cfg["train_micro_batch_size_per_gpu"] != user["train_micro_batch_size_per_gpu"]:
+        assert (f"ds-autoplan: ds_config train_micro_batch_size_per_gpu: {user['train_micro_batch_size_per_gpu']}"
+                f" -> {cfg['train_micro_batch_size_per_gpu']}") in out
+    rc, ref, _ = launches.result("plain-module-by-hand")
+    assert rc == 0, ref[-4000:]
+    ours, theirs = _micro_losses(out), _micro_losses(ref)
+    assert sorted(ours) == [0, 1] and ours == theirs, (ours, theirs)
 
 
 # -- without ranks ------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 
 
@@ -14,9 +15,12 @@ def add_parser(sub) -> None:
     add_problem_args(p)
     p.add_argument("--out", default=None, help="output folder (created if missing); each file is replaced atomically and nothing else in the folder is touched (see docs/reliability.md)")
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
-    p.add_argument("--emit", choices=["megatron-args", "ds-config"], default=None,
+    p.add_argument("--emit", choices=["megatron-args", "ds-config", "hf"], default=None,
                    help="print only Megatron-LM's pretrain_gpt.py flags (one line, to append to "
-                        "its command) or the ds_config.json on stdout")
+                        "its command) or the ds_config.json on stdout; hf: plan for a Hugging Face "
+                        "Trainer (DeepSpeed's engine: ZeRO, micro-batch, accumulation, gradient "
+                        "checkpointing), write its ds_config.json and training_args.json under --out "
+                        "and print the matching TrainingArguments flags (docs/huggingface.md)")
     p.add_argument("--partitioner", default="bmw", choices=["bmw", "even", "dawnpiper", "merak"],
                    help="how layers are cut into pipeline stages: bmw (Galvatron-BMW, balances time "
                         "and memory; default), even (equal layer counts), dawnpiper (DawnPiper's "
@@ -84,6 +88,10 @@ def add_problem_args(p) -> None:
     p.add_argument("--moe-dispatch", choices=["fused", "unfused"], default=None,
                    help="MoE token dispatch: fused (default; megatron-core's --moe-permute-fusion) or "
                         "unfused (megatron-core 2024's torch-op permute/unpermute, e.g. NeMo 24.09)")
+    p.add_argument("--trainable", default=None, metavar="FRACTION|lora:r=R,targets=A,B",
+                   help="which parameters train (frozen ones keep their 16-bit copy only: no "
+                        "gradient, master or optimizer state): a fraction in (0, 1], or LoRA adapters, "
+                        "e.g. lora:r=16,targets=q_proj,v_proj (default: all)")
     p.add_argument("--world-size", type=int, default=None, help="expected number of devices (checked)")
     p.add_argument("--profile", default=None, help="YAML/JSON of measured cluster overrides")
 
@@ -109,7 +117,7 @@ def search_options(args, **space):
     return SearchOptions(precision=args.precision, budget_gb=args.memory_budget_gb,
                          headroom_gb=args.headroom_gb, runtime=args.runtime,
                          execution=execution_of(args), world_size=args.world_size,
-                         profile=args.profile, **space)
+                         profile=args.profile, trainable=getattr(args, "trainable", None), **space)
 
 
 def param_counts(model) -> dict:
@@ -142,6 +150,15 @@ def summary(plan, model=None) -> dict:
         del d[k]
     figures = {k: v for k, v in plan.predicted.figures().items() if k not in d}
     return {**(param_counts(model) if model is not None else {}), **d, **figures}
+
+
+def trainable_line(t: dict) -> str:
+    """What training only some parameters saves (search.planner.Planner.trainable_summary)."""
+    full, mine = t["full_finetune_states_gb"], t["model_states_gb"]
+    return (f"trainable {t['trainable_params'] / 1e6:.4g} M of {t['params'] / 1e9:.4g} B parameters "
+            f"({t['trainable_params'] / t['params']:.3%}, {t['spec']}): model states {mine:.2f} GB per "
+            f"device, a full fine-tune of this layout {full:.2f} GB ({full - mine:.2f} GB more"
+            f"{f', {full / mine:.1f}x' if mine else ''})")
 
 
 def offload_line(o: dict | None) -> str:
@@ -217,6 +234,8 @@ def run(args) -> int:
         check_folder(args.out, OUT_FILES)
     if args.global_batch <= 0:
         raise UserError(f"--global-batch must be positive, got {args.global_batch}")
+    if args.emit == "hf":
+        return _run_hf(args)
     scheds = [s.strip() for s in args.schedules.split(",") if s.strip()] if args.schedules else None
     res = search(args.model, args.cluster, args.global_batch, args.seq, search_options(
         args, partitioner=args.partitioner, schedules=scheds, wide=not args.no_wide,
@@ -230,6 +249,43 @@ def run(args) -> int:
         return _report(res, args)
     finally:
         gc.unfreeze()
+
+
+HF_FILES = ("plan.json", "ds_config.json", "training_args.json")
+
+
+def _run_hf(args) -> int:
+    """``--emit hf``: the plan of DeepSpeed's engine space (search/engine_space.py) as a Trainer
+    takes it."""
+    from ..emit.hf import args_line, hf_ds_config, training_args
+    from ..outputs import json_text, text, write_folder
+    from ..search.engine_space import search_engine_space
+    from . import UserError
+    if args.out is None:
+        raise UserError("--emit hf writes ds_config.json and training_args.json: give --out FOLDER")
+    from ..outputs import check_folder
+    check_folder(args.out, HF_FILES)
+    given = [f for f, v in (("--pp", args.pp), ("--tp", args.tp), ("--schedules", args.schedules)) if v]
+    if given:
+        raise UserError(f"--emit hf plans DeepSpeed's engine without pipeline or tensor parallelism; "
+                        f"drop {', '.join(given)}")
+    res = search_engine_space(args.model, args.cluster, args.global_batch, seq=args.seq,
+                              options=search_options(args), fix=args.fix)
+    plan = res.plan
+    write_folder(args.out, {"plan.json": text(plan.to_json() + "\n"),
+                            "ds_config.json": json_text(hf_ds_config(plan)),
+                            "training_args.json": json_text(training_args(plan))}, complete=True)
+    pr = plan.predicted
+    print(f"{plan.model} on {plan.cluster}: dp={plan.dp} ZeRO-{plan.zero_stage} micro-batch="
+          f"{plan.micro_batch_size} x {plan.num_microbatches} accumulation steps, gradient checkpointing "
+          f"{'on' if training_args(plan)['gradient_checkpointing'] else 'off'}", file=sys.stderr)
+    print(f"predicted {pr.iteration_time_s:.4g} s/iteration, peak memory "
+          f"{max(pr.peak_memory_gb_per_stage):.2f} GB / {pr.memory_budget_gb:.1f} GB", file=sys.stderr)
+    if pr.trainable:
+        print(trainable_line(pr.trainable), file=sys.stderr)
+    print(f"wrote {', '.join(HF_FILES)} to {args.out}; TrainingArguments:", file=sys.stderr)
+    print(args_line(plan, os.path.join(args.out, "ds_config.json")))
+    return 0
 
 
 def _report(res, args) -> int:
@@ -262,6 +318,8 @@ def _report(res, args) -> int:
         print(offload_line(pr.offload))
         from ..cost.engines import band_text
         print(f"execution model {pr.execution}: {band_text(pr.error_band)}")
+        if pr.trainable:
+            print(trainable_line(pr.trainable))
         if pr.ratio_vs_best_baseline:
             print(f"{pr.ratio_vs_best_baseline:.3f}x the best baseline; search {pr.search_time_s:.2f} s")
         if files:

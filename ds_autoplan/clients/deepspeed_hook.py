@@ -13,26 +13,25 @@ When the script calls ``deepspeed.initialize(model=PipelineModule(...), ...)``, 
    (:func:`ds_autoplan.emit.deepspeed.user_config`);
 4. trains the script's layers and loss in ds_autoplan's engine (``ds_autoplan.initialize``).
 
-What it cannot plan it refuses with one message: a model that is no ``PipelineModule``, no
+Any other ``nn.Module`` is planned for DeepSpeed's own engine (ZeRO stage, micro-batch and
+accumulation, activation checkpointing; clients/module_plan.py) and initialised by DeepSpeed as
+the script asked, with the merged config.  What it cannot plan it refuses with one message: no
 example input to profile, no batch size, a plan for another layer count.
 """
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 
 import torch
 
 from ..errors import UserError
+from .module_plan import AutoplanRefused, default_cluster, user_config_of
 
 
-class AutoplanRefused(UserError):
-    """ds_autoplan cannot plan what the script passed to ``deepspeed.initialize``."""
-
-
-_STATE: dict = {"original": None, "options": {}}
+# planned: ids of the modules a Trainer/Accelerate hook (clients/hf.py) planned and configured
+_STATE: dict = {"original": None, "options": {}, "planned": set()}
 
 
 def install(options: dict) -> None:
@@ -43,6 +42,8 @@ def install(options: dict) -> None:
         _STATE["original"] = deepspeed.initialize
     _STATE["options"] = dict(options)
     deepspeed.initialize = autoplan_initialize
+    from .hf import install as install_hf      # Trainer / Accelerate, as the script imports them
+    install_hf(_STATE)
 
 
 def autoplan_initialize(args=None, model=None, optimizer=None, model_parameters=None,
@@ -60,10 +61,20 @@ def autoplan_initialize(args=None, model=None, optimizer=None, model_parameters=
                                   lr_scheduler=lr_scheduler, collate_fn=collate_fn, config=config,
                                   config_params=config_params, **kwargs)
     if not isinstance(model, PipelineModule):
-        raise AutoplanRefused(f"the script passes {type(model).__name__} to deepspeed.initialize, not a "
-                              "deepspeed.pipe.PipelineModule: --autoplan plans pipeline models layer by "
-                              "layer; build a PipelineModule or launch without --autoplan")
-    user = _user_config(args, config if config is not None else config_params)
+        if model is not None and id(model) in _STATE["planned"]:   # the Trainer/Accelerate hook's
+            return _STATE["original"](args=args, model=model, optimizer=optimizer,
+                                      model_parameters=model_parameters, training_data=training_data,
+                                      lr_scheduler=lr_scheduler, collate_fn=collate_fn, config=config,
+                                      config_params=config_params, **kwargs)
+        if not isinstance(model, torch.nn.Module):
+            raise AutoplanRefused(f"the script passes {type(model).__name__} to deepspeed.initialize, "
+                                  "not a torch.nn.Module: nothing to plan")
+        cfg = _plan_engine_module(args, model, training_data, collate_fn,
+                                  config if config is not None else config_params)
+        return _STATE["original"](args=_without_config(args), model=model, optimizer=optimizer,
+                                  model_parameters=model_parameters, training_data=training_data,
+                                  lr_scheduler=lr_scheduler, collate_fn=collate_fn, config=cfg, **kwargs)
+    user = user_config_of(args, config if config is not None else config_params)
     plan = _shared_plan(model, user, training_data, collate_fn)
     from ..emit.deepspeed import user_config
     cfg, changes = user_config(plan, user)
@@ -77,18 +88,45 @@ def autoplan_initialize(args=None, model=None, optimizer=None, model_parameters=
                       module_kwargs=_module_kwargs(model), **kw, **kwargs)
 
 
+def _plan_engine_module(args, model, training_data, collate_fn, config) -> dict:
+    """Plan any module for DeepSpeed's own engine (clients/module_plan.py); the user's config
+    with the plan's ZeRO stage and batch split, every replaced value printed."""
+    from ..emit.deepspeed import ENGINE_KEYS, MERGED_CONFIG, config_precision, user_config
+    from ..outputs import json_text
+    from ..search.engine_space import recomputes
+    from .module_plan import hf_config, plan_module, say, seq_of, shared_plan, write_outputs
+    user = user_config_of(args, config)
+    options = _STATE["options"]
+
+    def make(world):
+        B = _global_batch(user, world, 1)
+        sample, seq = None, None
+        if training_data is not None and len(training_data):
+            if hf_config(model) is None:
+                sample = _sample(training_data, collate_fn, _micro(user))[0]
+            else:
+                seq = seq_of(training_data[0])
+        return plan_module(model, global_batch=B, world=world, precision=config_precision(user),
+                           options=options, seq=seq, sample=sample)
+    plan = shared_plan(make)
+    cfg, changes = user_config(plan, user, ENGINE_KEYS)
+    write_outputs(plan, {MERGED_CONFIG: json_text(cfg)}, options)
+    for line in changes:
+        say(f"ds_config {line}")
+    for note in plan.notes:
+        say(f"note: {note}")
+    if recomputes(plan):
+        model.gradient_checkpointing_enable()
+        say("activation checkpointing: called the model's gradient_checkpointing_enable()")
+    return cfg
+
+
+def _micro(user: dict) -> int:
+    v = user.get("train_micro_batch_size_per_gpu")
+    return int(v) if isinstance(v, int) else 1
+
+
 # -- the user's side -------------------------------------------------------------------------
-def _user_config(args, config) -> dict:
-    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
-    for name in ("deepspeed_config", "deepscale_config"):
-        path = getattr(args, name, None)
-        if path is not None:
-            if config is not None:
-                raise AutoplanRefused(f"the script gives both --{name} and config=")
-            config = path
-    return copy.deepcopy(load_ds_config(config)) if config is not None else {}
-
-
 def _without_config(args):
     """The script's args without the config path (the merged config is passed instead)."""
     if args is None:
@@ -156,7 +194,7 @@ def plan_pipeline_module(model, user: dict, training_data, collate_fn, world: in
         write_folder(options["out"], {"profile.json": json_text(prof.to_dict(), indent=1)},
                      complete=False)
     try:
-        cluster = load_cluster(options.get("cluster") or _default_cluster(world))
+        cluster = load_cluster(options.get("cluster") or default_cluster(world))
         res = search(to_model_spec(prof, flops_ref=cluster.flops), cluster, B,
                      options=SearchOptions(precision=config_precision(user), tp=1,
                                            pp=options.get("pp"), schedules=options.get("schedules"),
@@ -201,35 +239,11 @@ def _check_executable(plan, options: dict) -> None:
                               f"without a pipeline ({option(options, 'pp', 1)})")
 
 
-def _default_cluster(world: int) -> str:
-    if torch.cuda.is_available():
-        raise AutoplanRefused("on GPUs give the cluster to plan for: --cluster PRESET|YAML "
-                              "(or DS_AUTOPLAN_CLUSTER)")
-    return f"cpu-{world}"
-
-
 def _shared_plan(model, user, training_data, collate_fn):
     """Rank 0 plans; every rank gets the same plan, or the same refusal (never a hang)."""
-    import deepspeed
-    import torch.distributed as dist
-
-    from ..plan import Plan
-    if not dist.is_initialized():          # as deepspeed.initialize would
-        from ..runtime.watchdog import process_group_timeout
-        deepspeed.init_distributed(timeout=process_group_timeout())
-    from ..runtime.common.collectives import broadcast_text
-    world = dist.get_world_size()
-    mine = ""
-    if dist.get_rank() == 0:
-        try:
-            mine = json.dumps(plan_pipeline_module(model, user, training_data, collate_fn, world,
-                                                   _STATE["options"]).to_dict())
-        except UserError as e:
-            mine = json.dumps({"error": str(e)})
-    shared = json.loads(broadcast_text(mine))       # JSON text, not a pickle, between ranks
-    if "error" in shared:
-        raise AutoplanRefused(shared["error"])
-    plan = Plan.from_dict(shared)
+    from .module_plan import shared_plan
+    plan = shared_plan(lambda world: plan_pipeline_module(model, user, training_data, collate_fn,
+                                                          world, _STATE["options"]))
     n = len(model._layer_specs)
     if sum(plan.layers_per_stage) not in (n, n - 2):
         unset = "without --model" if _STATE["options"].get("via") == "launch" else \

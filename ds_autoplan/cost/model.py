@@ -148,8 +148,9 @@ class CostModel:
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str = "bf16",
                  runtime: str = "any", overlap_grad_reduce: bool | None = None,
                  overlap_tp_comm: bool | None = None, execution: "Execution | str | None" = None,
-                 moe_imbalance: float = MOE_IMBALANCE):
+                 moe_imbalance: float = MOE_IMBALANCE, trainable=None):
         from ..spec import SpecError
+        from ..spec.trainable import parse_trainable
         if precision not in PRECISIONS:
             raise SpecError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if runtime not in RUNTIMES:
@@ -181,6 +182,10 @@ class CostModel:
         shapes = [u.shape for u in self.units if u.shape is not None]
         self.num_experts = max((b.experts for b in shapes), default=0)   # routed, per MoE layer
         self._heads = [(b.heads, b.kv) for b in shapes]
+        # frozen parameters (spec/trainable.py): per unit (parameters with any adapters, the
+        # trained share of them)
+        self.trainable = parse_trainable(trainable)
+        self.unit_params = [self.trainable.split(u) for u in self.units]
         self._cache: dict = {}
         self._relayout: dict = {}
         self._times: dict = {}
@@ -234,16 +239,19 @@ class CostModel:
             q = t if s.sp and t > 1 else 1
             for i, u in enumerate(self.units):
                 We = u.expert_params if split else 0.0
-                W, Wx = (u.params - We) / t, We / (ep * etp)
+                n_u, n_tr = self.unit_params[i]
+                tr = n_tr / n_u if n_u else 0.0        # trained share: gradient, master, moments
+                W, Wx = (n_u - We) / t, We / (ep * etp)
                 sel = s.sel and not s.ckpt and u.checkpointable
                 act = (u.act_rep / q + (u.act_tp - (attention_score_bytes(self.dims, u) if sel else 0.0)) / t) * ab
                 x = u.boundary * ab / q
                 ck = s.ckpt and u.checkpointable
                 if s.ckpt and not u.checkpointable:
                     allowed[i, j] = False
-                ms[i, j] = W * (pb + gb + obytes) + Wx * (pe + ge + oe)
-                if off is not None:
-                    host[i, j] = W * off[0].host + Wx * off[1].host
+                ms[i, j] = W * (pb + tr * gb + tr * obytes) + Wx * (pe + tr * ge + tr * oe)
+                if off is not None:      # the trained parameters' states; frozen 16-bit copies
+                    host[i, j] = tr * (W * off[0].host + Wx * off[1].host) + \
+                        ((1.0 - tr) * (W + Wx) * cb if s.offload.params else 0.0)
                 f1[i, j] = bc * (x if ck else act)
                 k = self.unit_times(u, bc, t, s.sp, ep, etp)
                 c_f, c_b, buf = self.parallel_comm(u, s, bc, ab)
@@ -252,17 +260,18 @@ class CostModel:
                 # (§4.2.2): 2 (t-1)/t X / BW, a ring all-reduce's own two phases, so t_AR stands
                 A_tp = u.tp_allreduces * net.all_reduce(bc * u.boundary * ab, t, s.tp_stride()) if t > 1 else 0.0
                 g_f, g_b, g_sync, gather = (a + e for a, e in zip(
-                    self._data_comm(W * cb, W * gcb, dd, s.dp_stride(), z),
-                    self._data_comm(Wx * cb, Wx * gcb, ed, etp * ep, z)))
+                    self._data_comm(W * cb, W * gcb, dd, s.dp_stride(), z, tr),
+                    self._data_comm(Wx * cb, Wx * gcb, ed, etp * ep, z, tr)))
                 # after the step: ZeRO-1/2 gather the updated parameters (hidden behind the next
                 # forward with Megatron's --overlap-param-gather); the Adam step itself streams
                 # the rank's optimizer shard through HBM (memory-bound)
-                tail = gather + self.step_time(W * opt_share + Wx * opt_e)
+                tail = gather + self.step_time(tr * (W * opt_share + Wx * opt_e))
                 hide = 0.0
                 if off is not None:      # host step, copies and fetches (cost/offload.py)
-                    (hide, tail_o), (mf, mb) = self._offload_times(off, W, Wx, tail - gather)
+                    (hide, tail_o), (mf, mb) = self._offload_times(off, W, Wx, tail - gather, tr)
                     tail, g_f, g_b = gather + tail_o, g_f + mf, g_b + mb
-                k_comp = k.bwd + (k.fwd + c_f if ck else k.attn if sel else 0.0)   # recompute replays
+                # a frozen weight's backward computes the input gradient only
+                k_comp = k.bwd - (1.0 - tr) * k.wgrad + (k.fwd + c_f if ck else k.attn if sel else 0.0)
                 # Megatron overlaps the backward TP all-reduce of the column-parallel input
                 # gradient with their weight-gradient GEMMs; CKPT repeats the forward's
                 k_tp = (self.ov(A_tp, k.wcol) - k.wcol if k.wcol and self.overlap_tp_comm else A_tp) + \
@@ -276,7 +285,7 @@ class CostModel:
                 if hide:     # the boundary gradient copy follows each reduction: in backward
                     #          hooks with ZeRO-2/3, after the backward with ZeRO-1
                     bwd[i, j] += self.ov(k_comp, g_b + hide) - self.ov(k_comp, g_b) if z >= 2 else hide
-                wg[i, j] = k.wgrad
+                wg[i, j] = tr * k.wgrad
                 p2p[i, j] = self.p2p_time(bc * u.boundary * ab, t, q, s)
                 # DeepSpeed's PipelineEngine keeps each in-flight micro-batch's stage output
                 # (pipe_buffers['outputs'], freed after its backward); Megatron-LM frees it
@@ -329,33 +338,46 @@ class CostModel:
                     "concurrent": False, "overlap_copies": False, "torch_cpu": True})
         return tuple(out)
 
-    def _offload_times(self, off, W: float, Wx: float, gpu_step: float):
+    def _offload_times(self, off, W: float, Wx: float, gpu_step: float, tr: float = 1.0):
         """((seconds beside the last backward, seconds after it), (forward, backward seconds per
         micro-batch)) of the offload ``off`` (dense, expert terms) for ``W`` dense and ``Wx``
-        expert parameters on a rank; ``gpu_step``: the device's share of the step."""
+        expert parameters on a rank, of which the share ``tr`` trains (the step and its copies
+        see those; fetches all); ``gpu_step``: the device's share of the step."""
         hide = after = mf = mb = 0.0
         for t, n in zip(off, (W, Wx)):
             if n <= 0:
                 continue
-            h, a = ofl.step_times(t, n, self._rates, gpu_step * n / (W + Wx))
+            h, a = ofl.step_times(t, tr * n, self._rates, gpu_step * n / (W + Wx)) if tr > 0 else (0.0, 0.0)
             f, b = ofl.microbatch_times(t, n, self._rates)
             hide, after, mf, mb = hide + h, after + a, mf + f, mb + b
         return (hide, after), (mf, mb)
 
-    def _data_comm(self, X: float, Xg: float, d: int, stride: int, z: int) -> tuple:
+    def model_state_bytes(self, s: Strategy) -> tuple[float, float, float]:
+        """(parameter, gradient, optimizer) bytes one rank of strategy ``s`` holds for the
+        whole model (every unit once, no pipeline): frozen parameters count their parameter
+        bytes only (spec/trainable.py)."""
+        pb, gb, ob = state_bytes(self.precision, s.zero, s.dp * s.cp, self.runtime,
+                                 self.execution.grad_bytes, self.execution.master_remainders)
+        units = [self.units[0], *(self.units[t] for t in self.block_types), self.units[1]]
+        n = [self.trainable.split(u) for u in units]
+        total, train = sum(a for a, _ in n) / s.tp, sum(b for _, b in n) / s.tp
+        return total * pb, train * gb, train * ob
+
+    def _data_comm(self, X: float, Xg: float, d: int, stride: int, z: int, tr: float = 1.0) -> tuple:
         """(forward all-gather, backward collectives, gradient sync, post-step all-gather)
         seconds of parameters of ``X`` bytes (gradients ``Xg``) replicated over a data group of
-        ``d`` ranks spaced ``stride`` apart, at ZeRO stage ``z``."""
+        ``d`` ranks spaced ``stride`` apart, at ZeRO stage ``z``, of which the share ``tr``
+        trains (only it has gradients and is updated; ZeRO-3 gathers all)."""
         net, ex = self.net, self.execution
         if d <= 1 or X <= 0:
             return 0.0, 0.0, 0.0, 0.0
+        Xg, Xu = Xg * tr, X * tr
         g_f = net.all_gather(X, d, stride) if z == 3 else 0.0
-        g_b = (net.all_gather(X, d, stride) + net.reduce_scatter(Xg, d, stride)) if z == 3 else \
-            (net.reduce_scatter(Xg, d, stride) if z == 2 else 0.0)
-        g_sync = {0: net.all_reduce(Xg, d, stride),
-                  1: net.all_reduce(Xg, d, stride) if ex.full_allreduce else net.reduce_scatter(Xg, d, stride),
-                  2: 0.0, 3: 0.0}[z]
-        gather = net.all_gather(X, d, stride) if z in (1, 2) and not ex.param_gather_overlap else 0.0
+        rs = net.reduce_scatter(Xg, d, stride) if Xg > 0 else 0.0
+        g_b = (net.all_gather(X, d, stride) + rs) if z == 3 else (rs if z == 2 else 0.0)
+        ar = net.all_reduce(Xg, d, stride) if Xg > 0 else 0.0
+        g_sync = {0: ar, 1: ar if ex.full_allreduce else rs, 2: 0.0, 3: 0.0}[z]
+        gather = net.all_gather(Xu, d, stride) if z in (1, 2) and not ex.param_gather_overlap and Xu > 0 else 0.0
         return g_f, g_b, g_sync, gather
 
     def admits(self, s: Strategy) -> bool:

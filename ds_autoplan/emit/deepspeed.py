@@ -102,24 +102,26 @@ PLAN_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_acc
              "zero_optimization.stage", "zero_optimization.offload_optimizer", "zero_optimization.offload_param",
              "zero_optimization.sub_group_size", "pipeline.activation_checkpoint_interval", "pipeline.stages",
              "pipeline.partition", "pipeline.autoplan")
+# what a plan decides for DeepSpeed's own engine (any module, no pipeline): batch, ZeRO, offload
+ENGINE_KEYS = PLAN_KEYS[:7]
 _MISSING = object()
 
 
 def config_precision(cfg: dict) -> str:
     """'bf16', 'fp16' or 'fp32': what a DeepSpeed config trains in."""
-    for p in ("bf16", "fp16"):
-        if isinstance(cfg.get(p), dict) and cfg[p].get("enabled"):
+    for p in ("bf16", "fp16"):      # "auto" (a Hugging Face stack fills it): not enabled here
+        if isinstance(cfg.get(p), dict) and cfg[p].get("enabled") in (True, 1):
             return p
     return "fp32"
 
 
-def user_config(plan: Plan, user: dict) -> tuple[dict, list[str]]:
-    """A user's DeepSpeed config with the plan's :data:`PLAN_KEYS` set and everything else
-    (optimizer, scheduler, precision, clipping, logging) left as the user wrote it.  Returns
+def user_config(plan: Plan, user: dict, keys=PLAN_KEYS) -> tuple[dict, list[str]]:
+    """A user's DeepSpeed config with the plan's ``keys`` (default :data:`PLAN_KEYS`) set and
+    everything else (optimizer, scheduler, precision, clipping, logging) left as the user wrote it.  Returns
     ``(config, changes)``: one line per key whose user value the plan replaced, and a line when
     the plan was costed for another precision than the config trains in."""
     full, out, changes = ds_config(plan), copy.deepcopy(user), []
-    for key in PLAN_KEYS:
+    for key in keys:
         *parents, leaf = key.split(".")
         src, dst = full, out
         for k in parents:

@@ -37,7 +37,9 @@ class SearchOptions:
     winner's simulation for the plots, ``progress`` a progress bar.
 
     Input checks: ``world_size`` (the cluster must have that many devices), ``profile`` (a
-    model profile or a YAML of measured cluster overrides)."""
+    model profile or a YAML of measured cluster overrides).
+
+    Training: ``trainable`` (frozen parameters, LoRA)."""
     precision: str = "bf16"
     budget_gb: float | None = None
     headroom_gb: float | None = None
@@ -59,6 +61,9 @@ class SearchOptions:
     progress: bool = False
     world_size: int | None = None
     profile: str | None = None
+    # which parameters train (spec/trainable.py: a fraction, 'lora:r=..,targets=..' or a
+    # Trainable; None: all): frozen ones cost parameter bytes only
+    trainable: Any = None
 
     @classmethod
     def of(cls, options: "SearchOptions | None" = None, **changes) -> "SearchOptions":

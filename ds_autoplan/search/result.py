@@ -47,7 +47,9 @@ def to_plan(c: Candidate, pl: Evaluator, bl: dict, wd: dict, dt: float,
     nblk = list(c.parts)
     rec = [r / n if n else 0.0 for r, n in zip(c.recompute, nblk)] if c.recompute else [0.0] * len(nblk)
     tok = B * seq / c.time
-    flops = 3 * model.flops_per_sample * B / c.time      # F + 2F for backward (no recompute)
+    # F + 2F for backward (no recompute); frozen weights skip their gradient's F
+    total, train = pl.cm.trainable.counts(model)
+    flops = (2 + train / total) * model.flops_per_sample * B / c.time
     best_bl = max((v.time and B * seq / v.time for v in bl.values() if v is not None and v.ok), default=0)
     wide_gain = wide_gain_1f1b = None
     if wd.get("bmw"):
@@ -63,7 +65,8 @@ def to_plan(c: Candidate, pl: Evaluator, bl: dict, wd: dict, dt: float,
         mfu=flops / (cluster.world_size * cluster.peak_tflops * 1e12),
         peak_memory_gb_per_stage=[round(x / GB, 3) for x in c.peak],
         memory_budget_gb=round(pl.E / GB, 3), memory_headroom_gb=round(pl.headroom_gb, 3),
-        memory_runtime=pl.cm.runtime, offload=offload_summary(c, pl), execution=pl.cm.execution.label(),
+        memory_runtime=pl.cm.runtime, offload=offload_summary(c, pl),
+        trainable=None if pl.cm.trainable.full else pl.trainable_summary(c.par), execution=pl.cm.execution.label(),
         error_band=error_band(pl.cm.execution.name), search_time_s=dt,
         baselines={k: (v.summary(B, seq) if v is not None else None) for k, v in bl.items()},
         wide=wd, candidates_evaluated=pl.evaluated,

@@ -13,7 +13,7 @@ from ..cost import offload as ofl
 from ..cost.memory import usable_budget
 from ..cost.model import CostModel, Strategy
 from ..spec import SpecError
-from ..spec.cluster import ClusterSpec
+from ..spec.cluster import GB, ClusterSpec
 from ..spec.model import ModelSpec
 from ..spec.parallel import NO_OFFLOAD, Offload, Parallel
 from .fix import RECOMPUTE, parse_fix
@@ -138,7 +138,7 @@ class Space:
         self.model, self.cluster, self.B = model, cluster, int(global_batch)
         self.E, self.headroom_gb = usable_budget(cluster, o.budget_gb, o.headroom_gb)
         self.cm = CostModel(model, cluster, o.precision, o.runtime, execution=o.execution,
-                            moe_imbalance=o.moe_imbalance)
+                            moe_imbalance=o.moe_imbalance, trainable=o.trainable)
         # the user's names must all exist (one line naming the builders); by default the
         # builders the registry marks as searched
         self.schedules = check_names(list(schedules)) if schedules else searched_by_default()
@@ -195,6 +195,19 @@ class Space:
                 (("heads", heads, "attention heads"), ("kv_heads", kv, "key/value heads"))
                 if n % t and (k == "heads" or kv != heads)]
         return "; ".join(w for w in why if w) or "it is outside the space searched"
+
+    def trainable_summary(self, c: Parallel) -> dict:
+        """What freezing saves at configuration ``c``: the trained parameters and the model
+        states per device (mean over the pipeline's ranks) beside a full fine-tune's."""
+        from ..spec.trainable import FULL
+        total, train = self.cm.trainable.counts(self.model)
+        full = CostModel(self.model, self.cluster, self.cm.precision, self.cm.runtime,
+                         execution=self.cm.execution, moe_imbalance=self.cm.moe_imbalance, trainable=FULL)
+        s = Strategy.of(c)
+        states = [float(m.tables([s], c.batch_per_microbatch).ms[self._seq, 0].sum()) / c.pp
+                  for m in (self.cm, full)]
+        return {"spec": self.cm.trainable.label(), "params": int(total), "trainable_params": int(train),
+                "model_states_gb": round(states[0] / GB, 3), "full_finetune_states_gb": round(states[1] / GB, 3)}
 
     def micro_batch_bound(self) -> int:
         """The largest micro-batch per device any plan could hold: even its leanest layout

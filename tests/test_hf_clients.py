@@ -1,0 +1,207 @@
+"""Every DeepSpeed script, not only PipelineModule ones (issue 28; docs/huggingface.md):
+frozen parameters in the cost model, ``plan --emit hf``, and the Hugging Face ``Trainer`` and
+Accelerate examples under ``ds-autoplan launch`` (the bootstrap of ``deepspeed --autoplan``) on
+2 CPU ranks, each with the losses of the same script run by hand with the values and config the
+planned run wrote.  (The plain-module script: tests/test_clients_deepspeed.py, -p 0.)"""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = str(Path(__file__).parent)
+BIN = Path(sys.executable).parent
+
+
+def _tiny_spec():
+    from ds_autoplan.clients.module_plan import model_spec
+    from ds_autoplan.models.tiny_hf import SEQ, tiny_llama
+    return model_spec(tiny_llama(), SEQ)
+
+
+# -- frozen parameters -------------------------------------------------------------------------
+def test_trainable_parses_fractions_and_lora_and_refuses_the_rest():
+    from ds_autoplan.spec import SpecError
+    from ds_autoplan.spec.trainable import FULL, parse_trainable
+    assert parse_trainable(None) is FULL and parse_trainable("full") is FULL
+    assert parse_trainable("0.25").fraction == 0.25
+    t = parse_trainable("lora:r=16,targets=q_proj,v_proj")
+    assert (t.lora_r, t.lora_targets) == (16, ("q_proj", "v_proj"))
+    for bad in ("0", "1.5", "lora:r=0,targets=q_proj", "lora:r=8", "lora:r=8,targets=qkv", "lots"):
+        with pytest.raises(SpecError):
+            parse_trainable(bad)
+
+
+def test_lora_count_from_the_config_equals_peft():
+    pytest.importorskip("peft")
+    from ds_autoplan.clients.module_plan import counted, trainable_of
+    from ds_autoplan.models.tiny_hf import tiny_llama
+    from ds_autoplan.spec.trainable import parse_trainable
+    model = tiny_llama(lora_r=8)
+    spec = _tiny_spec()
+    total, train = counted(model)
+    assert parse_trainable("lora:r=8,targets=q_proj,v_proj").counts(spec) == (total, train)
+    assert trainable_of(model, spec).label() == "lora:r=8,targets=q_proj,v_proj"
+
+
+def test_frozen_weights_cost_no_gradient_state_and_a_cheaper_backward():
+    from ds_autoplan.cost.model import CostModel, Strategy
+    from ds_autoplan.spec import load_cluster
+    from ds_autoplan.spec.model import load_model
+    m, c = load_model("llama2-7b"), load_cluster("8xa100-80gb")
+    s = Strategy(1, 8, zero=1)
+    full, lora = (CostModel(m, c, "bf16", "deepspeed", trainable=t)
+                  for t in (None, "lora:r=16,targets=q_proj,v_proj"))
+    p, g, o = full.model_state_bytes(s)
+    pl, gl, ol = lora.model_state_bytes(s)
+    n, nl = full.trainable.counts(m), lora.trainable.counts(m)
+    assert (p, g, o) == (2 * n[0], 2 * n[1], 12 / 8 * n[1])         # DeepSpeed ZeRO-1 bf16
+    assert (pl, gl, ol) == (2 * nl[0], 2 * nl[1], 12 / 8 * nl[1])
+    tf, tl = full.tables([s], 8), lora.tables([s], 8)
+    assert (tl.ms < tf.ms).all() and (tl.bwd_ns[2:] < tf.bwd_ns[2:]).all()
+    assert (tl.fwd == tf.fwd).all()
+
+
+@pytest.mark.timeout(300)
+def test_lora_optimizer_state_and_gradient_bytes_equal_the_prediction():
+    """A peft LoRA model trained one step in DeepSpeed's engine (fp32 and bf16, one rank): the
+    optimizer's state (Adam moments, bf16's fp32 master copies) and the gradients hold exactly
+    the bytes the cost model predicts for the trained parameters (0% error)."""
+    pytest.importorskip("peft")
+    r = subprocess.run([sys.executable, os.path.join(TESTS, "harness", "lora_bytes.py"), "fp32", "bf16"],
+                       capture_output=True, text=True, timeout=280,
+                       env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+                                MASTER_PORT=str(_port())))
+    rows = [json.loads(ln.split(" ", 1)[1]) for ln in r.stdout.splitlines() if ln.startswith("LORA_BYTES ")]
+    assert r.returncode == 0 and len(rows) == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    for row in rows:
+        assert row["measured"] == row["predicted"] and min(row["measured"]) > 0, row
+
+
+def test_a_lora_plan_of_llama2_70b_needs_far_less_memory_and_says_how_much(capsys):
+    """A full fine-tune of llama2-70b on 8 H100s fits only by offloading to the host (ZeRO-3
+    alone leaves 140 GB of model states per device); with LoRA on q_proj, v_proj nothing is
+    offloaded and plan prints the model states beside a full fine-tune's of the same layout."""
+    from ds_autoplan.cli import main
+    base = ["plan", "--model", "llama2-70b", "--cluster", "8xh100-80gb", "--global-batch", "64",
+            "--no-wide", "--quiet"]
+    assert main(base + ["--trainable", "lora:r=16,targets=q_proj,v_proj"]) == 0
+    lora = capsys.readouterr().out
+    assert main(base) == 0
+    full = capsys.readouterr().out
+    line = re.search(r"trainable 32\.77 M of 69\.01 B parameters \(0\.047%, lora:r=16,targets=q_proj,"
+                     r"v_proj\): model states ([\d.]+) GB per device, a full fine-tune of this layout "
+                     r"([\d.]+) GB", lora)
+    assert line and float(line[2]) > 7 * float(line[1]), lora
+    assert "offload: none" in lora and re.search(r"^offload: (?!none)", full, re.M), (lora, full)
+
+
+def test_emit_hf_writes_a_trainer_config_and_its_arguments(tmp_path, capsys):
+    from ds_autoplan.cli import main
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+                               "intermediate_size": 11008, "num_hidden_layers": 32,
+                               "num_attention_heads": 32, "max_position_embeddings": 4096}))
+    out = tmp_path / "out"
+    assert main(["plan", "--model", str(cfg), "--cluster", "8xa100-80gb", "--global-batch", "64",
+                 "--emit", "hf", "--out", str(out), "--trainable", "0.01"]) == 0
+    flags = capsys.readouterr().out.split()
+    plan = json.loads((out / "plan.json").read_text())
+    args = json.loads((out / "training_args.json").read_text())
+    ds = json.loads((out / "ds_config.json").read_text())
+    assert (plan["pp"], plan["tp"], plan["dp"]) == (1, 1, 8)
+    assert ds["zero_optimization"]["stage"] == plan["zero_stage"]
+    assert ds["train_micro_batch_size_per_gpu"] == "auto" and "optimizer" not in ds
+    assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == \
+        (plan["micro_batch_size"], plan["num_microbatches"])
+    assert args["per_device_train_batch_size"] * args["gradient_accumulation_steps"] * 8 == 64
+    i = flags.index("--per_device_train_batch_size")
+    assert flags[i + 1] == str(args["per_device_train_batch_size"])
+    assert flags[-2:] == ["--deepspeed", str(out / "ds_config.json")]
+    assert ("--gradient_checkpointing" in flags) == args["gradient_checkpointing"]
+
+
+# -- the stacks, 2 CPU ranks ------------------------------------------------------------------------
+def _port() -> int:
+    from ds_autoplan.runtime.launch import free_port
+    return free_port()
+
+
+def _env(planned: bool):
+    """By hand (not planned): tests/hf_cpu_ranks gives the ranks Accelerate's CPU backend fix
+    only, as the planned runs have it (docs/huggingface.md, "Several CPU ranks")."""
+    path = [str(ROOT)] + ([] if planned else [os.path.join(TESTS, "hf_cpu_ranks")])
+    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")]))
+
+
+def _launch(cwd, argv, planned: bool):
+    head = [sys.executable, "-m", "ds_autoplan", "launch", "--out", "planned"] if planned else [str(BIN / "deepspeed")]
+    r = subprocess.run([*head, "--num_gpus", "2", "--master_port", str(_port()), *argv], cwd=cwd,
+                       env=_env(planned), capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "Traceback" not in out, out[-5000:]
+    return out, [ln for ln in out.splitlines() if ln.startswith("LOSS ")]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("script,extra", [("hf_trainer.py", ["--lora_r", "8"]), ("hf_accelerate.py", [])])
+def test_hf_script_trains_planned_with_the_losses_of_a_run_by_hand(tmp_path, script, extra):
+    """The unchanged example (a tiny Llama from a config; the Trainer one with LoRA adapters)
+    under the bootstrap of ``deepspeed --autoplan`` on 2 CPU ranks (a world of 2, as the plan
+    says): the plan printed, every value it replaces printed, the config's optimizer kept; the
+    same script run by hand with the arguments and config the planned run wrote trains with
+    bitwise the same losses."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("peft")
+    path = str(ROOT / "examples" / script)
+    out, losses = _launch(tmp_path, [path, *extra], planned=True)
+    plan = json.loads((tmp_path / "planned" / "plan.json").read_text())
+    args = json.loads((tmp_path / "planned" / "training_args.json").read_text())
+    cfg_path = tmp_path / "planned" / "ds_config.autoplan.json"
+    cfg = json.loads(cfg_path.read_text())
+    assert (plan["pp"], plan["dp"], plan["world_size"]) == (1, 2, 2)
+    assert re.search(r"ds-autoplan: \S+ on cpu-2: dp=2 ZeRO-\d micro-batch \d+ x \d+ accumulation steps", out)
+    assert cfg["zero_optimization"]["stage"] == plan["zero_stage"]
+    if plan["zero_stage"] != 1:                      # the examples' configs ask for ZeRO-1
+        assert f"ds_config zero_optimization.stage: 1 -> {plan['zero_stage']}" in out
+    mbs, gas = args["per_device_train_batch_size"], args["gradient_accumulation_steps"]
+    assert mbs * gas * 2 == 8                        # the examples' 1 x 4 x 2 ranks
+    if script == "hf_trainer.py":
+        assert cfg["optimizer"]["type"] == "AdamW"
+        assert plan["predicted"]["trainable"]["spec"] == "lora:r=8,targets=q_proj,v_proj"
+        if mbs != 1:
+            assert f"TrainingArguments.per_device_train_batch_size: 1 -> {mbs}" in out
+        by_hand = ["--per_device_train_batch_size", str(mbs), "--gradient_accumulation_steps", str(gas),
+                   "--deepspeed", str(cfg_path), *(["--gradient_checkpointing", "true"]
+                                                   if args["gradient_checkpointing"] else [])]
+    else:
+        assert cfg["gradient_accumulation_steps"] == gas
+        if mbs != 1:
+            assert f"DataLoader batch_size: 1 -> {mbs}" in out
+        by_hand = ["--batch_size", str(mbs), "--gradient_accumulation_steps", str(gas),
+                   "--deepspeed", str(cfg_path)]
+    assert len(losses) == 3, out[-4000:]
+    _, ref = _launch(tmp_path, [path, *extra, *by_hand], planned=False)
+    assert losses == ref, (losses, ref)
+
+
+def test_a_module_the_space_cannot_fit_is_refused_naming_the_nearest_miss(tmp_path):
+    """The hook's planning of a module on a cluster too small for it: one line naming the
+    least memory any setting of the engine's space needs against the budget."""
+    from ds_autoplan.clients.module_plan import AutoplanRefused, plan_module
+    from ds_autoplan.models.tiny_hf import tiny_llama
+    yaml = tmp_path / "tiny.yaml"
+    yaml.write_text("name: tiny\ngpus_per_node: 2\n" + (ROOT / "configs" / "clusters" / "cpu-N.yaml").read_text()
+                    .replace("memory_gb: 4", "memory_gb: 0.000001").replace("reserve_gb: 0.5", "reserve_gb: 0"))
+    with pytest.raises(AutoplanRefused) as e:
+        plan_module(tiny_llama(), global_batch=8, world=2, precision="fp32",
+                    options={"cluster": str(yaml)}, seq=16)
+    msg = str(e.value)
+    assert msg.startswith("planning LlamaForCausalLM for DeepSpeed's engine failed: model ") and \
+        re.search(r"cannot fit on tiny with global batch 8: needs at least [\d.]+ GB per device", msg), msg
