@@ -6,6 +6,8 @@
   the spread is the widest the samples allow.
 * :func:`fit_dispatch` and :func:`ping`: a runtime's own overheads, measured once per
   runtime and fed to the simulator (``schedule.Overheads``).
+* :class:`Breakdown`: a runtime's own time in one iteration by what it is spent on
+  (wrapped calls, exclusive of the wrapped calls inside them).
 * :func:`publish`: the last line (the summary JSON) and, with ``--json``, summary + rows.
 * :func:`device_check`: the command line of a GPU check (``measure`` there, ``compare`` here).
 * :class:`Report`: the JSON line -- each figure's median, ``"spread"`` per figure, the
@@ -16,6 +18,7 @@ The compute stand-in (calibrated sleep layers) is :mod:`ds_autoplan.models.sleep
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -135,6 +138,63 @@ def prebuild_ops() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from ds_autoplan.runtime.launch import prebuild_ops as build
     build(os.environ)
+
+
+class Breakdown:
+    """Exclusive wall seconds per category of the calls it wraps (a call's time less that
+    of the wrapped calls inside it) and their count; ``total()`` times the whole iteration,
+    whose unwrapped rest is ``other``."""
+
+    def __init__(self):
+        self.sec: dict = {}
+        self.calls: dict = {}
+        self._stack: list = []
+        self._undo: list = []
+        self._total = 0.0
+
+    def timed(self, fn, category: str):
+        """``fn`` counted under ``category``."""
+        def timed(*a, **kw):
+            self._stack.append(0.0)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                dt = time.perf_counter() - t0
+                inner = self._stack.pop()
+                self.sec[category] = self.sec.get(category, 0.0) + dt - inner
+                self.calls[category] = self.calls.get(category, 0) + 1
+                if self._stack:
+                    self._stack[-1] += dt
+        return timed
+
+    def patch(self, obj, name: str, category: str | None, value=None) -> None:
+        """Replace ``obj.name`` by its timed version (or by ``value``) until :meth:`unpatch`."""
+        own = name in getattr(obj, "__dict__", {})
+        old = getattr(obj, name)
+        setattr(obj, name, value if category is None else self.timed(old, category))
+        self._undo.append((obj, name, own, old))
+
+    def unpatch(self) -> None:
+        for obj, name, own, old in reversed(self._undo):
+            if own:
+                setattr(obj, name, old)
+            else:
+                delattr(obj, name)
+        self._undo.clear()
+
+    @contextlib.contextmanager
+    def total(self):
+        t0 = time.perf_counter()
+        yield
+        self._total += time.perf_counter() - t0
+
+    def result(self) -> dict:
+        """Seconds per category, ``other`` (the iteration's unwrapped time) and ``total``."""
+        out = dict(sorted(self.sec.items()))
+        out["other"] = self._total - sum(self.sec.values())
+        out["total"] = self._total
+        return out
 
 
 # ----------------------------------------------------------------------------- report

@@ -120,7 +120,7 @@ def diagnose(cfg: dict, pred: dict, diag: list) -> None:
     """Per rank: measured mean time per action (p2p waits excluded) against the cost the
     prediction uses, the waits, and the step time outside the actions."""
     c = pred["costs"]
-    names = {"ForwardPass": "F", "BackwardPass": "B", "RecomputePass": "R"}
+    names = {"F": "F", "BW": "B", "R": "R"}
     for rank, d in enumerate(diag):
         n = d["steps"]
         rows = []
@@ -128,7 +128,7 @@ def diagnose(cfg: dict, pred: dict, diag: list) -> None:
             name, st = k[1:].split("@")
             mean = d[k] / d["n_" + k]
             want = c[names[name]][int(st)] if name in names else (
-                c["send"] if name.startswith("Send") else None)
+                c["send"] if name.startswith("SEND") else None)
             rows.append(f"{name[:8]}{st}={mean * 1e3:.2f}" + (
                 f"/{want * 1e3:.2f}" if want is not None else "") + (
                 f" w{d['wait:' + k[1:]] / n * 1e3:.1f}" if d["wait:" + k[1:]] > 1e-5 else ""))
@@ -157,7 +157,9 @@ class _Null(torch.nn.Module):
         return torch.nn.functional.embedding(x, w) if self.embed else x + w.view(-1)[:1] * 0
 
 
-_ONCE = ("CommitP2P", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep")   # once per step
+# once per step: the engine's methods after the action list
+_ONCE = {"CommitP2P": "_exec_commit_p2p", "ReduceTiedGrads": "_exec_reduce_tied_grads",
+         "ReduceGrads": "_exec_reduce_grads", "OptimizerStep": "_exec_optimizer_step"}
 
 
 def _start(acc) -> float:
@@ -176,9 +178,9 @@ def _once(acc, t0: float) -> float:
 
 
 def _timed(engine) -> dict:
-    """Wrap the engine's instruction handlers and its p2p waits: per-instruction time
-    without the time spent waiting for the other rank (also per ``name@stage``), and the
-    waits per instruction (``wait:name@stage``)."""
+    """Wrap the engine's action handlers (its dispatch table), its once-per-step work and its
+    p2p waits: per-action time without the time spent waiting for the other rank (also per
+    ``kind@stage``), and the waits per action (``wait:kind@stage``)."""
     acc = {"wait": 0.0}
     wait = engine._wait
 
@@ -200,7 +202,7 @@ def _timed(engine) -> dict:
             t0 = time.perf_counter()
             r = fn(*a, **kw)
             t1 = time.perf_counter()
-            dt, key = t1 - t0, f"{name}@{kw.get('stage', '')}"
+            dt, key = t1 - t0, f"{name}@{a[0].stage if a else ''}"
             if acc.get("_first") is None:
                 acc["_first"] = t0
             if name not in _ONCE:
@@ -211,8 +213,9 @@ def _timed(engine) -> dict:
             return r
         return w
     engine._wait = timed_wait
-    engine._INSTRUCTION_MAP = {k: wrap(f, k.__name__)
-                               for k, f in type(engine)._INSTRUCTION_MAP.items()}
+    engine.ap_table = {k: wrap(f, k.value) for k, f in engine.ap_table.items()}
+    for name, method in _ONCE.items():
+        setattr(engine, method, wrap(getattr(engine, method), name))
     return acc
 
 
@@ -255,9 +258,8 @@ class NullEngine:
     def overheads(self) -> dict:
         acc = self.acc
         per = lambda k: acc.get(k, 0.0) / max(1, acc.get("n_" + k, 0))   # noqa: E731
-        comm = [k for k in ("SendActivation", "SendGrad", "RecvActivation", "RecvGrad")
-                if acc.get(k)]
-        return {"F": per("ForwardPass"), "B": per("BackwardPass"),
+        comm = [k for k in ("SEND_F", "SEND_B", "RECV_F", "RECV_B") if acc.get(k)]
+        return {"F": per("F"), "B": per("BW"),
                 "comm": sum(acc[k] for k in comm) / max(1, sum(acc["n_" + k] for k in comm)),
                 # once per step: optimizer, gradient reductions and norm, loss aggregation
                 "step": statistics.median(self.once)}

@@ -34,7 +34,9 @@ RATIOS = {"1:1:1": (1.0, 1.0, 1.0), "1:1.2:0.8": (1.0, 1.2, 0.8)}
 INNER = 15          # a layer keeps 1 + INNER copies of its input; the loss stage 2 more
 # per runtime: the schedules its dispatch time is fitted on (fused and split backward)
 NULL = {"ds": ["ds-train"], "ours": ["1f1b", "v-zb"]}
-_STEP_INSTR = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
+# once-per-iteration instructions: DeepSpeed's instruction class -> the engine method
+_STEP_INSTR = {"ReduceTiedGrads": "_exec_reduce_tied_grads", "ReduceGrads": "_exec_reduce_grads",
+               "OptimizerStep": "_exec_optimizer_step"}
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -88,8 +90,11 @@ def _step_timer(engine) -> list:
             finally:
                 acc[0] += time.perf_counter() - t0
         return timed
+    # DeepSpeed's engines run them from their instruction map, ds_autoplan's by method
     engine._INSTRUCTION_MAP = {k: wrap(f) if k.__name__ in _STEP_INSTR else f
                                for k, f in type(engine)._INSTRUCTION_MAP.items()}
+    for method in _STEP_INSTR.values():
+        setattr(engine, method, wrap(getattr(engine, method)))
     return acc
 
 

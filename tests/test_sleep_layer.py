@@ -59,3 +59,42 @@ def test_shape_dependent_times_are_called_with_the_input_shape():
     assert seen == [("f", (2, 5, 1)), ("b", (2, 5, 1))]
     with pytest.raises(ValueError):
         SleepLayer(0.0, 0.0, w_keeps="some")
+
+
+def test_graph_split_sleeps_b_and_w_in_torch_pipelinings_passes():
+    """``split='graph'``: under torch.distributed.pipelining's backward split (input gradients,
+    then weight gradients from the autograd graph) B sleeps only in the first pass and W only
+    in the second; gradients and saved bytes (everything kept until W) equal the default
+    layer's."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    calls = []
+
+    def layers(split):
+        return [SleepLayer(*(lambda sh, k=k: calls.append(k) or 0.0 for k in "fbw"), inner=2,
+                           split=split) for _ in range(2)]
+    x0 = torch.randn(2, 3, 4)
+    out = {}
+    for split in ("defer", "graph"):
+        ls = layers(split)
+        x = x0.clone().requires_grad_(True)
+        tr = MemTracker(exclude=[p for layer in ls for p in layer.parameters()])
+        with tr.track():
+            y = ls[1](ls[0](x))
+        held_f = tr.current
+        loss = (y * torch.arange(y.numel()).view_as(y)).sum()
+        calls.clear()
+        if split == "graph":
+            _, groups = stage_backward_input([loss], None, [x], [layer.p for layer in ls])
+            assert calls == ["b", "b"] and tr.current == held_f
+            calls.clear()
+            stage_backward_weight([layer.p for layer in ls], groups)
+            assert calls == ["w", "w"]
+        else:
+            loss.backward()
+        assert tr.current == 0
+        out[split] = (held_f, x.grad, [layer.p.grad for layer in ls])
+    assert out["graph"][0] == out["defer"][0] == 2 * 3 * x0.numel() * 4   # input + 2 copies, 2 layers
+    assert torch.equal(out["graph"][1], out["defer"][1])
+    assert all(torch.allclose(a, b) for a, b in zip(out["graph"][2], out["defer"][2]))
+    with pytest.raises(ValueError):
+        SleepLayer(0.0, 0.0, split="graph", w_keeps="grad")

@@ -16,6 +16,11 @@ backward sets the benchmark's activation-memory model:
   ``w_keeps='grad'``: B frees the internals, W keeps the input and the output gradient
   (per layer (a_F, a_B, a_W) = (1 + inner, 1 - inner, -2) in units of one input).
 
+``split='graph'`` is the same layer for a runtime that splits the backward at the autograd
+graph instead (``torch.distributed.pipelining``'s ``stage_backward_input`` / ``_weight``):
+the input path and the weight path are separate autograd nodes, B sleeps on the first, W on
+the second, and everything is kept until W (``w_keeps='all'``'s bytes).
+
 Times are seconds, or a callable ``shape -> seconds`` (a cost model of the input's shape).
 """
 from __future__ import annotations
@@ -100,20 +105,56 @@ class _SleepFn(torch.autograd.Function):
         return go * ctx.p, s, None
 
 
+class _InputPath(torch.autograd.Function):
+    """``split='graph'``: F sleeps on the way in, B on the way back (input gradients)."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        sleep(layer.seconds(layer.tf, x.shape))
+        ctx.layer, ctx.shape = layer, x.shape
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        sleep(ctx.layer.seconds(ctx.layer.tb, ctx.shape))
+        return g, None
+
+
+class _WeightPath(torch.autograd.Function):
+    """``split='graph'``: W sleeps on the weight's path and keeps the internals until then."""
+
+    @staticmethod
+    def forward(ctx, p, internals, layer, shape):
+        ctx.save_for_backward(internals)
+        ctx.layer, ctx.shape = layer, shape
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, g):
+        sleep(ctx.layer.seconds(ctx.layer.tw, ctx.shape))
+        return g, None, None, None
+
+
 class SleepLayer(torch.nn.Module):
     """``y = p * x``; F, B and W sleep ``tf``, ``tb``, ``tw`` (seconds or ``shape -> s``)."""
 
     def __init__(self, tf: Seconds, tb: Seconds, tw: Seconds = 0.0, *, inner: int = 0,
-                 w_keeps: str = "all"):
+                 w_keeps: str = "all", split: str = "defer"):
         super().__init__()
         if w_keeps not in ("all", "grad"):
             raise ValueError("w_keeps must be 'all' or 'grad'")
+        if split not in ("defer", "graph") or (split == "graph" and w_keeps != "all"):
+            raise ValueError("split must be 'defer' or 'graph' (which keeps everything until W)")
         self.p = torch.nn.Parameter(torch.ones(1))
         self.tf, self.tb, self.tw, self.inner, self.w_keeps = tf, tb, tw, int(inner), w_keeps
+        self.split = split
 
     @staticmethod
     def seconds(t: Seconds, shape) -> float:
         return float(t(tuple(shape))) if callable(t) else float(t)
 
     def forward(self, x):
-        return _SleepFn.apply(x, self.p, self)
+        if self.split == "defer":
+            return _SleepFn.apply(x, self.p, self)
+        internals = x.detach().repeat(1, 1, self.inner) if self.inner else x.new_empty(0)
+        return _InputPath.apply(x, self) * _WeightPath.apply(self.p, internals, self, x.shape)

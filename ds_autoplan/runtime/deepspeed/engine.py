@@ -1,18 +1,20 @@
 """Run any ds_autoplan schedule inside DeepSpeed's ``PipelineEngine`` (docs/runtimes.md §1.4,
 option A; docs/schedules.md §6.1).
 
-The rank's lowered action list becomes a ``PipeSchedule`` that yields one DeepSpeed
-instruction per action; the engine keeps per-(stage, micro-batch) state instead of
-DeepSpeed's "latest value" attributes, so F and B of a micro-batch may be arbitrarily far
-apart and a rank may hold any number of stages.  Nothing here looks at a schedule's name.
+``train_batch`` / ``eval_batch`` run the rank's lowered action list (an
+:class:`ActionSchedule`) through the adapter's dispatch table, action kind -> the engine
+method that runs it (docs/schedules.md §6.1); the engine keeps per-(stage, micro-batch)
+state (``runtime.common.Slots``) instead of DeepSpeed's "latest value" attributes, so F and
+B of a micro-batch may be arbitrarily far apart and a rank may hold any number of stages.
+Nothing here looks at a schedule's name.
 
-Instruction vocabulary (docs/schedules.md §6.1): ``ForwardPass``/``BackwardPass`` (DeepSpeed's,
-with a ``stage`` kwarg), new ``BackwardInputPass`` (B: input gradients only), ``WeightPass``
-(W), ``RecomputePass`` (R), DeepSpeed's ``Send/RecvActivation``, ``Send/RecvGrad`` (with
-``peer``), ``CommitP2P`` (wait for outstanding sends), then ``ReduceTiedGrads``,
-``ReduceGrads``, ``OptimizerStep``.  Transfers are ``isend``/``irecv`` between global ranks:
-a SEND is issued and not waited for, a RECV posts the receive and the consuming F/B waits
-for it, exactly the semantics ``ds_autoplan.schedule.lower`` orders for.
+After the list: the step's sends are completed, then DeepSpeed's own once-per-step work --
+the tied-gradient reduction (only with tied modules), the data-parallel gradient reduction
+(only with something to reduce: more than one data-parallel replica, ZeRO or MoE) and the
+optimizer step -- and ``train_batch``'s loss aggregation.  Transfers are
+``torch.distributed`` ``isend``/``irecv`` between global ranks: a SEND is issued and not
+waited for, a RECV posts the receive and the consuming F/B waits for it, exactly the
+semantics ``ds_autoplan.schedule.lower`` orders for.
 """
 from __future__ import annotations
 
@@ -20,9 +22,8 @@ import contextlib
 import datetime
 
 import torch
-from deepspeed import comm as dist
+import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.runtime.pipe import schedule as ds_sched
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ...env import env_float
@@ -37,53 +38,25 @@ from .checkpoint import engine_load, engine_save
 from .module import AutoplanPipelineModule
 
 
-class BackwardInputPass(ds_sched.BufferOpInstruction):
-    """B: gradients w.r.t. the stage input; weight-gradient work is stashed for W."""
-
-
-class WeightPass(ds_sched.BufferOpInstruction):
-    """W: the deferred weight gradients of one (stage, micro-batch)."""
-
-
-class RecomputePass(ds_sched.BufferOpInstruction):
-    """R: re-run the recomputed layers of one (stage, micro-batch) with autograd on."""
-
-
 class PipelineRankError(RuntimeError):
     """A peer rank failed or stopped answering; raised instead of hanging."""
 
 
-# the adapter's dispatch table: action kind -> DeepSpeed instruction (-> _INSTRUCTION_MAP)
-_INSTR = dispatch_table({
-    Kind.F: ds_sched.ForwardPass, Kind.B: BackwardInputPass, Kind.BW: ds_sched.BackwardPass,
-    Kind.W: WeightPass, Kind.R: RecomputePass, Kind.SEND_F: ds_sched.SendActivation,
-    Kind.RECV_F: ds_sched.RecvActivation, Kind.SEND_B: ds_sched.SendGrad,
-    Kind.RECV_B: ds_sched.RecvGrad}, "DeepSpeed adapter")
+# the adapter's dispatch table: action kind -> the AutoplanEngine method that runs it
+HANDLERS = dispatch_table({
+    Kind.F: "_run_forward", Kind.B: "_run_backward_input", Kind.BW: "_run_backward",
+    Kind.W: "_run_weight", Kind.R: "_run_recompute", Kind.SEND_F: "_send_activation",
+    Kind.RECV_F: "_recv_activation", Kind.SEND_B: "_send_grad", Kind.RECV_B: "_recv_grad"},
+    "DeepSpeed adapter")
 
 
-class ActionSchedule(ds_sched.PipeSchedule):
-    """A ``PipeSchedule`` that replays one rank's action list, one instruction per step."""
+class ActionSchedule:
+    """One rank's action list for one step (``train``: then the gradient reduction and the
+    optimizer step), with the pipeline rank each action waits for (the step watchdog's)."""
 
-    def __init__(self, actions, micro_batches, stages, stage_id, train=True, note=None):
-        super().__init__(micro_batches, stages, stage_id)
-        self.actions, self.train = list(actions), train
-        self.note = note or (lambda what: None)     # tells the step watchdog (engine._note)
-
-    def num_pipe_buffers(self):
-        return 1
-
-    def steps(self):
-        for a in self.actions:
-            kw = {"buffer_id": a.mb, "stage": a.stage}
-            if a.peer is not None:
-                kw["peer"] = a.peer
-            self.note(a)
-            yield [_INSTR[a.kind](**kw)]
-        self.note("completing the step's sends")
-        yield [ds_sched.CommitP2P()]
-        if self.train:
-            self.note("the gradient reduction and optimizer step (data-parallel collectives)")
-            yield [ds_sched.ReduceTiedGrads(), ds_sched.ReduceGrads(), ds_sched.OptimizerStep()]
+    def __init__(self, actions, placement, train=True):
+        self.actions, self.train = tuple(actions), train
+        self.waits = tuple(waits_for(a, placement) for a in self.actions)
 
 
 def _as_list(x):
@@ -103,14 +76,6 @@ def _cloned(x):
     return x.clone() if torch.is_tensor(x) else tuple(t.clone() for t in x)
 
 
-def _measured(kind, fn):
-    """A compute handler whose tracked-memory change and rise are recorded (common contract)."""
-    def run(self, buffer_id, stage=None):
-        with self.ap_memory.measure(kind, stage, buffer_id):
-            return fn(self, buffer_id, stage)
-    return run
-
-
 class AutoplanEngine(PipelineEngine):
     """``PipelineEngine`` that executes the action lists of a ds_autoplan schedule."""
 
@@ -124,6 +89,7 @@ class AutoplanEngine(PipelineEngine):
         if sched is None:
             raise ValueError("the AutoplanPipelineModule carries no schedule")
         self.S = sched.num_stages
+        self._ap_globals = [self.grid.stage_to_global(r) for r in range(self.num_stages)]
         self.placement = tuple(mod._ap_placement)
         self._loss_rank = self.placement[-1]
         self._split = False
@@ -151,6 +117,7 @@ class AutoplanEngine(PipelineEngine):
         self.ap_loss_factors = None      # per micro-batch factor on the loss stage's loss
         self.ap_swap: dict = {}          # local stage -> runtime.swap.Swapper (set_swap_policy)
         self._step_state = None          # StepState of the next train_batch (set_step)
+        self.ap_table = self._dispatch()        # kind -> callable(action), HANDLERS
         self._ap_ready = True
         if self.training_data and (self.is_first_stage() or self.is_last_stage()) \
                 and getattr(self, "data_iterator", None) is None:
@@ -191,10 +158,19 @@ class AutoplanEngine(PipelineEngine):
             [state.loss_factor(m, n) for m in range(n)]
         self._step_state = state
 
-    def _note(self, what):
-        """The action (or phase) this rank executes now, for the step watchdog."""
-        peer = waits_for(what, self.placement) if not isinstance(what, str) else None
-        self.ap_watchdog.doing(what, peer)
+    def _dispatch(self) -> dict:
+        """The dispatch table: kind -> the engine's handler, taking the action; a compute
+        handler's tracked-memory change and rise are recorded (common contract)."""
+        mem = self.ap_memory
+
+        def measured(kind, fn):
+            def run(a):
+                with mem.measure(kind, a.stage, a.mb):
+                    fn(a)
+            return run
+        watched = mem.tracker is not None or mem.timeline is not None
+        return {k: measured(k, getattr(self, m)) if k.is_compute and watched else getattr(self, m)
+                for k, m in HANDLERS.items()}
 
     def eval_batch(self, *args, **kwargs):
         with self.ap_watchdog.step():
@@ -227,6 +203,7 @@ class AutoplanEngine(PipelineEngine):
         self.ap_schedule = accept(sched, num_ranks=self.num_stages, num_microbatches=n,
                                   placement=self.placement, who="DeepSpeed adapter")
         self.ap_actions = self.ap_schedule.ranks[self.stage_id]
+        self._ap_train = ActionSchedule(self.ap_actions, self.placement)
         self._recompute = self.module.recompute_plan(self.ap_schedule)
         self._recomputed = recomputed(self.ap_actions)
         if any(a.kind == Kind.W for a in self.ap_actions) and not self._split:
@@ -273,8 +250,7 @@ class AutoplanEngine(PipelineEngine):
 
     # -- schedules ----------------------------------------------------------------------------
     def _train_schedule(self):
-        return ActionSchedule(self.ap_actions, self.micro_batches, self.num_stages, self.stage_id,
-                              note=self._note)
+        return self._ap_train
 
     def _inference_schedule(self, micro_batches):
         # forward only, in (micro-batch, stage) order: a topological order every rank follows
@@ -289,26 +265,50 @@ class AutoplanEngine(PipelineEngine):
                 acts.append(Action(self.stage_id, Kind.F, s, mb))
                 if s + 1 < self.S and self.placement[s + 1] != self.stage_id:
                     acts.append(Action(self.stage_id, Kind.SEND_F, s, mb, self.placement[s + 1]))
-        return ActionSchedule(acts, micro_batches, self.num_stages, self.stage_id, train=False,
-                              note=self._note)
+        return ActionSchedule(acts, self.placement, train=False)
 
-    def _exec_schedule(self, pipe_schedule):
+    def _exec_schedule(self, pipe_schedule: ActionSchedule):
         self._slots.clear()
         self._batches.clear()
         self._batch_used = {}
         self._next_mb = 0
         self.ap_mem_trace = []
         self.ap_memory.new_step()
+        self.fwd_outputs = []
         tr = self.memtracker
         if tr is not None:
             tr.reset_peak()
             with tr.track():
-                super()._exec_schedule(pipe_schedule)
+                self._run(pipe_schedule)
         else:
-            super()._exec_schedule(pipe_schedule)
+            self._run(pipe_schedule)
         if pipe_schedule.train:
             self._slots.check_done(f"DeepSpeed adapter, pipeline rank {self.stage_id}")
         self._slots.clear()
+
+    def _run(self, sched: ActionSchedule):
+        """Every action of the list, then the sends' completion and, training, the step."""
+        table, doing = self.ap_table, self.ap_watchdog.doing
+        for a, peer in zip(sched.actions, sched.waits):
+            doing(a, peer)
+            table[a.kind](a)
+        doing("completing the step's sends")
+        self._exec_commit_p2p()
+        if sched.train:
+            doing("the gradient reduction and optimizer step (data-parallel collectives)")
+            for name in self._step_work():
+                getattr(self, name)()
+
+    def _step_work(self) -> list[str]:
+        """DeepSpeed's once-per-step instructions that have something to do: the tied-weight
+        reduction with tied modules (or partitioned gradients), the data-parallel reduction
+        unless one replica holds all gradients without ZeRO or MoE, the optimizer step."""
+        work = []
+        if self.module.get_tied_weights_and_groups() or self.zero_optimization_partition_gradients():
+            work.append("_exec_reduce_tied_grads")
+        if self.dp_world_size > 1 or self.zero_optimization_stage() > 0 or self.has_moe_layers:
+            work.append("_exec_reduce_grads")
+        return work + ["_exec_optimizer_step"]
 
     def _trace(self, name, stage, mb):
         if self.memtracker is not None:
@@ -350,7 +350,8 @@ class AutoplanEngine(PipelineEngine):
 
     # -- p2p -------------------------------------------------------------------------------------
     def _peer(self, pipe_rank):
-        return self.grid.stage_to_global(pipe_rank)
+        """The global rank of pipeline rank ``pipe_rank`` (this rank's data-parallel column)."""
+        return self._ap_globals[pipe_rank]
 
     def _wait(self, work, what, peer):
         try:
@@ -382,14 +383,15 @@ class AutoplanEngine(PipelineEngine):
             i += 2 + nd
         return is_tensor, specs
 
-    def _exec_send_activations(self, buffer_id, stage, peer):
-        out = self._slots.at(stage, buffer_id).out
+    def _send_activation(self, a):
+        mb, stage, peer = a.mb, a.stage, a.peer
+        out = self._slots.at(stage, mb).out
         tensors = [t.detach() for t in _as_list(out)]
         if self.ap_shape_plan is not None:      # both ends know the shape: no handshake
-            want = [tuple(sh) for _, sh in self.ap_shape_plan(stage + 1, buffer_id)[1]]
+            want = [tuple(sh) for _, sh in self.ap_shape_plan(stage + 1, mb)[1]]
             got = [tuple(t.shape) for t in tensors]
             if got != want:
-                raise RuntimeError(f"stage {stage} micro-batch {buffer_id}: activation shapes "
+                raise RuntimeError(f"stage {stage} micro-batch {mb}: activation shapes "
                                    f"{got} differ from the shape plan {want}")
         elif stage not in self._meta_sent:
             self._meta_sent.add(stage)
@@ -398,31 +400,34 @@ class AutoplanEngine(PipelineEngine):
             self._sends.append((dist.isend(t, self._peer(peer)), f"activation of stage {stage}", peer))
         self._prune_sends()
 
-    def _exec_recv_activations(self, buffer_id, stage, peer):
+    def _recv_activation(self, a):
+        mb, stage, peer = a.mb, a.stage, a.peer
         if self.ap_shape_plan is not None:
-            is_tensor, specs = self.ap_shape_plan(stage, buffer_id)
+            is_tensor, specs = self.ap_shape_plan(stage, mb)
         else:
             if stage not in self._recv_meta:
                 self._recv_meta[stage] = self._recv_meta_blocking(peer)
             is_tensor, specs = self._recv_meta[stage]
         bufs = [torch.empty(shape, dtype=dt, device=self.device) for dt, shape in specs]
         works = [dist.irecv(b, self._peer(peer)) for b in bufs]
-        self._slots.at(stage, buffer_id).recv_f = (works, bufs, is_tensor, peer)
+        self._slots.at(stage, mb).recv_f = (works, bufs, is_tensor, peer)
 
-    def _exec_send_grads(self, buffer_id, stage, peer):
-        slot = self._slots.at(stage, buffer_id)
+    def _send_grad(self, a):
+        mb, stage, peer = a.mb, a.stage, a.peer
+        slot = self._slots.at(stage, mb)
         grads = [t.grad for t in _as_list(slot.inp) if t.is_floating_point()]
         if any(g is None for g in grads):
-            raise RuntimeError(f"stage {stage} micro-batch {buffer_id}: no input gradient to send")
+            raise RuntimeError(f"stage {stage} micro-batch {mb}: no input gradient to send")
         for g in grads:
             self._sends.append((dist.isend(g, self._peer(peer)), f"gradient of stage {stage}", peer))
         slot.inp = None
         self._prune_sends()
 
-    def _exec_recv_grads(self, buffer_id, stage, peer):
-        slot = self._slots.at(stage, buffer_id)
+    def _recv_grad(self, a):
+        mb, stage, peer = a.mb, a.stage, a.peer
+        slot = self._slots.at(stage, mb)
         if slot.out is None:
-            raise RuntimeError(f"RecvGrad for stage {stage} micro-batch {buffer_id} before its forward")
+            raise RuntimeError(f"RecvGrad for stage {stage} micro-batch {mb} before its forward")
         bufs = [torch.empty_like(t) for t in _as_list(slot.out) if t.is_floating_point()]
         slot.recv_b = ([dist.irecv(b, self._peer(peer)) for b in bufs], bufs, None, peer)
 
@@ -453,8 +458,9 @@ class AutoplanEngine(PipelineEngine):
         x = [b.requires_grad_(b.is_floating_point()) for b in bufs]
         return x[0] if is_tensor else tuple(x)
 
-    def _exec_forward_pass(self, buffer_id, stage=None):
-        mb, slot = buffer_id, self._slots.at(stage, buffer_id)
+    def _run_forward(self, a):
+        stage, mb = a.stage, a.mb
+        slot = self._slots.at(stage, mb)
         slot.inp = self._stage_input(stage, mb, slot)
         x = _cloned(slot.inp)
         k = self._recompute[stage] if (stage, mb) in self._recomputed and torch.is_grad_enabled() else 0
@@ -495,17 +501,18 @@ class AutoplanEngine(PipelineEngine):
             slot.inp = None
         self._trace("F", stage, mb)
 
-    def _exec_recompute(self, buffer_id, stage):
-        slot = self._slots.at(stage, buffer_id)
+    def _run_recompute(self, a):
+        mb, stage = a.mb, a.stage
+        slot = self._slots.at(stage, mb)
         if slot.h is None or slot.h2 is not None:
-            raise RuntimeError(f"R for stage {stage} micro-batch {buffer_id}: its F did not keep "
+            raise RuntimeError(f"R for stage {stage} micro-batch {mb}: its F did not keep "
                                f"a recompute checkpoint, or it was recomputed already")
         k = self._recompute[stage]
         slot.ckpt = None        # the prefix's layers save their (cloned) input from here on
         rng, slot.rng = slot.rng, None
         with rng.replay(), torch.enable_grad(), self.module.activated(stage, 0, k):
             slot.h2 = self.module(_cloned(slot.inp))
-        self._trace("R", stage, buffer_id)
+        self._trace("R", stage, mb)
 
     def _output_grad(self, stage, mb, slot):
         if self.placement[stage + 1] == self.stage_id:      # local hand-off
@@ -560,38 +567,21 @@ class AutoplanEngine(PipelineEngine):
         if bf16:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 
-    def _exec_backward_pass(self, buffer_id, stage=None):
-        self._backward(buffer_id, stage, split=False)
+    def _run_backward(self, a):
+        self._backward(a.mb, a.stage, split=False)
 
-    def _exec_backward_input(self, buffer_id, stage):
-        self._backward(buffer_id, stage, split=True)
+    def _run_backward_input(self, a):
+        self._backward(a.mb, a.stage, split=True)
 
-    def _exec_weight_pass(self, buffer_id, stage):
-        slot = self._slots.at(stage, buffer_id)
+    def _run_weight(self, a):
+        mb, stage = a.mb, a.stage
+        slot = self._slots.at(stage, mb)
         if slot.store is None:
-            raise RuntimeError(f"W for stage {stage} micro-batch {buffer_id} before its B")
+            raise RuntimeError(f"W for stage {stage} micro-batch {mb} before its B")
         with self._lp_grads():
             slot.store.run_all()
         slot.store = None
-        self._trace("W", stage, buffer_id)
-
-    def _exec_load_micro_batch(self, buffer_id):   # loads happen lazily at F
-        pass
-
-    _INSTRUCTION_MAP = {
-        **PipelineEngine._INSTRUCTION_MAP,
-        ds_sched.LoadMicroBatch: _exec_load_micro_batch,
-        ds_sched.ForwardPass: _measured(Kind.F, _exec_forward_pass),
-        ds_sched.BackwardPass: _measured(Kind.BW, _exec_backward_pass),
-        BackwardInputPass: _measured(Kind.B, _exec_backward_input),
-        WeightPass: _measured(Kind.W, _exec_weight_pass),
-        RecomputePass: _measured(Kind.R, _exec_recompute),
-        ds_sched.SendActivation: _exec_send_activations,
-        ds_sched.RecvActivation: _exec_recv_activations,
-        ds_sched.SendGrad: _exec_send_grads,
-        ds_sched.RecvGrad: _exec_recv_grads,
-        ds_sched.CommitP2P: _exec_commit_p2p,
-    }
+        self._trace("W", stage, mb)
 
 
 _nullctx = contextlib.nullcontext

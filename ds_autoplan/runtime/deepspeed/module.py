@@ -150,6 +150,7 @@ class AutoplanPipelineModule(PipelineModule):
         return self._ap_placement[super().stage_owner(layer_idx)]
 
     def _build(self):
+        self.__dict__.pop("_ap_active", None)
         self.chunk_funcs = []
         for start, stop in self.chunk_bounds:
             self._set_bounds(start, stop)
@@ -159,11 +160,16 @@ class AutoplanPipelineModule(PipelineModule):
         self._activate(0, 0, None)
 
     def _activate(self, chunk, lo, hi):
+        key = (chunk, lo, hi, self.activation_checkpoint_interval)
+        state = self.__dict__         # plain attributes: skip nn.Module.__setattr__ (per action)
+        if state.get("_ap_active") == key and "forward_funcs" in state:
+            return
+        state["_ap_active"] = key
         funcs = self.chunk_funcs[chunk]
         hi = len(funcs) if hi is None else hi
-        self.forward_funcs = funcs[lo:hi]
+        state["forward_funcs"] = funcs[lo:hi]
         start = self.chunk_bounds[chunk][0]
-        self._local_start, self._local_stop = start + lo, start + hi
+        state["_local_start"], state["_local_stop"] = start + lo, start + hi
         if self.activation_checkpoint_interval > 0:
             k = self.activation_checkpoint_interval
             self.is_checkpointable_results = [self._is_checkpointable(self.forward_funcs[i:i + k])

@@ -327,17 +327,23 @@ class _Step:
             tracker.reset_peak()
         sync = _GradSync(_no_sync_func(self.config))
         final = self._final_backwards()
-        watch = r.watchdog
+        doing, table, place = r.watchdog.doing, self.table, self.sched.placement
+        mem = r.memory
+        measured = mem.tracker is not None or mem.timeline is not None
         for i, act in enumerate(self.mine):
             if self.forward_only and not RULES[act.kind].forward:
                 continue
             if i in final:
                 sync.enable()
-            watch.doing(act, waits_for(act, self.sched.placement))
-            self._timed(act)
+            doing(act, waits_for(act, place))
+            if measured and act.kind.is_compute:
+                with mem.measure(act.kind, act.stage, act.mb):
+                    table[act.kind](act)
+            else:
+                table[act.kind](act)
             if i in final:
                 sync.disable()
-        watch.doing("completing the step's sends")
+        doing("completing the step's sends")
         if self.p2p is not None:
             self.p2p.finish()
         if tracker is not None:
@@ -345,7 +351,7 @@ class _Step:
         self.slots.check_done(f"Megatron adapter, pp rank {self.rank}")
         sync.enable()
         if not self.forward_only:
-            watch.doing("the gradient synchronisation (data-parallel collectives)")
+            doing("the gradient synchronisation (data-parallel collectives)")
             self._finalize()
         return [self.losses[m] for m in sorted(self.losses)]
 
@@ -359,13 +365,6 @@ class _Step:
             if RULES[a.kind].grads:
                 last[(a.kind, a.stage)] = i
         return set(last.values())
-
-    def _timed(self, act):
-        r = self.runner
-        if act.kind.is_comm:
-            return self.table[act.kind](act)
-        with r.memory.measure(act.kind, act.stage, act.mb):
-            self.table[act.kind](act)
 
     def _finalize(self):
         cfg = self.config
