@@ -14,6 +14,7 @@ import pickle
 import shutil
 import signal
 import time
+import uuid
 
 import pytest
 import torch
@@ -500,9 +501,19 @@ def faults(tmp_path_factory):
     def loads():         # every kill is over: the cases of the launch's process group
         return (_ds_loads(root / "ds") if DS_KILLS[0][0] in names else []) + \
             (_megatron_loads(root / "megatron") if M_KILL in names else [])
-    outs = forked.run(root, kills, loads, warm, timeout=600, grace=5)
+    mark = uuid.uuid4().hex            # in every process of the launch (test_no_orphans.py)
+    (root / "mark").write_text(mark)
+    outs = forked.run(root, kills, loads, warm, timeout=600, grace=5, env={"DS_AUTOPLAN_TEST_MARK": mark})
     assert all(rc == 0 for rc, _ in outs), outs[0][1][-3000:] + outs[1][1][-3000:]
     return root, forked.rows(outs)
+
+
+def test_killed_ranks_leave_no_process_behind(faults):
+    """Issue 27: after this launch, the spawn Manager of Megatron's dist_checkpointing in a rank
+    SIGKILLed mid-save was alive 25 minutes later; every process the kills left ends with them."""
+    from harness import leftovers
+    root, _ = faults
+    assert leftovers((root / "mark").read_text(), wait=10.0) == []
 
 
 def _killed(rows, name) -> dict:

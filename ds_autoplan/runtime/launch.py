@@ -30,6 +30,8 @@ import tempfile
 import threading
 import time
 
+from . import reaper
+
 RESULT = "AUTOPLAN_RESULT "
 
 
@@ -73,16 +75,23 @@ def spawn(argv: list[str], world: int, timeout: float = 300.0, grace: float = 60
         prebuild_ops({**os.environ, **(env or {})})
     port = free_port()
     procs, logs = [], []
-    for r in range(world):
-        logs.append(tempfile.TemporaryFile(mode="w+"))
-        procs.append(subprocess.Popen([sys.executable, *argv], env=_rank_env(r, world, port, env),
-                                      stdout=logs[-1], stderr=subprocess.STDOUT, text=True))
-    _wait(procs, timeout, grace)
+    try:
+        for r in range(world):       # each rank leads a process group and dies with this one
+            logs.append(tempfile.TemporaryFile(mode="w+"))
+            procs.append(subprocess.Popen(reaper.rank_command(argv), env=_rank_env(r, world, port, env),
+                                          stdin=subprocess.DEVNULL, stdout=logs[-1],
+                                          stderr=subprocess.STDOUT, text=True))
+        _wait(procs, timeout, grace)
+    finally:                         # also on an exception here (Ctrl-C): no rank runs on
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            reaper.sweep(p.pid)      # what a rank started and left (SIGKILLed or not)
     out = []
     for p, f in zip(procs, logs):
-        rc = p.wait()
         f.seek(0)
-        out.append((rc, f.read()))
+        out.append((p.returncode, f.read()))
         f.close()
     return out
 

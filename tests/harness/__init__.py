@@ -63,3 +63,30 @@ def clients_dir():
 
 CLIENTS_SKIP = ("no client code: ../shared/clients (beside the repository) is missing; set "
                 "DS_AUTOPLAN_CLIENTS to its folder")
+
+
+def leftovers(mark: str, wait: float = 0.0) -> list[str]:
+    """This user's live processes whose environment holds ``DS_AUTOPLAN_TEST_MARK=mark`` (a
+    launch's every process inherits it), as "pid command" lines; waits up to ``wait`` seconds
+    for them to end first."""
+    import time
+    needle = f"DS_AUTOPLAN_TEST_MARK={mark}".encode()
+    deadline = time.time() + wait
+    while True:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if needle not in f.read().split(b"\0"):
+                        continue
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":     # ended, not yet reaped
+                        continue
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{pid} {cmd[:200]}")
+            except OSError:          # gone meanwhile, or another user's
+                pass
+        if not found or time.time() >= deadline:
+            return found
+        time.sleep(0.2)

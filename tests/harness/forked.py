@@ -24,24 +24,21 @@ it from what the forked cases left) and runs those cases in the launch's own pro
 """
 from __future__ import annotations
 
-import ctypes
 import datetime
 import importlib
 import json
 import os
-import signal
 import sys
 import time
 import traceback
 
-from ds_autoplan.runtime import launch
+from ds_autoplan.runtime import launch, reaper
 
 # what the DeepSpeed and the Megatron-core runtimes' cases import (warm)
 DEEPSPEED = ["deepspeed", "ds_autoplan.runtime.deepspeed.api", "torch._dynamo"]
 MEGATRON = ["megatron.core.optimizer", "megatron.core.distributed", "ds_autoplan.runtime.megatron.checkpoint",
             "ds_autoplan.models.megatron_gpt"]
 CHILD_TIMEOUT = 300.0     # a forked case's children end in seconds; past this they are killed
-PR_SET_PDEATHSIG = 1      # linux/prctl.h
 
 
 def exit_now(code: int) -> None:
@@ -78,7 +75,7 @@ def fork_wait(child, out: str, timeout: float, hurry=None, grace: float = 5.0) -
         code = 1
         try:
             os.setpgid(0, 0)
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            reaper.die_with_parent()
             fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
@@ -94,25 +91,20 @@ def fork_wait(child, out: str, timeout: float, hurry=None, grace: float = 5.0) -
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            _kill_group(pid)
+            reaper.sweep(pid)
             return os.waitstatus_to_exitcode(status)
         if hurry is not None and deadline > time.time() + grace and hurry():
             deadline = time.time() + grace
         if time.time() > deadline:
-            _kill_group(pid)
+            reaper.sweep(pid)
         time.sleep(0.05)
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):     # nobody left in it
-        pass
 
 
 def _child(case: dict, files: str, rank: int, world: int) -> None:
     import torch.distributed as dist
-    os.environ.update(case.get("env", {}), WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
+    os.environ.update(case.get("env", {}))
+    if "world" in case:          # a smaller world than the launch's: its ranks on one node
+        os.environ.update(WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{files}.store", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=90))
     row = launch.import_fn(case["fn"])(case)
@@ -142,11 +134,13 @@ def _forked(case: dict, files: str, rank: int, world: int) -> int:
     return code
 
 
-def run(folder, forked: list, then, warm=(), world: int = 2, **kw) -> list[tuple[int, str]]:
+def run(folder, forked: list, then, warm=(), world: int = 2, env: dict | None = None,
+        **kw) -> list[tuple[int, str]]:
     """Launcher side: :func:`~ds_autoplan.runtime.launch.spawn` a job of ``forked`` cases on
     ``world`` ranks (files in ``folder``); ``then``: the cases of the launch's own process group,
     or a function returning them once every forked case is over (it runs here, e.g. to copy and
-    damage what they left).  Every rank's ``(returncode, output)``; ``kw`` goes to spawn."""
+    damage what they left).  Every rank's ``(returncode, output)``; ``env`` (beside
+    :data:`harness.ENV`) and ``kw`` go to spawn."""
     import threading
 
     from harness import ENV
@@ -155,7 +149,7 @@ def run(folder, forked: list, then, warm=(), world: int = 2, **kw) -> list[tuple
         json.dump({"warm": list(warm), "forked": forked, "then": then_path}, f)
     box: dict = {}
     ranks = threading.Thread(target=lambda: box.update(outs=launch.spawn(
-        ["-m", __name__, job], world, env=ENV, **kw)))
+        ["-m", __name__, job], world, env={**ENV, **(env or {})}, **kw)))
     ranks.start()
     cases: list = []
     try:
