@@ -141,6 +141,7 @@ class _PlanFields:
     seq_len: int = 0
     num_layers: int = 0
     world_size: int = 1
+    gpus_per_node: int = 0               # devices per node the plan was costed on (0: not recorded)
     selective_recompute: bool = False    # attention core recomputed on every layer (Megatron only)
     partitioner: str = "bmw"
     # per-unit strategy labels of the wide (Galvatron) search (embedding, blocks, head)
@@ -262,6 +263,32 @@ class Plan(_PlanFields):
         if place is None or len(place) != self.num_stages:
             place = tuple(s % self.pp for s in range(self.num_stages))
         return place
+
+    def layout_conflict(self, num_nodes: int, gpus_per_node: int) -> str | None:
+        """Why a launch of ``num_nodes`` x ``gpus_per_node`` ranks contradicts the node layout
+        this plan was costed on (docs/planner.md §1.4: ranks node-major, TP innermost, a stage's
+        tp x cp x dp ranks consecutive, stages outermost), or None: a group the plan kept inside
+        fewer nodes (TP, a stage's data-parallel group, the pipeline's sends) spans more here.
+        Plans without a recorded layout (older files) are not checked."""
+        G0, world = self.gpus_per_node, num_nodes * gpus_per_node
+        if not G0 or G0 == gpus_per_node or world != self.world:
+            return None
+
+        def nodes(size, G):       # the most nodes one aligned block of `size` ranks touches
+            return max(len({(s + i) // G for i in range(size)}) for s in range(0, world, size))
+
+        def crossings(G):         # stage boundaries between ranks of different nodes
+            n = self.world // self.pp
+            return sum((s * n) // G != (s * n - 1) // G for s in range(1, self.pp))
+        stage = self.tp * self.cp * self.dp
+        for what, size in (("tensor-parallel group", self.tp), ("stage's data-parallel group", stage)):
+            if size > 1 and nodes(size, gpus_per_node) > nodes(size, G0):
+                return (f"its {what} of {size} ranks spans {nodes(size, gpus_per_node)} nodes of "
+                        f"{gpus_per_node} here, {nodes(size, G0)} in the plan ({G0} per node)")
+        if self.pp > 1 and crossings(gpus_per_node) > crossings(G0):
+            return (f"{crossings(gpus_per_node)} of its {self.pp - 1} pipeline sends cross nodes of "
+                    f"{gpus_per_node} here, {crossings(G0)} in the plan ({G0} per node)")
+        return None
 
     @staticmethod
     def parallel_fields(par: Parallel) -> dict[str, Any]:

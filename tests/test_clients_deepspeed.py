@@ -173,6 +173,9 @@ def test_plan_is_for_the_scripts_alexnet_and_keeps_its_config(client, launches):
     plan = json.loads((client / "ds_autoplan_out" / "plan.json").read_text())
     assert plan["model"] == "train.py:PipelineModule" and plan["pp"] == 2 and plan["schedule"] == "1f1b"
     assert sum(plan["layers_per_stage"]) == 22
+    # no cluster named: the launch's, detected (--cluster auto): one node of 2 CPU ranks, measured
+    assert (plan["cluster"], plan["gpus_per_node"]) == ("cpu-auto-1x2", 2), plan
+    assert "ds-autoplan: cluster auto: CPU: each of the 2 ranks of a node is a device" in out
     assert plan["notes"][-1] == "profiled layers: " + ", ".join(f"{i}:{n}" for i, n in enumerate(ALEXNET))
     prof = json.loads((client / "ds_autoplan_out" / "profile.json").read_text())
     assert [u["params"] for u in prof["units"] if u["params"]] == [
@@ -217,17 +220,21 @@ def test_v_zb_trains_through_ds_autoplan_launch(client, launches):
 def _unrestricted(form: str, world: int, client: Path):
     """The README's example without --pp / --schedules (DS_AUTOPLAN_PP, _SCHEDULES): ``form``
     'deepspeed' (``deepspeed --autoplan``, options from the environment) or 'launch'
-    (``ds-autoplan launch``, flags); global batch 32 keeps the CPU run short.  Plan and config
+    (``ds-autoplan launch``, flags); global batch 32 keeps the CPU run short.  The cluster is
+    the ``cpu-<world>`` preset, whose figures do not move with the machine's load (a measured
+    one does: the planner's free choice, which the test checks, would too).  Plan and config
     under ``out-{form}-{world}``; (rc, output, losses, the /dev/shm files the launch left)."""
     port, out = free_port(), f"out-{form}-{world}"
     before = set(leftovers())
     if form == "deepspeed":
         argv = [str(BIN / "deepspeed"), "--autoplan", "--num_gpus", str(world), "--master_port", str(port),
                 "train.py", *ARGS]
-        res = _run(argv, client, _env(DS_AUTOPLAN_GLOBAL_BATCH="32", DS_AUTOPLAN_OUT=out))
+        res = _run(argv, client, _env(DS_AUTOPLAN_GLOBAL_BATCH="32", DS_AUTOPLAN_OUT=out,
+                                      DS_AUTOPLAN_CLUSTER=f"cpu-{world}"))
     else:
         argv = [sys.executable, "-m", "ds_autoplan", "launch", "--global-batch", "32", "--out", out,
-                "--num_gpus", str(world), "--master_port", str(port), "train.py", *ARGS]
+                "--cluster", f"cpu-{world}", "--num_gpus", str(world), "--master_port", str(port),
+                "train.py", *ARGS]
         res = _run(argv, client, _env())
     return (*res, _own_leftovers(port, before))
 
@@ -270,8 +277,8 @@ def _reference_losses(out: str, gas: int, world: int) -> list[float]:
     pytest.param("launch", 2, marks=pytest.mark.launches(("launch", 2))),
     pytest.param("deepspeed", 4, marks=pytest.mark.launches(("deepspeed", 4)))])
 def test_unrestricted_plan_trains_the_unchanged_script(client, launches, form, world):
-    """Without restrictions the planner picks ZeRO-2 without a pipeline on these CPU ranks (the
-    AlexNet fits every rank; no pipeline bubble); the script's pipeline layers train in
+    """Without restrictions the planner picks ZeRO-2 without a pipeline on these CPU ranks (cpu-N's
+    figures: the AlexNet fits every rank; no pipeline bubble); the script's pipeline layers train in
     DeepSpeed's plain engine through its ``train_batch`` calls, with the losses of DeepSpeed's
     own engine on the script's non-pipelined path (-p 0) under the merged config (1e-6)."""
     out_dir = f"out-{form}-{world}"
@@ -284,6 +291,7 @@ def test_unrestricted_plan_trains_the_unchanged_script(client, launches, form, w
     assert len(ours) == 2 and all(math.isfinite(x) for x in ours), out[-4000:]
     plan = json.loads((client / out_dir / "plan.json").read_text())
     assert (plan["pp"], plan["dp"], plan["world_size"]) == (1, world, world), plan
+    assert plan["cluster"] == f"cpu-{world}", plan
     assert plan["zero_stage"] >= 2, plan
     assert "in DeepSpeed's engine (no pipeline)" in out
     hint = "--pp 2" if form == "launch" else "DS_AUTOPLAN_PP=2"
@@ -318,7 +326,7 @@ def test_a_plain_module_script_trains_planned_as_by_hand(client, launches):
     the losses of the same script run by hand with the config the planned run wrote."""
     rc, out, _ = launches.result("plain-module")
     assert rc == 0 and "Traceback" not in out, out[-4000:]
-    assert re.search(r"ds-autoplan: AlexNet on cpu-2: dp=2 ZeRO-\d micro-batch \d+ x \d+ accumulation "
+    assert re.search(r"ds-autoplan: AlexNet on cpu-auto-1x2: dp=2 ZeRO-\d micro-batch \d+ x \d+ accumulation "
                      r"steps, activation checkpointing off, in DeepSpeed's engine", out), out[-4000:]
     cfg = json.loads((client / "out-base" / "ds_config.autoplan.json").read_text())
     user = json.loads((client / "ds_config.json").read_text())
@@ -360,7 +368,7 @@ def test_launch_runs_the_script_through_the_bootstrap(tmp_path):
     from ds_autoplan.cli.launch_cmd import BOOTSTRAP, apply_autoplan
     from ds_autoplan.clients.bootstrap import split_argv
     a = runner.parse_args(["--num_gpus", "2", "train.py", "--steps", "3"])
-    opts = apply_autoplan(a, 2, {"DS_AUTOPLAN_OUT": str(tmp_path / "o")}, pp=2)
+    opts = apply_autoplan(a, {"localhost": [0, 1]}, {"DS_AUTOPLAN_OUT": str(tmp_path / "o")}, pp=2)
     assert (a.user_script, a.module) == (BOOTSTRAP, True) and a.user_args[1:] == ["train.py", "--steps", "3"]
     assert "plan" not in opts and opts["pp"] == 2 and opts["out"] == str(tmp_path / "o")
     got, inserted, argv = split_argv(["--local_rank=1", *a.user_args])

@@ -166,7 +166,8 @@ def test_hf_script_trains_planned_with_the_losses_of_a_run_by_hand(tmp_path, scr
     cfg_path = tmp_path / "planned" / "ds_config.autoplan.json"
     cfg = json.loads(cfg_path.read_text())
     assert (plan["pp"], plan["dp"], plan["world_size"]) == (1, 2, 2)
-    assert re.search(r"ds-autoplan: \S+ on cpu-2: dp=2 ZeRO-\d micro-batch \d+ x \d+ accumulation steps", out)
+    # no --cluster: the launch's own, detected (--cluster auto): one node of 2 CPU ranks
+    assert re.search(r"ds-autoplan: \S+ on cpu-auto-1x2: dp=2 ZeRO-\d micro-batch \d+ x \d+ accumulation steps", out)
     assert cfg["zero_optimization"]["stage"] == plan["zero_stage"]
     if plan["zero_stage"] != 1:                      # the examples' configs ask for ZeRO-1
         assert f"ds_config zero_optimization.stage: 1 -> {plan['zero_stage']}" in out

@@ -90,13 +90,14 @@ def _run(cmd: str, cwd: pathlib.Path, tag: str, tmp: pathlib.Path, **env) -> Sim
     return _result(r.returncode, r.stdout + r.stderr, cmd, tag, tmp)
 
 
-def _forked_runs(cmds: dict, cwd: pathlib.Path, tmp: pathlib.Path, nproc: int) -> dict:
+def _forked_runs(cmds: dict, cwd: pathlib.Path, tmp: pathlib.Path, nproc: int, nodes: int = 1) -> dict:
     """``{tag: (cmd, env)}``, commands as :func:`_run` takes them (``VAR=x ... torchrun ...
-    SHIM pretrain_gpt.py $(cat FILE) flags``), run in ONE launch of ``nproc`` ranks: each
-    command's script and flags (``$(cat FILE)`` expanded as the shell does) run in forked
-    children of the ranks, with the command's variables and ``env`` (the shim's ``--runs``:
-    the ranks' imports are paid once).  Per tag: what :func:`_run` returns, with that run's
-    output and its worst exit status over the ranks."""
+    SHIM pretrain_gpt.py $(cat FILE) flags``), run in ONE launch of ``nproc`` ranks per node on
+    ``nodes`` nodes (``nodes`` > 1: one ``torchrun --nnodes N --node_rank i`` per node, all on
+    this machine): each command's script and flags (``$(cat FILE)`` expanded as the shell does)
+    run in forked children of the ranks, with the command's variables and ``env`` (the shim's
+    ``--runs``: the ranks' imports are paid once).  Per tag: what :func:`_run` returns, with
+    that run's output and its worst exit status over the ranks."""
     job = tmp / f"runs-{'+'.join(cmds)}.json"
     todo = []
     for tag, (cmd, env) in cmds.items():
@@ -108,14 +109,22 @@ def _forked_runs(cmds: dict, cwd: pathlib.Path, tmp: pathlib.Path, nproc: int) -
                      "store": str(tmp / f"{tag}.store"),
                      "env": {**dict(a.split("=", 1) for a in assigned.split()), **env, **_outputs(tag, tmp)}})
     job.write_text(json.dumps(todo))
-    r = _launch(f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node {nproc} "
-                f"{SHIM} --runs {job}", cwd, timeout=420 * len(todo))     # as much as separate launches
+    run = f"{sys.executable} -m torch.distributed.run --nproc_per_node {nproc} {SHIM} --runs {job}"
+    if nodes == 1:
+        launch = run.replace(" --nproc_per_node", " --standalone --nproc_per_node")
+    else:      # the node launchers side by side; the launch fails if one of them does
+        from ds_autoplan.runtime.launch import free_port
+        node = run.replace(" --nproc_per_node", f" --nnodes {nodes} --node_rank {{}} --master_addr 127.0.0.1 "
+                                                 f"--master_port {free_port()} --nproc_per_node")
+        launch = "".join(f"{node.format(i)} & p{i}=$!; " for i in range(nodes)) + \
+            "; ".join(f"wait $p{i} || exit 1" for i in range(nodes))
+    r = _launch(launch, cwd, timeout=420 * len(todo))     # as much as separate launches
     launch_out = r.stdout + r.stderr
     done = [json.loads(x) for x in re.findall(r"MLM_CPU_RUN (\{.*\})", launch_out)]
     res = {}
     for run in todo:
         codes = [d["exit"] for d in done if d["tag"] == run["tag"]]
-        rc = max(codes, key=abs) if len(codes) == nproc else (r.returncode or -1)
+        rc = max(codes, key=abs) if len(codes) == nproc * nodes else (r.returncode or -1)
         log = pathlib.Path(run["log"])
         out = log.read_text() if log.exists() else ""
         res[run["tag"]] = _result(rc, out if rc == 0 else out + "\n--- launch ---\n" + launch_out,
@@ -316,6 +325,46 @@ def test_pretrain_gpt_moe_expert_parallel_v_half(client):
     assert {r["forward_backward_func"] for r in ours.report} == {"_LossesToLastRank"}
     # per rank 4 layers: qkv, proj and fc1, fc2 of each of its 2 local experts
     assert [r["split_linears"] for r in ours.report] == [24] * 4, ours.report
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(1200)
+def test_two_node_plans_train_as_on_one_node(client, capsys):
+    """``ds-autoplan plan --cluster auto --nodes 2`` (pp 2 x dp 2 over 2 nodes of 2 CPU ranks)
+    with 1F1B and V-Half: ``pretrain_gpt.py`` under two ``torchrun --nnodes 2 --node_rank i``
+    (both plans in one launch: forked runs) trains with the losses of one ``torchrun`` of 4
+    ranks on one node running the same plans; a plan made for one node of 4 is refused on
+    the two nodes before training."""
+    from ds_autoplan.cli import main
+    from ds_autoplan.plan import Plan
+    _, train = readme_commands()
+    tmp = client.parent
+    cmds = {}
+    for s in ("1f1b", "v-half"):
+        out = tmp / f"nodes-{s}"
+        assert main(["plan", "--model", "gpt-tiny", "--cluster", "auto", "--nodes", "2", "--gpus-per-node", "2",
+                     "--global-batch", "8", "--pp", "2", "--schedules", s, "--precision", "fp32",
+                     "--out", str(out), "--quiet", "--no-wide"]) == 0
+        plan = Plan.load(out / "plan.json")
+        assert (plan.pp, plan.dp, plan.gpus_per_node, plan.cluster) == (2, 2, 2, "cpu-auto-2x2"), plan
+        cmds[f"nodes-{s}"] = (f"DS_AUTOPLAN_PLAN={out}/plan.json " + _train_command(train, s, out, ours=False), {})
+    one_node = Plan(**{**Plan.load(tmp / "nodes-1f1b" / "plan.json").to_dict(), "gpus_per_node": 4})
+    one_node.save(tmp / "one-node-plan.json")
+    capsys.readouterr()
+    refusal = {"nodes-refused": (f"DS_AUTOPLAN_PLAN={tmp}/one-node-plan.json "
+                           + _train_command(train, "1f1b", tmp / "nodes-1f1b", ours=False), {})}
+    two = _forked_runs({**cmds, **refusal}, client, tmp, 2, nodes=2)
+    one = _forked_runs({f"one-{t}": c for t, c in cmds.items()}, client, tmp, 4)   # tags: own loss files
+    print(json.dumps({"two_node_losses": {t: two[t].losses for t in cmds},
+                      "one_node_losses": {t: one[f"one-{t}"].losses for t in cmds}}))
+    for t in cmds:
+        _ok(two[t])
+        _ok(one[f"one-{t}"])
+        assert max(abs(a - b) for a, b in zip(two[t].losses, one[f"one-{t}"].losses)) <= 1e-6
+        assert {r["forward_backward_func"] for r in two[t].report} == {"_LossesToLastRank"}
+    refused = two["nodes-refused"]
+    assert refused.rc != 0 and not refused.losses
+    assert "the launch's 2 nodes x 2 ranks: 1 of its 1 pipeline sends cross nodes" in refused.out, refused.out[-3000:]
 
 
 # -- argument checks, in-process ---------------------------------------------------------

@@ -445,8 +445,8 @@ def _launch_args(tmp_path):
     """DeepSpeed's parsed launcher arguments, as far as ds-autoplan reads them (a local launch)."""
     from ds_autoplan.runtime.launch import free_port
     return SimpleNamespace(no_python=False, module=False, user_script=str(tmp_path / "train.py"),
-                           user_args=[], num_gpus=-1, num_nodes=-1, master_port=free_port(),
-                           hostfile=str(tmp_path / "no-hostfile"))
+                           user_args=[], hostfile=str(tmp_path / "no-hostfile"), include="", exclude="",
+                           num_nodes=-1, num_gpus=2, master_port=free_port())
 
 
 def test_launch_out_dot_never_writes_the_users_ds_config(tmp_path, monkeypatch):
@@ -454,7 +454,7 @@ def test_launch_out_dot_never_writes_the_users_ds_config(tmp_path, monkeypatch):
     user = _user_files(tmp_path)
     before = _snapshot(tmp_path)
     env = {}
-    opts = apply_autoplan(_launch_args(tmp_path), 2, env, model="gpt-tiny", cluster="cpu-2",
+    opts = apply_autoplan(_launch_args(tmp_path), {"localhost": [0, 1]}, env, model="gpt-tiny", cluster="cpu-2",
                           global_batch=8, out=str(tmp_path))
     assert opts["out"] == str(tmp_path) and env["DS_AUTOPLAN_PLAN"] == str(tmp_path / "plan.json")
     assert {k: v for k, v in _snapshot(tmp_path).items() if k in before} == before
@@ -466,7 +466,7 @@ def test_launch_leaves_no_out_folder_when_planning_fails(tmp_path):
     from ds_autoplan.cli import UserError
     from ds_autoplan.cli.launch_cmd import apply_autoplan
     with pytest.raises(UserError):
-        apply_autoplan(_launch_args(tmp_path), 2, {}, model="no-such-model", cluster="cpu-2",
+        apply_autoplan(_launch_args(tmp_path), {"localhost": [0, 1]}, {}, model="no-such-model", cluster="cpu-2",
                        global_batch=8, out=str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
@@ -478,7 +478,7 @@ def test_launch_out_of_the_wrong_kind_is_refused(tmp_path, kind):
     target = "" if kind == "empty" else str(WRONG_FOLDER[kind](tmp_path))
     before = _snapshot(tmp_path)
     with pytest.raises(UserError):
-        apply_autoplan(_launch_args(tmp_path), 2, {}, model="gpt-tiny", cluster="cpu-2",
+        apply_autoplan(_launch_args(tmp_path), {"localhost": [0, 1]}, {}, model="gpt-tiny", cluster="cpu-2",
                        global_batch=8, out=target)
     assert _snapshot(tmp_path) == before
 

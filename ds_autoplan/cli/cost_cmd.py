@@ -41,7 +41,9 @@ def run(args) -> int:
     from ..cost.engines import band_text
     from ..search.fix import describe, parse_fix, reasons
     from ..spec import SpecError
+    from .cluster_cmd import resolve
     fix = parse_fix(args.config, "--config")
+    args.cluster = resolve(args.cluster, args.nodes, args.gpus_per_node, args.world_size)
     free = _line(_costed(args, None))
     try:
         mine, why_not = _line(_costed(args, fix)), None

@@ -114,19 +114,26 @@ def _known_schedules(scheds, where: str):
         raise UserError(f"{where}: {e}") from None
 
 
-def _plan_model_now(model, cluster, global_batch, pp, schedules, world, out, offload=None) -> str:
-    """Plan a model description before launch; returns plan.json's path."""
+def _plan_model_now(model, cluster, global_batch, pp, schedules, resources, out, offload=None) -> str:
+    """Plan a model description before launch for the launch's ``resources`` (``{host:
+    slots}``; ``--cluster auto``: detected on this node, with the launch's nodes and ranks per
+    node); returns plan.json's path."""
     from ..emit.deepspeed import ds_config
     from ..search import SearchOptions, plan_model
     from ..spec import SpecError
+    from .cluster_cmd import resolve
+    world = sum(len(v) for v in resources.values())
+    if cluster == "auto":
+        _devices_here(resources)
+        cluster = resolve(cluster, len(resources), world // len(resources))
     try:
         plan = plan_model(model, cluster, global_batch, options=SearchOptions(
             pp=pp, schedules=schedules, fix={"offload": offload} if offload else None))
     except (SpecError, ValueError, KeyError) as e:
         raise UserError(f"planning {model} on {cluster} failed: {e}") from None
     if plan.world != world:
-        raise UserError(f"the plan uses {plan.world} ranks (cluster {cluster}) but the launch has "
-                        f"{world}; pass a cluster with {world} devices")
+        raise UserError(f"the plan uses {plan.world} ranks (cluster {plan.cluster}) but the launch "
+                        f"has {world}; pass a cluster with {world} devices")
     from ..outputs import json_text, text, write_folder
     write_folder(out, {"plan.json": text(plan.to_json() + "\n"),
                        MERGED_CONFIG: json_text(ds_config(plan))}, complete=False)
@@ -136,14 +143,29 @@ def _plan_model_now(model, cluster, global_batch, pp, schedules, world, out, off
     return plan_path
 
 
-def apply_autoplan(args, world: int, env, model=None, cluster=None, global_batch=None, out=None,
-                   pp=None, schedules=None, via: str = "env", offload=None) -> dict:
+def _devices_here(resources: dict) -> None:
+    """``--model`` with ``--cluster auto`` plans on this node's devices before launch: refused
+    on a node without GPUs that launches onto other hosts (a login node), where they would be
+    the wrong ones."""
+    import socket
+
+    import torch
+    local = {"localhost", "127.0.0.1", socket.gethostname()}
+    if not torch.cuda.is_available() and set(resources) - local:
+        raise UserError("--model with --cluster auto plans on this node's devices, and it has no GPU "
+                        f"while the launch runs on {', '.join(sorted(set(resources) - local))}: give "
+                        "--cluster (`ds-autoplan cluster` on a worker writes one), or launch without "
+                        "--model (every rank then reports its device)")
+
+
+def apply_autoplan(args, resources: dict, env, model=None, cluster=None, global_batch=None,
+                   out=None, pp=None, schedules=None, via: str = "env", offload=None) -> dict:
     """Rewrite the parsed launcher ``args`` so every rank runs the script through the
     bootstrap with the planner options (``--ds-autoplan=`` base64 JSON, shell-safe for
     multi-node launchers); with a ``model`` description, plan it now.  ``via``: how the user
     gave the options ("env": ``deepspeed --autoplan`` with DS_AUTOPLAN_* variables, "launch":
-    ``ds-autoplan launch`` flags), so refusals name the restriction in that form.  Returns the
-    options."""
+    ``ds-autoplan launch`` flags), so refusals name the restriction in that form.  ``resources``:
+    the launch's ``{host: slots}`` (:func:`launch_resources`).  Returns the options."""
     o = _planner_options(env)
     if getattr(args, "no_python", False):
         raise UserError("--autoplan runs the script in Python ranks; drop --no_python")
@@ -157,8 +179,8 @@ def apply_autoplan(args, world: int, env, model=None, cluster=None, global_batch
     model = model or o["model"]
     if model:
         opts["plan"] = env[PLAN_ENV] = _plan_model_now(
-            model, opts["cluster"] or f"cpu-{world}", opts["global_batch"] or 8, opts["pp"],
-            opts["schedules"], world, out, opts["offload"])
+            model, opts["cluster"] or "auto", opts["global_batch"] or 8, opts["pp"],
+            opts["schedules"], resources, out, opts["offload"])
     blob = base64.urlsafe_b64encode(json.dumps(opts).encode()).decode()
     args.user_args = [f"--ds-autoplan={blob}", args.user_script, *args.user_args]
     args.user_script, args.module = BOOTSTRAP, True
@@ -167,12 +189,13 @@ def apply_autoplan(args, world: int, env, model=None, cluster=None, global_batch
 
 def autoplan_in_runner(args, world: int, env) -> dict:
     """:func:`apply_autoplan` for ``deepspeed --autoplan`` (called by the patched DeepSpeed
-    launcher): a refusal is one ``ds-autoplan: error:`` line and exit 2, not a traceback.  From
-    here on, a signal to the runner stops the launch (:func:`stop_launch_on_signals`)."""
+    launcher once it knows the launch's ``world``, which :func:`launch_resources` counts again
+    with the nodes): a refusal is one ``ds-autoplan: error:`` line and exit 2, not a traceback.
+    From here on, a signal to the runner stops the launch (:func:`stop_launch_on_signals`)."""
     stop_launch_on_signals("ds-autoplan")
     try:
         check_launch(args)
-        return apply_autoplan(args, world, env)
+        return apply_autoplan(args, launch_resources(args), env)
     except UserError as e:
         print(f"ds-autoplan: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -203,15 +226,23 @@ def check_launch(a) -> None:
                             "launch?): pass --master_port with a free port") from None
 
 
-def launch_world(a) -> int:
-    """The number of ranks DeepSpeed's launcher will start for parsed launcher args ``a``
-    (its own resource functions: hostfile, include/exclude, num_nodes/num_gpus)."""
+def launch_resources(a) -> dict:
+    """``{host: [slots]}`` DeepSpeed's launcher will start for parsed launcher args ``a`` (its
+    own resource functions: hostfile, include/exclude, num_nodes/num_gpus).  Nodes with
+    different slot counts are refused naming the odd one: the plan's nodes are identical."""
     from deepspeed.accelerator import get_accelerator
     from deepspeed.launcher import runner
     pool = runner.fetch_hostfile(a.hostfile) or {"localhost": get_accelerator().device_count()}
     active = runner.parse_inclusion_exclusion(pool, a.include, a.exclude)
-    active = runner.apply_num_nodes_and_gpus(active, a.num_nodes, a.num_gpus)
-    return sum(len(v) for v in active.values())
+    active = dict(runner.apply_num_nodes_and_gpus(active, a.num_nodes, a.num_gpus))
+    counts = [len(v) for v in active.values()]
+    if len(set(counts)) > 1:
+        common = max(set(counts), key=counts.count)
+        odd = next(h for h, v in active.items() if len(v) != common)
+        raise UserError(f"node {odd} has {len(active[odd])} slots, the other nodes {common}: "
+                        "ds_autoplan plans identical nodes; give every node the same slots "
+                        f"(hostfile, --include/--exclude) or leave {odd} out (--exclude {odd})")
+    return active
 
 
 def _own_parser():
@@ -225,7 +256,9 @@ def _own_parser():
     p.add_argument("--model", default=None,
                    help="plan this model description (preset, YAML, HF config.json) before launch; "
                         "default: the model the script builds, profiled at deepspeed.initialize")
-    p.add_argument("--cluster", default=None, help="cluster preset or file (default cpu-<world>)")
+    p.add_argument("--cluster", default=None,
+                   help="cluster preset or file (default auto: the launch's nodes and ranks per "
+                        "node, the devices detected)")
     p.add_argument("--global-batch", type=int, default=None,
                    help="default: the script's DeepSpeed config (train_batch_size)")
     p.add_argument("--pp", type=int, default=None, help="restrict the search to this pipeline degree")
@@ -305,7 +338,7 @@ def _run(args) -> int:
     cut = len(argv) - len(a.user_args) - 1
     scheds = _known_schedules([x.strip() for x in own.schedules.split(",") if x.strip()]
                               if own.schedules else None, "--schedules")
-    apply_autoplan(a, launch_world(a), os.environ, own.model, own.cluster, own.global_batch,
+    apply_autoplan(a, launch_resources(a), os.environ, own.model, own.cluster, own.global_batch,
                    own.out, own.pp, scheds, via="launch",
                    offload=_known_offload(own.offload, "--offload"))
     from ..runtime.deepspeed.shm import sweep

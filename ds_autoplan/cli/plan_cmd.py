@@ -51,7 +51,14 @@ def add_problem_args(p) -> None:
                    help="preset name (`ds-autoplan presets` lists them), model YAML, or Hugging Face "
                         "config.json")
     p.add_argument("--cluster", required=True,
-                   help="preset name (`ds-autoplan presets`; cpu-N: N CPU ranks) or cluster YAML")
+                   help="preset name (`ds-autoplan presets`; cpu-N: N CPU ranks), cluster YAML "
+                        "(`ds-autoplan cluster --out`) or auto: this machine, detected (GPU kind and "
+                        "memory; CPU ranks measured)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="with --cluster auto: identical nodes (default SLURM_JOB_NUM_NODES, else 1)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="with --cluster auto: devices per node (default SLURM_GPUS_ON_NODE, else "
+                        "--world-size / nodes, else the visible GPUs; CPU ranks: 2)")
     p.add_argument("--global-batch", type=int, required=True, help="global batch size (samples)")
     p.add_argument("--seq", type=int, default=None,
                    help="sequence length (default: the preset's; for a Hugging Face config.json its "
@@ -237,6 +244,8 @@ def run(args) -> int:
     if args.emit == "hf":
         return _run_hf(args)
     scheds = [s.strip() for s in args.schedules.split(",") if s.strip()] if args.schedules else None
+    from .cluster_cmd import resolve
+    args.cluster = resolve(args.cluster, args.nodes, args.gpus_per_node, args.world_size)
     res = search(args.model, args.cluster, args.global_batch, args.seq, search_options(
         args, partitioner=args.partitioner, schedules=scheds, wide=not args.no_wide,
         progress=not args.quiet and sys.stderr.isatty(), keep_sim=args.out is not None,

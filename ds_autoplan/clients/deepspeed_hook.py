@@ -27,7 +27,7 @@ import sys
 import torch
 
 from ..errors import UserError
-from .module_plan import AutoplanRefused, default_cluster, user_config_of
+from .module_plan import AutoplanRefused, user_config_of
 
 
 # planned: ids of the modules a Trainer/Accelerate hook (clients/hf.py) planned and configured
@@ -98,7 +98,7 @@ def _plan_engine_module(args, model, training_data, collate_fn, config) -> dict:
     user = user_config_of(args, config)
     options = _STATE["options"]
 
-    def make(world):
+    def make(world, options):
         B = _global_batch(user, world, 1)
         sample, seq = None, None
         if training_data is not None and len(training_data):
@@ -108,7 +108,7 @@ def _plan_engine_module(args, model, training_data, collate_fn, config) -> dict:
                 seq = seq_of(training_data[0])
         return plan_module(model, global_batch=B, world=world, precision=config_precision(user),
                            options=options, seq=seq, sample=sample)
-    plan = shared_plan(make)
+    plan = shared_plan(make, options)
     cfg, changes = user_config(plan, user, ENGINE_KEYS)
     write_outputs(plan, {MERGED_CONFIG: json_text(cfg)}, options)
     for line in changes:
@@ -194,7 +194,7 @@ def plan_pipeline_module(model, user: dict, training_data, collate_fn, world: in
         write_folder(options["out"], {"profile.json": json_text(prof.to_dict(), indent=1)},
                      complete=False)
     try:
-        cluster = load_cluster(options.get("cluster") or default_cluster(world))
+        cluster = load_cluster(options["cluster"])
         res = search(to_model_spec(prof, flops_ref=cluster.flops), cluster, B,
                      options=SearchOptions(precision=config_precision(user), tp=1,
                                            pp=options.get("pp"), schedules=options.get("schedules"),
@@ -242,8 +242,9 @@ def _check_executable(plan, options: dict) -> None:
 def _shared_plan(model, user, training_data, collate_fn):
     """Rank 0 plans; every rank gets the same plan, or the same refusal (never a hang)."""
     from .module_plan import shared_plan
-    plan = shared_plan(lambda world: plan_pipeline_module(model, user, training_data, collate_fn,
-                                                          world, _STATE["options"]))
+    plan = shared_plan(lambda world, options: plan_pipeline_module(model, user, training_data,
+                                                                   collate_fn, world, options),
+                       _STATE["options"])
     n = len(model._layer_specs)
     if sum(plan.layers_per_stage) not in (n, n - 2):
         unset = "without --model" if _STATE["options"].get("via") == "launch" else \

@@ -137,9 +137,9 @@ def plan_trainer(model, args, train_dataset) -> None:
     B = options.get("global_batch") or \
         args.per_device_train_batch_size * args.gradient_accumulation_steps * world
     seq = seq_of(_first(train_dataset))
-    plan = shared_plan(lambda w: plan_module(model, global_batch=int(B), world=w,
-                                             precision=config_precision(filled), options=options,
-                                             seq=seq))
+    plan = shared_plan(lambda w, opts: plan_module(model, global_batch=int(B), world=w,
+                                                   precision=config_precision(filled), options=opts,
+                                                   seq=seq), options)
     user = user_config_of(None, copy.deepcopy(args.deepspeed))
     cfg = _set_plan_keys(plan, user, "ds_config")
     values = training_args(plan)
@@ -235,9 +235,9 @@ def plan_accelerate(acc, objs: list) -> list:
     world = acc.num_processes
     B = state["options"].get("global_batch") or mbs * gas * world
     seq = seq_of(_first(loaders[0].dataset)) if loaders else None
-    plan = shared_plan(lambda w: plan_module(model, global_batch=int(B), world=w,
-                                             precision=config_precision(conf), options=state["options"],
-                                             seq=seq))
+    plan = shared_plan(lambda w, opts: plan_module(model, global_batch=int(B), world=w,
+                                                   precision=config_precision(conf), options=opts,
+                                                   seq=seq), state["options"])
     # Accelerate takes a number in the config over its own accumulation ('auto': its own)
     cfg = _set_plan_keys(plan, conf, "ds_config", always=("gradient_accumulation_steps",))
     conf.clear()                # in place: the plugin's HfDeepSpeedConfig holds this dict

@@ -84,7 +84,7 @@ def install_megatron_lm(plan) -> Schedule | None:
 
     def validate_args(args, defaults={}):   # noqa: B006 -- Megatron-LM's own signature
         out = validate(args, defaults)
-        problems = check_args(args, plan, sched)
+        problems = check_args(args, plan, sched) + _layout_problems(plan)
         if problems:
             _refuse(f"the Megatron-LM arguments do not fit the plan {os.environ.get(ENV, '')}: "
                     + "; ".join(problems))
@@ -100,6 +100,20 @@ def install_megatron_lm(plan) -> Schedule | None:
     if any(a.kind == Kind.W for r in sched.ranks for a in r):
         _split_local_spec()
     return sched
+
+
+def _layout_problems(plan) -> list[str]:
+    """The launch's nodes (torchrun's ``LOCAL_WORLD_SIZE`` ranks per node, ``GROUP_RANK``)
+    against the node layout the plan was costed on (``Plan.layout_conflict``)."""
+    from ..profile.detect import launch_layout
+    lay = launch_layout()
+    if lay["world"] % lay["local_size"]:
+        return []
+    nodes = lay["world"] // lay["local_size"]
+    conflict = plan.layout_conflict(nodes, lay["local_size"])
+    return [f"the launch's {nodes} node{'s' if nodes > 1 else ''} x {lay['local_size']} ranks: "
+            f"{conflict}; plan it for this launch (ds-autoplan plan --cluster auto --nodes {nodes})"] \
+        if conflict else []
 
 
 def _split_local_spec() -> None:

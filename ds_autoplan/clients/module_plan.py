@@ -39,14 +39,6 @@ def user_config_of(args, config) -> dict:
     return copy.deepcopy(load_ds_config(config)) if config is not None else {}
 
 
-def default_cluster(world: int) -> str:
-    """The cluster planned for without --cluster: ``cpu-<world>`` on CPU ranks."""
-    if torch.cuda.is_available():
-        raise AutoplanRefused("on GPUs give the cluster to plan for: --cluster PRESET|YAML "
-                              "(or DS_AUTOPLAN_CLUSTER)")
-    return f"cpu-{world}"
-
-
 def hf_config(model) -> dict | None:
     """The Hugging Face config of ``model`` as a dict (None: not a Hugging Face model)."""
     cfg = getattr(model, "config", None)
@@ -128,7 +120,7 @@ def plan_module(model, *, global_batch: int, world: int, precision: str, options
     spec = model_spec(model, seq, sample, name)
     trainable = trainable_of(model, spec)
     try:
-        cluster = load_cluster(options.get("cluster") or default_cluster(world))
+        cluster = load_cluster(options["cluster"])
         res = search_engine_space(spec, cluster, global_batch, checkpointing=checkpointing_of(model),
                                   precision=precision, world_size=world, trainable=trainable, fix=fix)
     except SpecError as e:
@@ -139,9 +131,13 @@ def plan_module(model, *, global_batch: int, world: int, precision: str, options
     return plan
 
 
-def shared_plan(make) -> "Plan":
-    """Rank 0 runs ``make()``; every rank gets the same plan, or the same refusal (never a
-    hang).  Initialises DeepSpeed's process group first when the script has not."""
+def shared_plan(make, options: dict) -> "Plan":
+    """Rank 0 runs ``make(world, options)`` with ``options["cluster"]`` resolved for this launch
+    (none or ``auto``: detected from every rank's facts, runtime/nodes.launch_cluster; the
+    launch's nodes are checked alike either way); every rank gets the same plan, or the same
+    refusal (never a hang).  Initialises DeepSpeed's process group first when the script has
+    not.  Planning draws random numbers on rank 0 (layers profiled, dropout included; a device
+    measured): the script's generators continue as if it had not planned."""
     import deepspeed
     import torch.distributed as dist
 
@@ -150,12 +146,17 @@ def shared_plan(make) -> "Plan":
         from ..runtime.watchdog import process_group_timeout
         deepspeed.init_distributed(timeout=process_group_timeout())
     from ..runtime.common.collectives import broadcast_text
+    from ..runtime.nodes import launch_cluster
+    options = dict(options)
     mine = ""
-    if dist.get_rank() == 0:
-        try:
-            mine = json.dumps(make(dist.get_world_size()).to_dict())
-        except UserError as e:
-            mine = json.dumps({"error": str(e)})
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        if not options.get("plan"):     # every rank: its facts (--cluster auto: the detected cluster)
+            options["cluster"] = launch_cluster(options.get("cluster"))
+        if dist.get_rank() == 0:
+            try:
+                mine = json.dumps(make(dist.get_world_size(), options).to_dict())
+            except UserError as e:
+                mine = json.dumps({"error": str(e)})
     shared = json.loads(broadcast_text(mine))       # JSON text, not a pickle, between ranks
     if "error" in shared:
         raise AutoplanRefused(shared["error"])

@@ -81,6 +81,7 @@ def to_plan(c: Candidate, pl: Evaluator, bl: dict, wd: dict, dt: float,
                 schedule_options=schedule_options(c.schedule, len(nblk) // c.pp), layers_per_stage=nblk,
                 recompute_per_stage=[round(x, 6) for x in rec], model=model.name, cluster=cluster.name,
                 seq_len=seq, num_layers=model.num_layers, world_size=cluster.world_size,
+                gpus_per_node=cluster.gpus_per_node,
                 selective_recompute=c.selective, partitioner=c.partitioner,
                 layer_strategies=layer_labels(c), predicted=pred, notes=[c.note] if c.note else [])
 

@@ -177,6 +177,8 @@ def load_cluster(cluster: "str | ClusterSpec | dict", profile: str | None = None
         c = ClusterSpec.from_dict(cluster)
     else:
         d, src = resolve(str(cluster), "clusters")
+        if isinstance(d.get("cluster"), dict):   # `ds-autoplan cluster --out` files: cluster + detected
+            d = d["cluster"]
         c = ClusterSpec.from_dict(d, src)
     if profile:
         over = read_mapping(profile)

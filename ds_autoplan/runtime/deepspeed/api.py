@@ -194,6 +194,8 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
             deepspeed.init_distributed(dist_backend=ds_kwargs.pop("dist_backend", None),
                                        timeout=process_group_timeout(
                                            (plan.predicted or {}).get("iteration_time_s")))
+        from ..nodes import check_plan
+        check_plan(plan)          # the launch's nodes alike, and laid out as the plan was costed
         module = build_module(model_or_layers, plan, schedule=schedule, loss_fn=loss_fn,
                               track_memory=track_memory,
                               world=torch.distributed.get_world_size(), **(module_kwargs or {}))
