@@ -20,6 +20,7 @@ RECORDED = [
     ("Tesla V100-SXM2-16GB, 16384 MiB", "v100-sxm2", 16.0),
     ("Tesla V100-SXM2-32GB, 32510 MiB", "v100-sxm2", 31.75),
     ("Tesla V100-PCIE-32GB, 32768 MiB", "v100-pcie", 32.0),
+    ("Tesla V100-SXM3-32GB, 32768", "v100-sxm3", 32.0),       # a DGX-2's, no units (a fixture's CSV)
 ]
 # names no kind describes (or a known name with a memory no kind of it has)
 UNKNOWN = ["NVIDIA RTX A6000, 49140 MiB", "NVIDIA A800-SXM4-80GB, 81920 MiB",
