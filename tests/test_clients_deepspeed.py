@@ -75,7 +75,7 @@ def _readme_commands() -> dict:
     """The README's "Train with DeepSpeed" lines that train the example: {launcher: (env, argv)},
     with a free --master_port added."""
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Train with DeepSpeed"):text.index("With a model description")]
+    section = text.split("\n## Train with DeepSpeed\n", 1)[1].split("\n## ", 1)[0]
     out = {}
     for line in section.splitlines():
         toks = shlex.split(line) if line.startswith("    ") else []

@@ -1,5 +1,5 @@
 """The docs say what the code does: the layer table is test_layers' order, every cited section of
-docs/*.md exists, every seed the code cites is named, the README's builders are the registry's,
+docs/*.md exists, every seed the code cites is named, the tour's builders are the registry's,
 and a new field of Parallel reaches plan.json and the summaries without an edit to what only
 passes it along (docs/architecture.md "How to add a parallel degree")."""
 from __future__ import annotations
@@ -69,10 +69,10 @@ def test_the_layer_table_is_test_layers_order():
         assert named == layer, (n, named, layer)
 
 
-def test_the_readme_and_the_docs_name_the_registered_builders():
+def test_the_docs_name_the_registered_builders():
     from ds_autoplan.schedule import names
     from ds_autoplan.schedule.builders import searched_by_default
-    row = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("| builders |"))
+    row = next(ln for ln in ARCH.splitlines() if ln.startswith("| builders |"))
     listed, _, default = row.split("|")[3].partition(";")
     assert [x.split("(")[0].strip() for x in listed.split(",")] == names()
     assert ", ".join(searched_by_default()) in default

@@ -45,7 +45,7 @@ def _client() -> pathlib.Path | None:
 def readme_commands() -> tuple[str, str]:
     """The patch and train commands of the README's "Train with Megatron-LM" section."""
     text = (ROOT / "README.md").read_text()
-    sec = text.split("### Train with Megatron-LM", 1)[1].split("\n### ", 1)[0]
+    sec = text.split("\n## Train with Megatron-LM\n", 1)[1].split("\n## ", 1)[0]
     cmds = re.findall(r"^    (\S.*)$", sec, flags=re.M)
     patch = next(c for c in cmds if "patch -p1" in c)
     train = next(c for c in cmds if "pretrain_gpt.py" in c and "ds-autoplan plan" in c)
