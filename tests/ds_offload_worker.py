@@ -6,7 +6,8 @@ under the other plan against the uninterrupted run.
 Cases: ``zero2-opt`` (ZeRO-Offload, DeepSpeed's plain engine), ``zero3-ratio`` (ZeRO-3 with half
 of the optimizer on the host: Twin-Flow), ``zero3-infinity`` (optimizer and parameters on the
 host), ``pipe-zero1-opt`` (2 pipeline stages, ZeRO-1 with the optimizer on the host: the
-pipeline engine), ``resume-off-on`` / ``resume-on-off`` (a ZeRO-1 checkpoint saved without
+pipeline engine), ``zero2-opt-act`` / ``zero1-act`` (activations on the host too / alone, in the
+plain and the pipeline engine), ``resume-off-on`` / ``resume-on-off`` (a ZeRO-1 checkpoint saved without
 offload resumed with it, and back)."""
 import os
 import sys
@@ -28,7 +29,13 @@ PLANS = {"zero2-opt": dict(pp=1, zero_stage=2, offload="opt", layers_per_stage=[
          "zero3-ratio": dict(pp=1, zero_stage=3, offload="opt:0.5", layers_per_stage=[7]),
          "zero3-infinity": dict(pp=1, zero_stage=3, offload="opt+param", layers_per_stage=[7]),
          "pipe-zero1-opt": dict(pp=2, zero_stage=1, offload="opt", layers_per_stage=[3, 4],
-                                recompute_per_stage=[0.0, 0.0])}
+                                recompute_per_stage=[0.0, 0.0]),
+         # activations on the host (saved tensors of the kept layers swapped), first layers
+         # recomputed: the plain engine and the pipeline engine's one stage
+         "zero2-opt-act": dict(pp=1, zero_stage=2, offload="opt+act", layers_per_stage=[7],
+                               recompute_per_stage=[0.3]),
+         "zero1-act": dict(pp=1, zero_stage=1, offload="act", layers_per_stage=[7],
+                           recompute_per_stage=[0.3])}
 
 
 def layers():
@@ -91,7 +98,10 @@ def versus_deepspeed(name):
                 zo.offload_optimizer.ratio if zo.offload_optimizer else None,
                 str(zo.offload_param.device) if zo.offload_param else None)
         err = max(abs(a - b) / abs(b) for a, b in zip(ours, ref))
+        swappers = [engine.module.swapper] if hasattr(engine.module, "swapper") else \
+            list(engine.ap_swap.values())
         return {"case": name, "rank": torch.distributed.get_rank(), "loss_err": err, "ours": ours,
+                "swapped_bytes": sum(s.swapped_bytes for s in swappers if s is not None),
                 "deepspeed": ref, "engine": type(engine).__name__, "zero": list(what),
                 "optimizer": type(engine.optimizer.optimizer).__name__
                 if hasattr(engine.optimizer, "optimizer") else type(engine.optimizer).__name__}

@@ -23,7 +23,8 @@ def test_host_fields_load_check_and_share_links():
         load_cluster({**c.__dict__, "host_link_GBps": "fast"})
 
 
-@pytest.mark.parametrize("text", ["none", "opt", "opt:0.5", "opt+param", "param", "nvme:opt", "nvme:opt+param"])
+@pytest.mark.parametrize("text", ["none", "opt", "opt:0.5", "opt+param", "param", "nvme:opt", "nvme:opt+param",
+                                  "act", "opt+act", "nvme:opt+param+act"])
 def test_offload_text_round_trips(text):
     o = Offload.parse(text)
     assert o.text() == text and Offload.parse(o.text()) == o
@@ -31,7 +32,7 @@ def test_offload_text_round_trips(text):
 
 def test_offload_refusals():
     for bad, msg in (("opt:1.5", r"\[0, 1\]"), ("gpu:opt", "unknown part"), ("nvme:none", "unknown part"),
-                     ("opt:x", "must be a number")):
+                     ("opt:x", "must be a number"), ("nvme:act", "no model states"), ("act:1", "unknown part")):
         with pytest.raises(SpecError, match=msg):
             Offload.parse(bad)
     with pytest.raises(SpecError, match="needs ZeRO"):
@@ -40,12 +41,14 @@ def test_offload_refusals():
         Parallel(zero=2, offload="opt+param")
     assert Parallel(zero=3, offload="opt:0.25").offload == Offload(0.25)
     assert Parallel().offload is NO_OFFLOAD and Parallel(zero=1, offload="opt").as_dict()["offload"] == "opt"
+    act = Parallel(zero=0, offload="act").offload         # activations need no ZeRO
+    assert act.any and not act.states and act.label() == "activations on the host"
 
 
 # ---- memory and time per engine (cost/offload.py) ----
 from ds_autoplan.cost import offload as ofl                      # noqa: E402
 from ds_autoplan.cost.iteration import Config, config_cost       # noqa: E402
-from ds_autoplan.cost.model import CostModel                     # noqa: E402
+from ds_autoplan.cost.model import CostModel, Strategy           # noqa: E402
 from ds_autoplan.spec.cluster import GB                          # noqa: E402
 from ds_autoplan.spec.model import load_model                    # noqa: E402
 
@@ -163,6 +166,39 @@ def test_fits_without_offload_offloads_nothing_and_bare_clusters_say_why(capsys)
     assert "offload_optimizer" not in cfg["zero_optimization"] and any("removed" in c for c in changes)
 
 
+def test_activation_offload_is_costed_searched_and_emitted():
+    """Activations on the host (DeepSpeed's cpu_checkpointing, the runtime's swap): the device
+    drops what the blocks keep, the host holds it, the link time is paid; the search takes it
+    where the link outruns recomputation (LLaMA-2 7B at 32k tokens with a 450 GB/s host link,
+    GH200's NVLink-C2C) and recomputes instead over a DGX A100's PCIe (25 GB/s per GPU);
+    ds_config's cpu_checkpointing passes DeepSpeed's parser; Megatron and pipelines refuse it."""
+    m, c = load_model("llama2-7b"), load_cluster("1xa100-80gb")
+    cm = CostModel(m, c, "bf16", "deepspeed", execution="deepspeed")
+    cfg = dict(zero=2, micro_batch=1, num_microbatches=8, recompute="none")
+    opt, act = (config_cost(cm, Config(offload=o, **cfg)) for o in ("opt", "opt+act"))
+    tab = cm.tables([Strategy(1, 1, 2, offload=Offload.parse("opt"))], 1)
+    kept = m.num_layers * sum(tab.f1[i, 0] for i, u in enumerate(cm.units) if u.kind == "block")   # 1 unit
+    assert act.host - opt.host == pytest.approx(kept) and kept > 10 * GB
+    assert opt.peak[0] - act.peak[0] > 0.9 * kept and act.time > opt.time
+    kw = dict(wide=False, baselines=False, runtime="deepspeed", execution="deepspeed")
+    fast = {**c.__dict__, "host_link_GBps": 450.0}
+    p = search("llama2-7b", fast, 8, 32768, **kw).plan
+    assert p.parallel.offload.activations and sum(p.recompute_per_stage) == 0
+    assert p.predicted.iteration_time_s < search("llama2-7b", fast, 8, 32768, fix="offload=opt", **kw
+                                                 ).plan.predicted.iteration_time_s
+    pcie = search("llama2-7b", c, 8, 32768, **kw).plan
+    assert not pcie.parallel.offload.activations and sum(pcie.recompute_per_stage) > 0
+    ds = ds_config(p)
+    assert validate(ds, p).activation_checkpointing_config.cpu_checkpointing is True
+    assert "cpu_checkpointing" not in user_config(pcie, {})[0].get("activation_checkpointing", {})
+    assert user_config(p, {})[0]["activation_checkpointing"]["cpu_checkpointing"] is True
+    with pytest.raises(NotExpressible, match="activation offloading"):
+        megatron_args(p)
+    assert "without a pipeline" in ofl.check("deepspeed", 1, Offload.parse("act"), pp=2)
+    with pytest.raises(SpecError, match="without a pipeline"):
+        search("llama2-7b", load_cluster("8xa100-80gb"), 64, fix="offload=act,pp=2", **kw)
+
+
 def test_megatron_offload_flags_and_refusal(tmp_path):
     """Megatron-LM's flags for the HybridDeviceOptimizer, accepted by Megatron-LM's own parser
     and argument checks (it asks for the precision-aware and the distributed optimizer beside
@@ -199,25 +235,32 @@ def test_cost_config_takes_offload(capsys):
 def test_offload_plans_train_like_deepspeeds_engine_and_resume_across_offload():
     """ZeRO-2 with the optimizer on the host, ZeRO-3 with half of it (Twin-Flow) and with the
     parameters too (ZeRO-Infinity) in DeepSpeed's plain engine, ZeRO-1 + offload in the pipeline
-    engine (2 stages): the losses of DeepSpeed's own engine under the same merged config, exactly;
+    engine (2 stages), activations on the host in either engine (a third of the layers recomputed): the losses of DeepSpeed's own engine under the same merged config, exactly;
     a ZeRO-1 pipeline checkpoint saved without offload resumes with it and back, on the
     uninterrupted run's losses."""
     import os
 
     from ds_autoplan.runtime.launch import results
     worker = os.path.join(os.path.dirname(__file__), "ds_offload_worker.py")
-    cases = ["zero2-opt", "zero3-ratio", "zero3-infinity", "pipe-zero1-opt", "resume-off-on", "resume-on-off"]
+    # the plain engine's cases before the first 2-stage pipeline: its grid stays DeepSpeed's
+    # mpu (deepspeed.utils.groups), which a plain DeepSpeedEngine built later would read
+    cases = ["zero2-opt", "zero3-ratio", "zero3-infinity", "zero2-opt-act", "zero1-act", "pipe-zero1-opt",
+             "resume-off-on", "resume-on-off"]
     rows = results([worker, *cases], 2, timeout=400)
     assert sorted((r["case"], r["rank"]) for r in rows) == sorted(
         (c.replace("off-on", "none-opt").replace("on-off", "opt-none"), k) for c in cases for k in (0, 1))
     for r in rows:
         assert r["loss_err"] <= 1e-6, r
-        if "zero" in r:         # what DeepSpeed's engine was configured with
+        if "zero" in r and r["case"] != "zero1-act":     # what DeepSpeed's engine was configured with
             assert r["optimizer"] == "DeepSpeedCPUAdam" and r["zero"][1] == "cpu", r
     got = {r["case"]: r for r in rows}
     assert got["zero3-ratio"]["zero"][2] == 0.5 and got["zero3-infinity"]["zero"][3] == "cpu"
     assert got["pipe-zero1-opt"]["engine"] == "AutoplanEngine"
     assert got["zero2-opt"]["engine"] == "DataParallelEngine"
+    # activations on the host: the kept layers' saved tensors went there, in both engines
+    assert got["zero2-opt-act"]["engine"] == "DataParallelEngine" and got["zero1-act"]["engine"] == "AutoplanEngine"
+    assert all(got[k]["swapped_bytes"] > 0 for k in ("zero2-opt-act", "zero1-act"))
+    assert got["zero2-opt"]["swapped_bytes"] == 0 and got["zero1-act"]["zero"][1] is None
 
 
 def test_launch_takes_an_offload_restriction_and_refuses_a_bad_one(capsys, monkeypatch):

@@ -117,12 +117,12 @@ def config_cost(cm: CostModel, cfg: Config, budget: float | None = None,
         raise SpecError(f"layer layout {nblk} must give {S} stages (pp {P} x chunks {v}) "
                         f"{L} blocks in all, a block in every stage between the first and the last")
     col = lambda a: a[seq, 0]   # noqa: E731
-    fwd, bwd_ns, sync, f1, ob, ms, p2p, kept, hb = (col(tab.fwd), col(tab.bwd_ns), col(tab.bwd - tab.bwd_ns),
-                                                     col(tab.f1), col(tab.ob), col(tab.ms), col(tab.p2p),
-                                                     col(tab.kept), col(tab.host))
+    fwd, bwd_ns, sync, f1, ob, ms, p2p, kept, hb, ha = (
+        col(tab.fwd), col(tab.bwd_ns), col(tab.bwd - tab.bwd_ns), col(tab.f1), col(tab.ob), col(tab.ms),
+        col(tab.p2p), col(tab.kept), col(tab.host), col(tab.host_act))
     work, tail, peak = np.zeros(P), np.zeros(P), np.zeros(P)
     f_r, b_r, x_r = np.zeros(P), np.zeros(P), np.zeros(P)
-    act, trans, host = np.zeros(S), np.zeros(P), np.zeros(P)
+    act, trans, host, host_act = np.zeros(S), np.zeros(P), np.zeros(P), np.zeros(P)
     lo = 0
     for c, n in enumerate(nblk):
         hi = lo + n + (1 if c == 0 else 0) + (1 if c == S - 1 else 0)
@@ -135,6 +135,7 @@ def config_cost(cm: CostModel, cfg: Config, budget: float | None = None,
         tail[r] += sync[sl].sum()
         peak[r] += ms[sl].sum()
         host[r] += hb[sl].sum()
+        host_act[r] += ha[sl].sum()          # activations in host memory: pp = 1, one micro-batch
         act[c] = f1[sl].sum() + (kept[hi - 1] if c < S - 1 else 0.0)   # + the output kept
         trans[r] = max(trans[r], float(ob[sl].max()))
         lo = hi
@@ -162,7 +163,7 @@ def config_cost(cm: CostModel, cfg: Config, budget: float | None = None,
         if cfg.offload.device == "nvme":      # the states on the node's NVMe (cost/offload.py)
             from ..spec.cluster import GB
             fits = fits and node_host_bytes(host, cfg.stage_ranks, cm.cluster) <= (cm.cluster.nvme_gb or 0.0) * GB
-        host = np.minimum(host, host_cap(cfg.offload, 4.0 if cm.precision == "fp32" else 2.0))
+        host = np.minimum(host, host_cap(cfg.offload, 4.0 if cm.precision == "fp32" else 2.0)) + host_act
         node_host = node_host_bytes(host, cfg.stage_ranks, cm.cluster)
         fits = fits and node_host <= host_budget_bytes(cm.cluster)
     return ConfigCost(T, list(peak), fits, t_mb, bubble, float(tail.max()), node_host)

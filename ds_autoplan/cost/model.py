@@ -116,6 +116,7 @@ class LayerTables:
     kept: np.ndarray = None   # bytes of this layer's output the engine keeps per in-flight
     #                           micro-batch when it ends a pipeline stage (DeepSpeed)
     host: np.ndarray = None   # host bytes per rank of the offloaded states (cost/offload.py)
+    host_act: np.ndarray = None   # host bytes of one micro-batch's offloaded activations
 
     @property
     def c(self) -> np.ndarray:
@@ -204,7 +205,7 @@ class CostModel:
         ab = ACT_SCALE[self.precision]
         T, S = len(self.units), len(strategies)
         shape = (T, S)
-        ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, kept, host = (np.zeros(shape) for _ in range(10))
+        ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, kept, host, host_act = (np.zeros(shape) for _ in range(11))
         allowed = np.ones(shape, dtype=bool)
         R = np.zeros((T, S, S))
         net, ex = self.net, self.execution
@@ -226,7 +227,10 @@ class CostModel:
             opt_share = local_optimizer_fraction(z, dd, self.precision, self.runtime)
             pe, ge, oe = state_bytes(self.precision, z, ed, self.runtime, ex.grad_bytes, ex.master_remainders)
             opt_e = local_optimizer_fraction(z, ed, self.precision, self.runtime)
-            off = self.offload_terms(s, dd, ed) if s.offload.any else None
+            off = self.offload_terms(s, dd, ed) if s.offload.states else None
+            if s.offload.activations and self.offload_refusal(s):
+                allowed[:, j] = False
+                continue
             if off is not None:
                 if off[0] is None:
                     allowed[:, j] = False
@@ -279,12 +283,23 @@ class CostModel:
                 base = self.ov(k_comp, g_b) + k_tp + c_b
                 # FSDP prefetches the next layer's all-gather behind this layer's forward
                 fwd[i, j] = (self.ov(k.fwd, g_f) if ex.zero3_prefetch else k.fwd + g_f) + A_tp + c_f
-                bwd_ns[i, j] = base
                 bwd[i, j] = (self.ov(k_comp, g_sync + g_b) + k_tp + c_b if self.overlap_grad_reduce
                              else base + g_sync) + tail
+                if s.offload.activations and u.kind == "block":
+                    # a block's kept activations in host memory (docs/offload.md §2-3): the input
+                    # of a recomputed block (DeepSpeed's cpu_checkpointing), every saved tensor of
+                    # a kept one (runtime/swap.py); copied out on a side stream beside the
+                    # forward, back on demand when its backward starts (not hidden)
+                    moved, f1[i, j] = f1[i, j], 0.0
+                    host_act[i, j], ob[i, j] = moved, ob[i, j] + moved
+                    t_link = moved / self._rates.link
+                    fwd[i, j] += self.ov(k.fwd, t_link) - k.fwd
+                    bwd[i, j] += t_link
+                    base += t_link
                 if hide:     # the boundary gradient copy follows each reduction: in backward
                     #          hooks with ZeRO-2/3, after the backward with ZeRO-1
                     bwd[i, j] += self.ov(k_comp, g_b + hide) - self.ov(k_comp, g_b) if z >= 2 else hide
+                bwd_ns[i, j] = base
                 wg[i, j] = tr * k.wgrad
                 p2p[i, j] = self.p2p_time(bc * u.boundary * ab, t, q, s)
                 # DeepSpeed's PipelineEngine keeps each in-flight micro-batch's stage output
@@ -292,16 +307,18 @@ class CostModel:
                 # once sent (deallocate_pipeline_outputs, set by its training arguments)
                 kept[i, j] = bc * u.boundary * ab if self.runtime != "megatron" else 0.0
         R = self._relayout_times(tuple(strategies), B_m, ab)
-        res = LayerTables(list(strategies), ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, R, allowed, kept, host)
+        res = LayerTables(list(strategies), ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, R, allowed, kept, host,
+                          host_act)
         self._cache[key] = res
         return res
 
-    def offload_engines(self, zero: int) -> tuple:
-        """The engines whose offloading a plan at ZeRO stage ``zero`` must fit: the runtime's,
-        or for 'any' both where both run the stage (ZeRO-1), DeepSpeed's above it."""
+    def offload_engines(self, zero: int, off: Offload = NO_OFFLOAD) -> tuple:
+        """The engines whose offloading ``off`` at ZeRO stage ``zero`` must fit: the runtime's,
+        or for 'any' both where both run the stage (ZeRO-1), DeepSpeed's above it and for an
+        activation offload (DeepSpeed's alone: docs/offload.md §2)."""
         if self.runtime != "any":
             return (self.runtime,)
-        return ofl.ENGINES if zero == 1 else ("deepspeed",)
+        return ofl.ENGINES if zero == 1 and not off.activations else ("deepspeed",)
 
     def offload_refusal(self, s: Strategy, pp: int = 1) -> str | None:
         """Why strategy ``s`` (in a pipeline of ``pp`` stages) cannot offload here: the
@@ -312,7 +329,7 @@ class CostModel:
         if missing:
             return (f"cluster {self.cluster.name!r} has no host figures to offload with "
                     f"(missing {', '.join(missing)}; `ds-autoplan profile --hardware` measures them)")
-        for e in self.offload_engines(s.zero):
+        for e in self.offload_engines(s.zero, s.offload):
             why = ofl.check(e, s.zero, s.offload, pp)
             if why:
                 return f"{e}: {why}"
@@ -324,7 +341,7 @@ class CostModel:
         (None, None) where the cluster lacks host figures or an engine cannot run it."""
         if self.offload_refusal(s):
             return None, None
-        eng = self.offload_engines(s.zero)
+        eng = self.offload_engines(s.zero, s.offload)
         gbytes = self.execution.grad_bytes
         out = []
         for d in (dd, ed):

@@ -93,10 +93,14 @@ class OffloadTerms:
 
 def check(engine: str, zero: int, off: Offload, pp: int = 1) -> str | None:
     """Why ``engine`` cannot run ``off`` at ZeRO stage ``zero`` with ``pp`` stages (None: it can)."""
-    if not off.any:
+    if off.activations:
+        why = _check_activations(engine, pp)
+        if why:
+            return why
+    if not off.states:
         return None
     if zero < 1:
-        return "offloading needs ZeRO (stage 1-3)"
+        return "offloading model states needs ZeRO (stage 1-3)"
     if engine == "megatron":
         if zero != 1:
             return "Megatron offloads its distributed optimizer (ZeRO-1) only"
@@ -111,6 +115,18 @@ def check(engine: str, zero: int, off: Offload, pp: int = 1) -> str | None:
     return None
 
 
+def _check_activations(engine: str, pp: int) -> str | None:
+    """Why ``engine`` cannot keep activations in host memory with ``pp`` stages (None: it can;
+    module docstring, docs/offload.md §2)."""
+    if engine == "megatron":
+        return ("Megatron-core's activation offloading (cpu_offloading) needs Transformer Engine, "
+                "no pipeline and no recompute; activation offload is emitted for DeepSpeed only")
+    if pp > 1:
+        return ("activation offload runs without a pipeline here (one micro-batch in flight; the "
+                "pipeline runtime keeps its stage inputs and recompute checkpoints on the device)")
+    return None
+
+
 def terms(engine: str, precision: str, zero: int, d: float, off: Offload,
           grad_bytes: float | None = None) -> OffloadTerms:
     """The offload terms of ``engine`` ('deepspeed' or 'megatron') for ``off`` at ZeRO stage
@@ -120,6 +136,8 @@ def terms(engine: str, precision: str, zero: int, d: float, off: Offload,
         raise SpecError(f"{engine}: {why} (offload {off.text()}, ZeRO-{zero})")
     cb = 4.0 if precision == "fp32" else 2.0
     r = off.optimizer
+    if not off.states:
+        raise SpecError(f"{engine}: offload {off.text()} offloads no model states (terms of states only)")
     if engine == "megatron":
         g = grad_bytes or 4.0
         opt = 8.0 if precision == "fp32" else 12.0

@@ -29,9 +29,11 @@ def ds_config(plan: Plan) -> dict:
         "gradient_clipping": 1.0,
         "steps_per_print": 10,
         "wall_clock_breakdown": False,
+        # cpu_checkpointing: DeepSpeed's checkpoint function keeps its inputs in host memory
+        # (docs/offload.md §2: read by deepspeed.checkpointing.configure, not by the engines)
         "activation_checkpointing": {"partition_activations": False,
                                      "contiguous_memory_optimization": False,
-                                     "cpu_checkpointing": False},
+                                     "cpu_checkpointing": par.offload.activations},
         "pipeline": {"activation_checkpoint_interval": 0, "stages": par.pp,
                      "partition": "autoplan", "autoplan": plan.to_dict()},
     }
@@ -46,7 +48,7 @@ def ds_config(plan: Plan) -> dict:
         cfg["sequence_parallel_size"] = par.cp
     if par.zero >= 1:
         cfg["zero_optimization"].update({"overlap_comm": True, "contiguous_gradients": True})
-    if par.offload.any:
+    if par.offload.states:
         cfg["zero_optimization"].update(offload_section(plan))
     return cfg
 
@@ -101,7 +103,7 @@ MERGED_CONFIG = "ds_config.autoplan.json"
 PLAN_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
              "zero_optimization.stage", "zero_optimization.offload_optimizer", "zero_optimization.offload_param",
              "zero_optimization.sub_group_size", "pipeline.activation_checkpoint_interval", "pipeline.stages",
-             "pipeline.partition", "pipeline.autoplan")
+             "pipeline.partition", "pipeline.autoplan", "activation_checkpointing.cpu_checkpointing")
 # what a plan decides for DeepSpeed's own engine (any module, no pipeline): batch, ZeRO, offload
 ENGINE_KEYS = PLAN_KEYS[:7]
 _MISSING = object()
@@ -126,6 +128,9 @@ def user_config(plan: Plan, user: dict, keys=PLAN_KEYS) -> tuple[dict, list[str]
         src, dst = full, out
         for k in parents:
             src = src[k]
+        if src.get(leaf) is False and _get(out, key) is _MISSING:
+            continue                  # a switch the plan leaves off: not added to the user's config
+        for k in parents:
             if not isinstance(dst.get(k), dict):
                 dst[k] = {}
             dst = dst[k]
@@ -143,6 +148,15 @@ def user_config(plan: Plan, user: dict, keys=PLAN_KEYS) -> tuple[dict, list[str]
         changes.append(f"precision: the plan was costed for {plan.precision}; the config trains in "
                        f"{config_precision(user)} (kept)")
     return out, changes
+
+
+def _get(cfg: dict, key: str):
+    """The value at dotted ``key`` of ``cfg`` (_MISSING where absent)."""
+    for k in key.split("."):
+        if not isinstance(cfg, dict) or k not in cfg:
+            return _MISSING
+        cfg = cfg[k]
+    return cfg
 
 
 class _FakeMPU:

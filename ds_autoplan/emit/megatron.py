@@ -64,10 +64,10 @@ def megatron_config(plan: Plan, model=None) -> dict:
         "use_distributed_optimizer": par.zero >= 1,
         # Megatron-core's HybridDeviceOptimizer (optimizer/cpu_offloading): OptimizerConfig
         # fields; Megatron-LM asks for the precision-aware optimizer beside it (arguments.py)
-        "optimizer_cpu_offload": par.offload.any,
-        "optimizer_offload_fraction": par.offload.optimizer if par.offload.any else None,
-        "overlap_cpu_optimizer_d2h_h2d": par.offload.any,
-        "use_precision_aware_optimizer": par.offload.any,
+        "optimizer_cpu_offload": par.offload.states,
+        "optimizer_offload_fraction": par.offload.optimizer if par.offload.states else None,
+        "overlap_cpu_optimizer_d2h_h2d": par.offload.states,
+        "use_precision_aware_optimizer": par.offload.states,
         "bf16": plan.precision == "bf16", "fp16": plan.precision == "fp16",
     }
     if m is not None:
@@ -343,12 +343,13 @@ def megatron_args(plan: Plan, model=None) -> list[str]:
               f"--moe-token-dispatcher-type {c['moe_token_dispatcher_type']}"]
     if c["use_distributed_optimizer"]:
         a.append("--use-distributed-optimizer")
-    if c["optimizer_cpu_offload"]:
+    if plan.parallel.offload.any:
         from ..cost.offload import check
         why = check("megatron", plan.zero_stage, plan.parallel.offload, plan.pp)
         if why:
             raise NotExpressible(f"offload {plan.offload} (ZeRO-{plan.zero_stage}): {why}; the plan "
                                  "runs in DeepSpeed (ds_config.json)")
+    if c["optimizer_cpu_offload"]:
         a += ["--optimizer-cpu-offload", f"--optimizer-offload-fraction {c['optimizer_offload_fraction']:g}",
               "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer"]
     if c["recompute_granularity"]:

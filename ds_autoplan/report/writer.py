@@ -108,8 +108,8 @@ def report_files(res) -> dict:
         w(f" Execution model: {pred.execution}; {band_text(pred.error_band)}.")
     off = pred.offload or {}
     if off.get("what", "none") != "none":
-        w(f"\nOffload: **{off['label']}** (DeepSpeed `offload_optimizer` / `offload_param`, Megatron "
-          f"`--optimizer-cpu-offload`); host memory {off['host_memory_gb_per_node']:.1f} GB of "
+        w(f"\nOffload: **{off['label']}** (DeepSpeed `offload_optimizer` / `offload_param` / "
+          f"`activation_checkpointing.cpu_checkpointing`, Megatron `--optimizer-cpu-offload`); host memory {off['host_memory_gb_per_node']:.1f} GB of "
           f"{off['host_budget_gb_per_node']:.0f} GB usable per node; it adds {off['step_s']:.3g} s "
           "per iteration (host optimizer step, host-device copies; docs/offload.md).")
     elif off.get("why"):

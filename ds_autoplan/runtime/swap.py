@@ -62,6 +62,13 @@ class SwapPolicy:
         per-tensor choice when it has one, else whole units chosen ``swap``)."""
         return cls.from_dict(policy.swap_units, min_bytes)
 
+    @classmethod
+    def every_layer(cls, module: nn.Module) -> "SwapPolicy":
+        """Every saved tensor of every layer of a pipeline module (its children named
+        ``str(i)``, DeepSpeed's ``PipelineModule``): a plan's activation offload
+        (``Offload.activations``, docs/offload.md §2)."""
+        return cls({n: None for n, _ in module.named_children() if n.isdigit()})
+
     def to_layers(self, layer_names: list[str]) -> "SwapPolicy":
         """The same policy over a pipeline module, whose layer ``i`` is the module ``str(i)``
         (DeepSpeed's ``PipelineModule``): a unit named ``layer_names[i]`` (a block-granularity
@@ -144,7 +151,10 @@ class Swapper:
 
     # -- autograd hooks --------------------------------------------------------------------------
     def _pack(self, t):
+        # parameters stay, and views of them (a linear's transposed weight; ZeRO-3's gathered
+        # parameters have storages of their own, not seen when the forward starts)
         if not isinstance(t, torch.Tensor) or t.is_meta or isinstance(t, nn.Parameter) \
+                or isinstance(t._base, nn.Parameter) \
                 or t.layout != torch.strided or t.untyped_storage().nbytes() == 0 \
                 or t.untyped_storage().data_ptr() in self._params:
             return ("k", t if self.tracker is None else self.tracker.hold(t))

@@ -53,6 +53,13 @@ class Candidate:
             raise AttributeError(name)
         return getattr(par, name)
 
+    def columns(self) -> np.ndarray:
+        """Each unit's (in ``ctx.seq`` order) strategy column of ``ctx``'s tables: the stage
+        DP's choice where it made one, else the first strategy (recompute and activation
+        offload differ per column; the offloaded states do not)."""
+        n = len(self.ctx.seq)
+        return np.asarray(self.plan if self.plan is not None and len(self.plan) == n else [0] * n)
+
     @property
     def selective(self) -> bool:
         """Selective recompute of the attention core on every layer."""
@@ -195,18 +202,21 @@ class Evaluator(Space):
             save=np.maximum(f1[:, 0:1] - f1[:, 1:], 0.0), extra=cns[:, 1:] - cns[:, :1])
         return f
 
-    def host_need(self, c: Parallel, ctx: Context, parts) -> tuple[float, float]:
-        """(host, NVMe) bytes of the busiest node of ``c`` with stage sizes ``parts`` (schedule
-        stages on rank ``stage % pp``; 0 without offload, NVMe 0 unless offloaded there)."""
+    def host_need(self, cand: Candidate) -> tuple[float, float]:
+        """(host, NVMe) bytes of the busiest node of ``cand`` (schedule stages on rank
+        ``stage % pp``; 0 without offload, NVMe 0 unless offloaded there)."""
+        c, ctx, parts = cand.par, cand.ctx, cand.parts
         if not c.offload.any or not parts:
             return 0.0, 0.0
-        host = ctx.tab.host[ctx.seq, 0]
-        per_rank = np.zeros(c.pp)
+        cols = cand.columns()
+        host, act = ctx.tab.host[ctx.seq, cols], ctx.tab.host_act[ctx.seq, cols]
+        per_rank, act_rank = np.zeros(c.pp), np.zeros(c.pp)
         for i, (lo, hi) in enumerate(ctx.bounds(tuple(parts))):
             per_rank[i % c.pp] += host[lo:hi].sum()
+            act_rank[i % c.pp] += act[lo:hi].sum()      # one micro-batch in flight (pp = 1)
         cap = ofl.host_cap(c.offload, 4.0 if self.options.precision == "fp32" else 2.0)
         nvme = ofl.node_host_bytes(per_rank, c.stage_ranks, self.cluster) if c.offload.device == "nvme" else 0.0
-        return ofl.node_host_bytes(np.minimum(per_rank, cap), c.stage_ranks, self.cluster), nvme
+        return ofl.node_host_bytes(np.minimum(per_rank, cap) + act_rank, c.stage_ranks, self.cluster), nvme
 
     def _host_floor(self, c: Parallel) -> float:
         """Host bytes a node needs at least: its ranks' even share of the offloaded states."""
@@ -221,7 +231,7 @@ class Evaluator(Space):
         NVMe, beyond the node's NVMe) does not fit."""
         if cand.ctx is None or not cand.par.offload.any:
             return
-        cand.host, nvme = self.host_need(cand.par, cand.ctx, cand.parts)
+        cand.host, nvme = self.host_need(cand)
         if cand.host > self.host_E:
             cand.time = INF
             cand.note = (f"host memory: {cand.host / GB:.0f} GB per node needed, "

@@ -95,10 +95,12 @@ def offload_summary(c: Candidate, pl: Evaluator) -> dict:
         missing = pl.cluster.offload_missing()
         return {"what": "none", "why": (f"cluster has no host figures (missing {', '.join(missing)})"
                                         if missing else "fits and runs fastest without")}
-    s = c.ctx.strategies[0]
-    with_, without = (pl.cm.tables([x], c.batch_per_microbatch) for x in (s, s._replace(offload=NO_OFFLOAD)))
+    st = c.ctx.strategies
+    with_, without = (pl.cm.tables(x, c.batch_per_microbatch) for x in (st, [s._replace(offload=NO_OFFLOAD) for s in st]))
     seq = c.ctx.seq
-    extra = c.num_microbatches * (with_.c_ns - without.c_ns)[seq, 0] + (with_.bwd - with_.bwd_ns - without.bwd + without.bwd_ns)[seq, 0]
+    p = c.columns()
+    extra = c.num_microbatches * (with_.c_ns - without.c_ns)[seq, p] + \
+        (with_.bwd - with_.bwd_ns - without.bwd + without.bwd_ns)[seq, p]
     per_rank = np.zeros(c.pp)
     for i, (lo, hi) in enumerate(c.ctx.bounds(tuple(c.parts))):
         per_rank[i % c.pp] += extra[lo:hi].sum()
@@ -120,9 +122,13 @@ def no_layout(pl: Evaluator) -> SpecError:
     """The error when ``pl``'s space has no configuration at all."""
     N, B = pl.cluster.world_size, pl.B
     if pl.fix:
+        off = pl.offload_fix
+        why = {pl.cm.offload_refusal(Strategy(1, 1, z, offload=off), P) for z in pl.allow_zero
+               for P in pl.pps or [1]} if off is not None else {None}
         return SpecError(f"{fix_text(pl.fix)}: no layout of {N} devices and global "
                          f"batch {B} has these values (pp x tp x dp = devices, "
-                         f"micro-batch x micro-batches x dp = batch, micro-batches >= pp)")
+                         f"micro-batch x micro-batches x dp = batch, micro-batches >= pp)" +
+                         ("" if None in why else f"; offload={off.text()}: {sorted(why)[0]}"))
     return SpecError(f"global batch {B} is not divisible into micro-batches for "
                      f"{N} devices: no pipeline/tensor/data layout gives "
                      f"global_batch = micro_batch x micro-batches x dp with micro-batches >= pp; "

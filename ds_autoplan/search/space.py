@@ -105,9 +105,12 @@ def strategies(n: int, *, with_ckpt: bool = True, max_tp: int | None = None,
 CP_MIN_TOKENS = 4096
 # offloads the search weighs where the cluster has host figures and the engines run them
 # (cost/offload.py check): the whole optimizer, Twin-Flow / Megatron fractions in quarters,
-# ZeRO-Infinity (parameters too), and NVMe where the cluster has it [decision: quarters]
+# ZeRO-Infinity (parameters too), and NVMe where the cluster has it; activations in host
+# memory alone and beside the whole optimizer or ZeRO-Infinity [decision: quarters; no
+# fraction with activations]
 OFFLOAD_SPACE = tuple(Offload.parse(t) for t in (
-    "opt", "opt:0.25", "opt:0.5", "opt:0.75", "opt+param", "nvme:opt", "nvme:opt+param"))
+    "opt", "opt:0.25", "opt:0.5", "opt:0.75", "opt+param", "nvme:opt", "nvme:opt+param",
+    "act", "opt+act", "opt+param+act"))
 
 
 class Space:
@@ -303,7 +306,7 @@ class Space:
 
     def offloads(self, z: int, P: int, dd: int, only=None) -> list:
         """What a configuration at ZeRO stage ``z`` with ``P`` stages and ``dd`` data ranks may
-        offload: nothing (ZeRO with one data rank only to offload), and where the cluster has host
+        offload: nothing (ZeRO with one data rank only to offload states), and where the cluster has host
         figures the :data:`OFFLOAD_SPACE` members its engines run (--fix offload=... : that one;
         ``only``: these, for the baselines)."""
         if only is not None:
@@ -313,7 +316,7 @@ class Space:
         else:
             want = [NO_OFFLOAD] + ([o for o in OFFLOAD_SPACE if self.cm.cluster.offload_missing(
                 nvme=o.device == "nvme") == []] if self.cm._rates is not None else [])
-        return [o for o in want if (o.any or dd > 1 or z == 0) and (z > 0 or not o.any)
+        return [o for o in want if (o.states or dd > 1 or z == 0) and (z > 0 or not o.states)
                 and self.cm.offload_refusal(Strategy(1, 1, z, offload=o), P) is None]
 
     def config(self, **degrees) -> Parallel:

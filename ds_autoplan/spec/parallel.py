@@ -36,13 +36,19 @@ class Offload:
     2021), in between DeepSpeed's ``offload_optimizer.ratio`` (ZeRO-Offload++ Twin-Flow, ZeRO-3
     only) or Megatron-core's ``optimizer_offload_fraction``; ``params``: ZeRO-3's parameter
     partitions on the host (ZeRO-Infinity ``offload_param``, Rajbhandari et al. 2021 §5);
-    ``device``: 'cpu' (host DRAM) or 'nvme' (ZeRO-Infinity's NVMe, through host buffers).
+    ``device``: 'cpu' (host DRAM) or 'nvme' (ZeRO-Infinity's NVMe, through host buffers), where
+    the states go; ``activations``: the activations kept for the backward live in host memory
+    (always DRAM): a recomputed layer's input (DeepSpeed's ``activation_checkpointing.
+    cpu_checkpointing``), a kept layer's saved tensors (the runtime's swap policy,
+    runtime/swap.py; docs/offload.md §2).
 
     Text form (``--fix offload=...``, ``plan.json``): ``none``, ``opt``, ``opt:0.5``,
-    ``opt+param``, ``param``, with an optional ``nvme:`` prefix (``nvme:opt+param``)."""
+    ``opt+param``, ``param``, with an optional ``nvme:`` prefix (``nvme:opt+param``), and ``act``
+    alone or last (``act``, ``opt+act``)."""
     optimizer: float = 0.0
     params: bool = False
     device: str = "cpu"
+    activations: bool = False
 
     def __post_init__(self):
         f = self.optimizer
@@ -51,12 +57,18 @@ class Offload:
         object.__setattr__(self, "optimizer", float(f))
         if self.device not in OFFLOAD_DEVICES:
             raise SpecError(f"offload device must be one of {', '.join(OFFLOAD_DEVICES)}, got {self.device!r}")
-        if self.device == "nvme" and not self.any:
-            raise SpecError("offload to nvme names nothing to offload (opt and/or param)")
+        if self.device == "nvme" and not self.states:
+            raise SpecError("offload to nvme names no model states to offload (opt and/or param; "
+                            "activations go to host memory)")
 
     @property
     def any(self) -> bool:
         """Something is offloaded."""
+        return self.states or self.activations
+
+    @property
+    def states(self) -> bool:
+        """Model states (optimizer, parameters) are offloaded: what needs ZeRO."""
         return self.optimizer > 0 or self.params
 
     def text(self) -> str:
@@ -64,7 +76,7 @@ class Offload:
         if not self.any:
             return "none"
         parts = ([("opt" if self.optimizer == 1 else f"opt:{self.optimizer:g}")] if self.optimizer else []) + \
-            (["param"] if self.params else [])
+            (["param"] if self.params else []) + (["act"] if self.activations else [])
         return ("nvme:" if self.device == "nvme" else "") + "+".join(parts)
 
     def label(self) -> str:
@@ -73,7 +85,8 @@ class Offload:
             return "no offload"
         what = [f"{'' if self.optimizer == 1 else f'{self.optimizer:.0%} of '}optimizer states"] if self.optimizer else []
         what += ["parameters"] if self.params else []
-        return " + ".join(what) + (" on NVMe" if self.device == "nvme" else " on the host")
+        out = [" + ".join(what) + (" on NVMe" if self.device == "nvme" else " on the host")] if what else []
+        return " + ".join(out + (["activations on the host"] if self.activations else []))
 
     @classmethod
     def parse(cls, text: "str | Offload | None") -> "Offload":
@@ -86,7 +99,7 @@ class Offload:
         device = "cpu"
         if ":" in t and t.split(":", 1)[0] in OFFLOAD_DEVICES:
             device, t = t.split(":", 1)
-        opt, params = 0.0, False
+        opt, params, act = 0.0, False, False
         for item in t.split("+"):
             k, _, v = item.strip().partition(":")
             if k in ("opt", "optimizer"):
@@ -96,10 +109,12 @@ class Offload:
                     raise SpecError(f"offload: optimizer fraction must be a number, got {v!r}") from None
             elif k in ("param", "params", "parameters") and not v:
                 params = True
+            elif k in ("act", "activations") and not v:
+                act = True
             else:
                 raise SpecError(f"offload: unknown part {item!r}; write none, opt, opt:FRACTION, "
-                                f"opt+param or param, optionally after nvme:")
-        return cls(opt, params, device)
+                                f"opt+param or param, optionally after nvme:, and/or act")
+        return cls(opt, params, device, act)
 
 
 NO_OFFLOAD = Offload()
@@ -152,9 +167,10 @@ class Parallel:
             raise ParallelError("zero", f"must be 0, 1, 2 or 3, got {self.zero!r}")
         if not isinstance(self.offload, Offload):
             object.__setattr__(self, "offload", Offload.parse(self.offload))
-        if self.offload.any and self.zero < 1:
-            raise SpecError("offloading needs ZeRO (stage 1-3): the engines offload the partitioned "
-                            "optimizer (DeepSpeed's ZeRO optimizers, Megatron's distributed optimizer)")
+        if self.offload.states and self.zero < 1:
+            raise SpecError("offloading model states needs ZeRO (stage 1-3): the engines offload the "
+                            "partitioned optimizer (DeepSpeed's ZeRO optimizers, Megatron's distributed "
+                            "optimizer)")
         if self.offload.params and self.zero != 3:
             raise SpecError("parameter offload needs ZeRO-3 (DeepSpeed's offload_param)")
         if (self.tp * self.cp * self.dp) % (self.ep * self.etp):

@@ -174,7 +174,8 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
     (which then holds the plan's keys: ``emit.deepspeed.user_config``), so a user's own
     config keeps DeepSpeed's defaults for what it leaves out.
     ``swap``: per-stage swap policies (``search.memopt.stage_memory_options(...)["swap"]``), see
-    :meth:`AutoplanEngine.set_swap_policy`.
+    :meth:`AutoplanEngine.set_swap_policy`; without it a plan that offloads activations
+    (``plan.parallel.offload.activations``) swaps every layer's saved tensors to host memory.
 
     A plan with ZeRO-2/3 and no pipeline (:func:`runs_plain`) runs in DeepSpeed's plain engine:
     the layers as one module (``plain.StageModule``) in ``plain.DataParallelEngine``, which has
@@ -205,10 +206,14 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
                 raise ValueError("swap policies run in the pipeline engine; this plan (ZeRO-"
                                  f"{plan.zero_stage}, pp=1) runs in DeepSpeed's plain engine")
             from .plain import StageModule
-            module = StageModule(module)
+            module = StageModule(module, plan.parallel.offload.activations)
         ds_kwargs.setdefault("model_parameters", [p for p in module.parameters() if p.requires_grad])
         with _engine_installed(plain), _batch_explained(plan, pipe):
             out = deepspeed.initialize(model=module, config=cfg, **ds_kwargs)
     if swap:
         out[0].set_swap_policy(swap)
+    elif plan.parallel.offload.activations and not plain:     # every layer's saved tensors
+        from ..swap import SwapPolicy
+        every = SwapPolicy.every_layer(out[0].module)
+        out[0].set_swap_policy({s: every for s in out[0].module.local_stages})
     return out

@@ -8,6 +8,8 @@ adds ``PipelineEngine``'s ``train_batch`` / ``eval_batch`` on top of DeepSpeed's
 backward and step, so a pipeline script trains unchanged."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.dataloader import RepeatingLoader
@@ -17,9 +19,11 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 class StageModule(torch.nn.Module):
     """The layers of a one-stage :class:`AutoplanPipelineModule` as a plain module: forward
     runs them, the first ``recompute`` of them under activation checkpointing (the plan's R:
-    their activations are recomputed in backward, as the pipeline runtime's R does)."""
+    their activations are recomputed in backward, as the pipeline runtime's R does), the others'
+    saved tensors in host memory where the plan offloads activations (``offload_activations``:
+    ``runtime.swap.Swapper`` over every layer, as the pipeline engine does)."""
 
-    def __init__(self, stages):
+    def __init__(self, stages, offload_activations: bool = False):
         super().__init__()
         if len(stages.local_stages) != 1:
             raise ValueError(f"a plain DeepSpeed engine runs one stage; the module holds "
@@ -27,16 +31,22 @@ class StageModule(torch.nn.Module):
         self.stages = stages
         self.loss_fn = stages.loss_fn
         self.recompute = int(stages.recompute_layers.get(stages.local_stages[0], 0))
+        self.swapper = None
+        if offload_activations:
+            from ..swap import SwapPolicy, Swapper
+            self.swapper = Swapper(SwapPolicy.every_layer(stages), stages)
 
     def _run(self, lo, hi, x):
         with self.stages.activated(self.stages.local_stages[0], lo, hi):
             return self.stages(x)
 
     def forward(self, x):
-        k = self.recompute
-        if k:
-            x = torch.utils.checkpoint.checkpoint(self._run, 0, k, x, use_reentrant=False)
-        return self._run(k, None, x)
+        sw = self.swapper if torch.is_grad_enabled() else None
+        with sw.forward() if sw is not None else contextlib.nullcontext():
+            k = self.recompute
+            if k:
+                x = torch.utils.checkpoint.checkpoint(self._run, 0, k, x, use_reentrant=False)
+            return self._run(k, None, x)
 
 
 def _to(x, device):
