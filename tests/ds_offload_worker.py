@@ -138,6 +138,30 @@ JOBS = {**{k: versus_deepspeed(k) for k in PLANS},
         "resume-off-on": resume("none", "opt"), "resume-on-off": resume("opt", "none")}
 
 
+def script():
+    """An unchanged DeepSpeed pipeline script (``--script``), for ``ds-autoplan launch``: one
+    line per step, ``OFFLOAD_LOSS step loss``, and the offload its engine runs."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    deepspeed.init_distributed(dist_backend="gloo")
+    g = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(4 * MBS * N * STEPS, H, generator=g), torch.randn(4 * MBS * N * STEPS, H, generator=g)
+    net = PipelineModule(layers=layers(), num_stages=1, loss_fn=F.mse_loss)
+    engine, *_ = deepspeed.initialize(model=net, config={**CFG, "train_batch_size": 2 * MBS * N},
+                                      training_data=torch.utils.data.TensorDataset(xs, ys))
+    for step in range(STEPS):
+        loss = float(engine.train_batch())
+        if torch.distributed.get_rank() == 0:
+            print(f"OFFLOAD_LOSS {step} {loss!r}", flush=True)
+    if torch.distributed.get_rank() == 0:
+        zo = engine._config.zero_config
+        print("OFFLOAD_RAN", zo.stage, zo.offload_optimizer.device if zo.offload_optimizer else None,
+              engine._config.activation_checkpointing_config.cpu_checkpointing, flush=True)
+
+
 if __name__ == "__main__":
+    if "--script" in sys.argv:
+        script()
+        sys.exit(0)
     init_distributed()
     report_runs([JOBS[k] for k in sys.argv[1:]])

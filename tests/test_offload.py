@@ -288,3 +288,31 @@ def test_nvme_offload_needs_the_nodes_nvme_to_hold_the_states():
     cm = CostModel(load_model("llama3-405b"), load_cluster(small), "bf16", "deepspeed", execution="deepspeed")
     assert not config_cost(cm, Config(zero=3, dp=8, offload="nvme:opt+param", micro_batch=1,
                                       num_microbatches=1, recompute="full")).fits
+
+
+def test_launch_trains_an_offloaded_plan_of_an_unchanged_script(tmp_path):
+    """``ds-autoplan launch --offload ...`` (2 gloo ranks) on an unchanged DeepSpeed pipeline
+    script (ds_offload_worker.py --script): the plan offloads the optimizer (and the activations),
+    DeepSpeed's engine runs with offload_optimizer on the host and cpu_checkpointing, and the
+    activation offload leaves the losses of the same plan without it unchanged, exactly."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from ds_autoplan.runtime.launch import free_port
+    worker = os.path.join(os.path.dirname(__file__), "ds_offload_worker.py")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    runs = {}
+    for off in ("opt", "opt+act"):
+        out = subprocess.run([sys.executable, "-m", "ds_autoplan", "launch", "--offload", off, "--cluster", "cpu-2",
+                              "--global-batch", "8", "--out", str(tmp_path / off), "--num_gpus", "2",
+                              "--master_port", str(free_port()), worker, "--script"],
+                             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+        text = out.stdout + out.stderr
+        assert out.returncode == 0, text[-4000:]
+        assert Plan.load(tmp_path / off / "plan.json").offload == off
+        ran = re.search(r"OFFLOAD_RAN (\d) (\S+) (\S+)", text).groups()
+        assert ran[1] == "cpu" and ran[2] == str(off.endswith("act")), ran
+        runs[off] = [float(x) for x in re.findall(r"OFFLOAD_LOSS \d+ (\S+)", text)]
+    assert len(runs["opt"]) == 3 and runs["opt+act"] == runs["opt"], runs
