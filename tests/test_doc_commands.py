@@ -48,6 +48,8 @@ RULES = [
      MULTI_GPU.format(what="8 GPUs and your script") + "its CPU form is in the next block"),
     (r"^DS_ACCELERATOR=cpu ds-autoplan launch --num_gpus 2 examples/hf_(trainer|accelerate)\.py",
      "tests/test_hf_clients.py runs both examples so (test_hf_script_trains_planned_with_the_losses_of_a_run_by_hand)"),
+    (r"^DS_ACCELERATOR=cpu ds-autoplan launch --tp 2 --num_gpus 2 examples/hf_trainer\.py$",
+     "tests/test_hf_clients.py runs it so (test_autotp_trainer_trains_planned_as_by_hand_and_as_one_replica)"),
     (r"^cd Megatron-LM$|^patch -p1 < /path/to/ds_autoplan/patches/megatron-lm-pretrain_gpt\.patch$",
      "Megatron-LM's own checkout (../shared/clients): tests/test_megatron_lm_client.py applies the patch to a copy"),
     (r"^DS_AUTOPLAN_PLAN=out/tiny/plan\.json torchrun --nproc_per_node 2 pretrain_gpt\.py ",

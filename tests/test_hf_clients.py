@@ -17,6 +17,10 @@ TESTS = str(Path(__file__).parent)
 BIN = Path(sys.executable).parent
 
 
+LLAMA2_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 4096}
+
+
 def _tiny_spec():
     from ds_autoplan.clients.module_plan import model_spec
     from ds_autoplan.models.tiny_hf import SEQ, tiny_llama
@@ -66,6 +70,32 @@ def test_frozen_weights_cost_no_gradient_state_and_a_cheaper_backward():
     assert (tl.fwd == tf.fwd).all()
 
 
+@pytest.mark.parametrize("zero,offload", [(2, "opt"), (3, "opt"), (3, "opt+param"), (3, "nvme:opt+param")])
+def test_frozen_parameters_cost_no_offloaded_gradient_or_state(zero, offload):
+    """Under offload a frozen parameter has no host gradient, master or moments, no host step,
+    no boundary copy and no gradient accumulation round trip (ZeRO-2's every micro-batch,
+    ZeRO-3's host gradient partitions); ZeRO-3 still fetches every parameter: the costs of
+    cost/offload.py's terms with the trained share ``tr`` (docs/offload.md), exactly."""
+    from ds_autoplan.cost import offload as ofl
+    from ds_autoplan.cost.model import CostModel
+    from ds_autoplan.spec import load_cluster
+    from ds_autoplan.spec.model import load_model
+    from ds_autoplan.spec.parallel import Offload
+    m, c = load_model("llama2-7b"), load_cluster("8xa100-80gb")
+    cm = CostModel(m, c, "bf16", "deepspeed")
+    t = ofl.terms("deepspeed", "bf16", zero, 8, Offload.parse(offload))
+    rates, W, tr = ofl.HostRates.of(c), 2.0e8, 0.01
+    assert t.accum > 0 and rates is not None
+    (hide, after), (mf, mb) = cm._offload_times((t, t), W, 0.0, 0.0, tr)
+    fetch, _ = ofl.microbatch_times(t, W, rates)
+    assert mf == fetch and (fetch > 0) == ("param" in offload)
+    assert mb == pytest.approx(fetch + tr * W * t.accum / rates.link, rel=1e-12)
+    assert (hide, after) == ofl.step_times(t, tr * W, rates, 0.0)
+    assert hide == pytest.approx(tr * W * t.d2h / rates.link, rel=1e-12)
+    (h0, a0), (f0, b0) = cm._offload_times((t, t), W, 0.0, 0.0, 0.0)       # all frozen
+    assert (h0, a0, f0, b0) == (0.0, 0.0, fetch, fetch)
+
+
 @pytest.mark.timeout(300)
 def test_lora_optimizer_state_and_gradient_bytes_equal_the_prediction():
     """A peft LoRA model trained one step in DeepSpeed's engine (fp32 and bf16, one rank): the
@@ -103,9 +133,7 @@ def test_a_lora_plan_of_llama2_70b_needs_far_less_memory_and_says_how_much(capsy
 def test_emit_hf_writes_a_trainer_config_and_its_arguments(tmp_path, capsys):
     from ds_autoplan.cli import main
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
-                               "intermediate_size": 11008, "num_hidden_layers": 32,
-                               "num_attention_heads": 32, "max_position_embeddings": 4096}))
+    cfg.write_text(json.dumps(LLAMA2_7B))
     out = tmp_path / "out"
     assert main(["plan", "--model", str(cfg), "--cluster", "8xa100-80gb", "--global-batch", "64",
                  "--emit", "hf", "--out", str(out), "--trainable", "0.01"]) == 0
@@ -125,6 +153,94 @@ def test_emit_hf_writes_a_trainer_config_and_its_arguments(tmp_path, capsys):
     assert ("--gradient_checkpointing" in flags) == args["gradient_checkpointing"]
 
 
+# -- AutoTP, plans made before launch ------------------------------------------------------------
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_autotp_plans_emit_a_config_deepspeed_validates(zero):
+    """A tp=2 plan of the engine space (the tiny Llama on 2 ranks) emits
+    ``tensor_parallel.autotp_size`` and no ``train_batch_size`` (DeepSpeed 0.19.8 counts it
+    against the world without an mpu and against dp in ZeRO-3's zero.Init); DeepSpeed's own
+    config classes parse it with that degree and the plan's batch; the Trainer's config carries
+    the same section; a user's numeric train_batch_size is removed, said so."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from ds_autoplan.clients.module_plan import plan_module
+    from ds_autoplan.emit.deepspeed import ENGINE_KEYS, ds_config, user_config, validate
+    from ds_autoplan.emit.hf import hf_ds_config
+    from ds_autoplan.models.tiny_hf import tiny_llama
+    plan = plan_module(tiny_llama(), global_batch=8, world=2, precision="fp32",
+                       options={"tp": 2, "cluster": "cpu-2"}, seq=16, fix={"zero": zero})
+    assert (plan.tp, plan.dp, plan.zero_stage, plan.parallel.sequence_parallel) == (2, 1, zero, False)
+    cfg = ds_config(plan, engine=True)
+    assert cfg["tensor_parallel"] == {"autotp_size": 2} and "train_batch_size" not in cfg
+    assert "tensor_parallel" not in ds_config(plan)        # pipeline runtimes: no AutoTP
+    parsed = validate(cfg, plan)
+    assert isinstance(parsed, DeepSpeedConfig) and parsed.tensor_parallel_config.autotp_size == 2
+    assert parsed.train_batch_size == plan.micro_batch_size * plan.num_microbatches * plan.dp
+    assert hf_ds_config(plan)["tensor_parallel"] == {"autotp_size": 2}
+    merged, changes = user_config(plan, {"train_batch_size": 8, "zero_optimization": {"stage": 1}},
+                                  ENGINE_KEYS, engine=True)
+    assert "train_batch_size" not in merged and merged["tensor_parallel"] == {"autotp_size": 2}
+    assert "train_batch_size: 8 -> removed (the plan does not set it)" in changes
+    # a tp=1 plan removes the user's AutoTP degree, said so, and adds no empty section
+    one = plan_module(tiny_llama(), global_batch=8, world=2, precision="fp32", options={"cluster": "cpu-2"}, seq=16,
+                      fix={"zero": zero, "tp": 1})
+    merged, changes = user_config(one, {"tensor_parallel": {"autotp_size": 2}}, ENGINE_KEYS, engine=True)
+    assert merged["tensor_parallel"] == {} and "tensor_parallel.autotp_size: 2 -> removed (the plan does not set it)" in changes
+    assert "tensor_parallel" not in user_config(one, {}, ENGINE_KEYS, engine=True)[0]
+
+
+def test_autotp_is_searched_only_where_it_shards_the_module(tmp_path, capsys):
+    """AutoTP needs a Hugging Face model without adapters and a data path that feeds a
+    tensor-parallel group the same batches: a peft model, or a script whose own sampler feeds
+    the ranks, is refused tp=2 in one line; ``plan --emit hf`` searches it (the llama2-7b of
+    the --emit test at tp=2: dp=4)."""
+    from ds_autoplan.clients.module_plan import AutoplanRefused, plan_module
+    from ds_autoplan.models.tiny_hf import tiny_llama
+    pytest.importorskip("peft")
+    for model, kw in ((tiny_llama(lora_r=8), {}), (tiny_llama(), {"autotp": False})):
+        with pytest.raises(AutoplanRefused, match=r"tp=2: this module cannot take DeepSpeed's AutoTP"):
+            plan_module(model, global_batch=8, world=2, precision="fp32", options={"tp": 2, "cluster": "cpu-2"}, seq=16, **kw)
+    from ds_autoplan.cli import main
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA2_7B))
+    assert main(["plan", "--model", str(cfg), "--cluster", "8xa100-80gb", "--global-batch", "64",
+                 "--emit", "hf", "--tp", "2", "--out", str(tmp_path / "out")]) == 0
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    ds = json.loads((tmp_path / "out" / "ds_config.json").read_text())
+    assert (plan["pp"], plan["tp"], plan["dp"], plan["sequence_parallel"]) == (1, 2, 4, False)
+    assert ds["tensor_parallel"] == {"autotp_size": 2}
+    assert "AutoTP tp=2" in capsys.readouterr().err
+
+
+def _premade(tmp_path, **fix):
+    from ds_autoplan.search import SearchOptions, plan_model
+    plan = plan_model(_tiny_spec(), "cpu-2", 8, options=SearchOptions(fix=fix, precision="fp32"))
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    return str(path)
+
+
+@pytest.mark.parametrize("via,flag,pp_flag", [("launch", "--model", "--pp 1"), ("env", "DS_AUTOPLAN_MODEL", "DS_AUTOPLAN_PP=1")])
+def test_a_premade_pipeline_plan_is_refused_for_a_module_that_is_not_a_pipeline(tmp_path, via, flag, pp_flag):
+    """A plan made before launch (``DS_AUTOPLAN_MODEL`` / ``launch --model``) with a pipeline,
+    given to a Trainer / Accelerate / plain-module script (DeepSpeed's own engine, no
+    PipelineModule): refused in one line naming the pipeline and how to plan instead; a tp=2
+    plan is refused for a module AutoTP does not shard; a data-parallel plan is taken as is."""
+    from ds_autoplan.clients.module_plan import AutoplanRefused, plan_module
+    from ds_autoplan.models.tiny_hf import tiny_llama
+    kw = dict(global_batch=8, world=2, precision="fp32", seq=16)
+    with pytest.raises(AutoplanRefused) as e:
+        plan_module(tiny_llama(), options={"plan": _premade(tmp_path, pp=2), "via": via}, **kw)
+    msg = str(e.value)
+    assert "the plan made before launch (" in msg and f", {flag}) uses pp=2, but the script's model " \
+        "is not a PipelineModule" in msg and f"launch without {flag}" in msg and pp_flag in msg, msg
+    tp2 = _premade(tmp_path, tp=2, pp=1, sp="off")
+    with pytest.raises(AutoplanRefused, match=r"uses tp=2, which DeepSpeed's AutoTP does not run for this module"):
+        plan_module(tiny_llama(), options={"plan": tp2, "via": via}, autotp=False, **kw)
+    assert plan_module(tiny_llama(), options={"plan": tp2, "via": via}, **kw).tp == 2
+    dp = plan_module(tiny_llama(), options={"plan": _premade(tmp_path, pp=1, tp=1), "via": via}, **kw)
+    assert (dp.pp, dp.tp, dp.dp) == (1, 1, 2)
+
+
 # -- the stacks, 2 CPU ranks ------------------------------------------------------------------------
 def _port() -> int:
     from ds_autoplan.runtime.launch import free_port
@@ -139,9 +255,11 @@ def _env(planned: bool):
                 PYTHONPATH=os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")]))
 
 
-def _launch(cwd, argv, planned: bool):
-    head = [sys.executable, "-m", "ds_autoplan", "launch", "--out", "planned"] if planned else [str(BIN / "deepspeed")]
-    r = subprocess.run([*head, "--num_gpus", "2", "--master_port", str(_port()), *argv], cwd=cwd,
+def _launch(cwd, argv, planned: bool, ranks: int = 2, own=()):
+    """``own``: options of ``ds-autoplan launch`` (planned)."""
+    head = [sys.executable, "-m", "ds_autoplan", "launch", "--out", "planned", *own] if planned else \
+        [str(BIN / "deepspeed")]
+    r = subprocess.run([*head, "--num_gpus", str(ranks), "--master_port", str(_port()), *argv], cwd=cwd,
                        env=_env(planned), capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "Traceback" not in out, out[-5000:]
@@ -190,6 +308,37 @@ def test_hf_script_trains_planned_with_the_losses_of_a_run_by_hand(tmp_path, scr
     assert len(losses) == 3, out[-4000:]
     _, ref = _launch(tmp_path, [path, *extra, *by_hand], planned=False)
     assert losses == ref, (losses, ref)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(1200)
+def test_autotp_trainer_trains_planned_as_by_hand_and_as_one_replica(tmp_path):
+    """DeepSpeed's AutoTP training on 2 CPU ranks (gloo): the Trainer example under the bootstrap
+    restricted to tp=2 (``--tp 2``) gets a plan dp=1 AutoTP tp=2 whose merged config sets
+    ``tensor_parallel.autotp_size`` (and leaves ``train_batch_size`` to DeepSpeed); the same
+    script run by hand with the written values and config has bitwise its losses, and one
+    replica on one rank (the example's own config, the plan's batch) the same losses to
+    rounding: the tensor-parallel model computes the model."""
+    pytest.importorskip("accelerate")
+    path = str(ROOT / "examples" / "hf_trainer.py")
+    out, losses = _launch(tmp_path, [path], planned=True, own=["--tp", "2"])
+    plan = json.loads((tmp_path / "planned" / "plan.json").read_text())
+    args = json.loads((tmp_path / "planned" / "training_args.json").read_text())
+    cfg_path = tmp_path / "planned" / "ds_config.autoplan.json"
+    cfg = json.loads(cfg_path.read_text())
+    assert (plan["pp"], plan["tp"], plan["dp"], plan["world_size"]) == (1, 2, 1, 2)
+    assert cfg["tensor_parallel"] == {"autotp_size": 2} and cfg["train_batch_size"] == "auto"
+    assert re.search(r"ds-autoplan: \S+ on cpu-auto-1x2: dp=1 AutoTP tp=2 ZeRO-\d micro-batch \d+ x \d+", out), out[-3000:]
+    mbs, gas = args["per_device_train_batch_size"], args["gradient_accumulation_steps"]
+    assert mbs * gas == 8                             # the examples' 1 x 4 x 2 ranks, dp = 1
+    assert len(losses) == 3, out[-4000:]
+    batch = ["--per_device_train_batch_size", str(mbs), "--gradient_accumulation_steps", str(gas),
+             *(["--gradient_checkpointing", "true"] if args["gradient_checkpointing"] else [])]
+    _, ref = _launch(tmp_path, [path, *batch, "--deepspeed", str(cfg_path)], planned=False)
+    assert losses == ref, (losses, ref)
+    _, one = _launch(tmp_path, [path, *batch], planned=False, ranks=1)
+    assert [float(x.split()[2]) for x in losses] == \
+        pytest.approx([float(x.split()[2]) for x in one], rel=1e-5), (losses, one)
 
 
 def test_a_module_the_space_cannot_fit_is_refused_naming_the_nearest_miss(tmp_path):

@@ -86,6 +86,7 @@ def _planner_options(env) -> dict:
             "global_batch": env_int("DS_AUTOPLAN_GLOBAL_BATCH", env=env),
             "out": env_str("DS_AUTOPLAN_OUT", "ds_autoplan_out", env=env),
             "pp": env_int("DS_AUTOPLAN_PP", env=env),
+            "tp": env_int("DS_AUTOPLAN_TP", env=env),
             "schedules": _known_schedules(env_list("DS_AUTOPLAN_SCHEDULES", env=env),
                                           "DS_AUTOPLAN_SCHEDULES"),
             "offload": _known_offload(env_str("DS_AUTOPLAN_OFFLOAD", env=env), "DS_AUTOPLAN_OFFLOAD")}
@@ -114,7 +115,8 @@ def _known_schedules(scheds, where: str):
         raise UserError(f"{where}: {e}") from None
 
 
-def _plan_model_now(model, cluster, global_batch, pp, schedules, resources, out, offload=None) -> str:
+def _plan_model_now(model, cluster, global_batch, pp, schedules, resources, out, offload=None,
+                    tp=None) -> str:
     """Plan a model description before launch for the launch's ``resources`` (``{host:
     slots}``; ``--cluster auto``: detected on this node, with the launch's nodes and ranks per
     node); returns plan.json's path."""
@@ -128,7 +130,7 @@ def _plan_model_now(model, cluster, global_batch, pp, schedules, resources, out,
         cluster = resolve(cluster, len(resources), world // len(resources))
     try:
         plan = plan_model(model, cluster, global_batch, options=SearchOptions(
-            pp=pp, schedules=schedules, fix={"offload": offload} if offload else None))
+            pp=pp, tp=tp, schedules=schedules, fix={"offload": offload} if offload else None))
     except (SpecError, ValueError, KeyError) as e:
         raise UserError(f"planning {model} on {cluster} failed: {e}") from None
     if plan.world != world:
@@ -159,7 +161,7 @@ def _devices_here(resources: dict) -> None:
 
 
 def apply_autoplan(args, resources: dict, env, model=None, cluster=None, global_batch=None,
-                   out=None, pp=None, schedules=None, via: str = "env", offload=None) -> dict:
+                   out=None, pp=None, schedules=None, via: str = "env", offload=None, tp=None) -> dict:
     """Rewrite the parsed launcher ``args`` so every rank runs the script through the
     bootstrap with the planner options (``--ds-autoplan=`` base64 JSON, shell-safe for
     multi-node launchers); with a ``model`` description, plan it now.  ``via``: how the user
@@ -174,13 +176,13 @@ def apply_autoplan(args, resources: dict, env, model=None, cluster=None, global_
     check_folder(out, OUT_FILES)         # refused before planning; created when written
     out = resolve_folder(out, create=False)[0]
     opts = {"cluster": cluster or o["cluster"], "global_batch": global_batch or o["global_batch"],
-            "pp": pp or o["pp"], "schedules": schedules or o["schedules"], "out": out,
+            "pp": pp or o["pp"], "tp": tp or o["tp"], "schedules": schedules or o["schedules"], "out": out,
             "offload": offload or o["offload"], "module": bool(args.module), "via": via}
     model = model or o["model"]
     if model:
         opts["plan"] = env[PLAN_ENV] = _plan_model_now(
             model, opts["cluster"] or "auto", opts["global_batch"] or 8, opts["pp"],
-            opts["schedules"], resources, out, opts["offload"])
+            opts["schedules"], resources, out, opts["offload"], opts["tp"])
     blob = base64.urlsafe_b64encode(json.dumps(opts).encode()).decode()
     args.user_args = [f"--ds-autoplan={blob}", args.user_script, *args.user_args]
     args.user_script, args.module = BOOTSTRAP, True
@@ -262,6 +264,9 @@ def _own_parser():
     p.add_argument("--global-batch", type=int, default=None,
                    help="default: the script's DeepSpeed config (train_batch_size)")
     p.add_argument("--pp", type=int, default=None, help="restrict the search to this pipeline degree")
+    p.add_argument("--tp", type=int, default=None,
+                   help="restrict the search to this tensor degree (a module DeepSpeed's engine "
+                        "runs: AutoTP, docs/huggingface.md)")
     p.add_argument("--schedules", default=None, help="comma-separated candidate schedules")
     p.add_argument("--offload", default=None,
                    help="what the plan offloads: none, opt, opt:FRACTION, opt+param (docs/offload.md); "
@@ -276,11 +281,11 @@ def _own_parser():
 
 def add_parser(subparsers):
     # every argument is passed through untouched ("+" is no option prefix for deepspeed or us):
-    # ours (--model, --cluster, --global-batch, --pp, --schedules, --offload, --out) are taken from the
+    # ours (--model, --cluster, --global-batch, --pp, --tp, --schedules, --offload, --out) are taken from the
     # part before the script
     p = subparsers.add_parser("launch", prefix_chars="+", add_help=False,
                               help="run the deepspeed launcher with the script's model planned "
-                                   "(options: --model --cluster --global-batch --pp --schedules "
+                                   "(options: --model --cluster --global-batch --pp --tp --schedules "
                                    "--offload --out, then deepspeed launcher options, script, script args)",
                               description=doc_description(__doc__))
     p.add_argument("argv", nargs=argparse.REMAINDER)
@@ -331,7 +336,7 @@ def _run(args) -> int:
         raise UserError("could not parse the deepspeed launcher arguments") from None
     if not a.module and not os.path.exists(a.user_script):
         raise UserError(f"training script not found: {a.user_script}")
-    for flag, v in (("--global-batch", own.global_batch), ("--pp", own.pp)):
+    for flag, v in (("--global-batch", own.global_batch), ("--pp", own.pp), ("--tp", own.tp)):
         if v is not None and v < 1:
             raise UserError(f"{flag} must be at least 1, got {v}")
     check_launch(a)
@@ -340,7 +345,7 @@ def _run(args) -> int:
                               if own.schedules else None, "--schedules")
     apply_autoplan(a, launch_resources(a), os.environ, own.model, own.cluster, own.global_batch,
                    own.out, own.pp, scheds, via="launch",
-                   offload=_known_offload(own.offload, "--offload"))
+                   offload=_known_offload(own.offload, "--offload"), tp=own.tp)
     from ..runtime.deepspeed.shm import sweep
     try:
         runner.main(argv[:cut] + ["--module", a.user_script] + a.user_args)

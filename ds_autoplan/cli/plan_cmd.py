@@ -274,18 +274,19 @@ def _run_hf(args) -> int:
         raise UserError("--emit hf writes ds_config.json and training_args.json: give --out FOLDER")
     from ..outputs import check_folder
     check_folder(args.out, HF_FILES)
-    given = [f for f, v in (("--pp", args.pp), ("--tp", args.tp), ("--schedules", args.schedules)) if v]
+    given = [f for f, v in (("--pp", args.pp), ("--schedules", args.schedules)) if v]
     if given:
-        raise UserError(f"--emit hf plans DeepSpeed's engine without pipeline or tensor parallelism; "
+        raise UserError(f"--emit hf plans DeepSpeed's engine without a pipeline; "
                         f"drop {', '.join(given)}")
-    res = search_engine_space(args.model, args.cluster, args.global_batch, seq=args.seq,
-                              options=search_options(args), fix=args.fix)
+    res = search_engine_space(args.model, args.cluster, args.global_batch, seq=args.seq, autotp=True,
+                              options=search_options(args, tp=args.tp), fix=args.fix)
     plan = res.plan
     write_folder(args.out, {"plan.json": text(plan.to_json() + "\n"),
                             "ds_config.json": json_text(hf_ds_config(plan)),
                             "training_args.json": json_text(training_args(plan))}, complete=True)
     pr = plan.predicted
-    print(f"{plan.model} on {plan.cluster}: dp={plan.dp} ZeRO-{plan.zero_stage} micro-batch="
+    print(f"{plan.model} on {plan.cluster}: dp={plan.dp}{f' AutoTP tp={plan.tp}' if plan.tp > 1 else ''} "
+          f"ZeRO-{plan.zero_stage} micro-batch="
           f"{plan.micro_batch_size} x {plan.num_microbatches} accumulation steps, gradient checkpointing "
           f"{'on' if training_args(plan)['gradient_checkpointing'] else 'off'}", file=sys.stderr)
     print(f"predicted {pr.iteration_time_s:.4g} s/iteration, peak memory "

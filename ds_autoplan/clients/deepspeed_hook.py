@@ -14,7 +14,7 @@ When the script calls ``deepspeed.initialize(model=PipelineModule(...), ...)``, 
 4. trains the script's layers and loss in ds_autoplan's engine (``ds_autoplan.initialize``).
 
 Any other ``nn.Module`` is planned for DeepSpeed's own engine (ZeRO stage, micro-batch and
-accumulation, activation checkpointing; clients/module_plan.py) and initialised by DeepSpeed as
+accumulation, activation checkpointing, AutoTP; clients/module_plan.py) and initialised by DeepSpeed as
 the script asked, with the merged config.  What it cannot plan it refuses with one message: no
 example input to profile, no batch size, a plan for another layer count.
 """
@@ -27,7 +27,7 @@ import sys
 import torch
 
 from ..errors import UserError
-from .module_plan import AutoplanRefused, user_config_of
+from .module_plan import AutoplanRefused, option, user_config_of
 
 
 # planned: ids of the modules a Trainer/Accelerate hook (clients/hf.py) planned and configured
@@ -36,7 +36,7 @@ _STATE: dict = {"original": None, "options": {}, "planned": set()}
 
 def install(options: dict) -> None:
     """Wrap ``deepspeed.initialize`` (once) with the launcher's ``options``: ``plan`` (path of a
-    plan made before launch), ``cluster``, ``global_batch``, ``pp``, ``schedules``, ``out``."""
+    plan made before launch), ``cluster``, ``global_batch``, ``pp``, ``tp``, ``schedules``, ``out``."""
     import deepspeed
     if _STATE["original"] is None:
         _STATE["original"] = deepspeed.initialize
@@ -106,10 +106,12 @@ def _plan_engine_module(args, model, training_data, collate_fn, config) -> dict:
                 sample = _sample(training_data, collate_fn, _micro(user))[0]
             else:
                 seq = seq_of(training_data[0])
+        # AutoTP only where DeepSpeed's own loader batches the data (training_data): it gives a
+        # tensor-parallel group the same samples; a script's own sampler may not
         return plan_module(model, global_batch=B, world=world, precision=config_precision(user),
-                           options=options, seq=seq, sample=sample)
+                           options=options, seq=seq, sample=sample, autotp=training_data is not None)
     plan = shared_plan(make, options)
-    cfg, changes = user_config(plan, user, ENGINE_KEYS)
+    cfg, changes = user_config(plan, user, ENGINE_KEYS, engine=True)
     write_outputs(plan, {MERGED_CONFIG: json_text(cfg)}, options)
     for line in changes:
         say(f"ds_config {line}")
@@ -178,6 +180,9 @@ def plan_pipeline_module(model, user: dict, training_data, collate_fn, world: in
     from ..profile.layers import profile_layer_list
     from ..search import SearchOptions, search
     from ..spec import SpecError, load_cluster
+    if (options.get("tp") or 1) > 1:
+        raise AutoplanRefused(f"{option(options, 'tp', options['tp'])}: a PipelineModule script runs "
+                              "in ds_autoplan's pipeline engine, without tensor parallelism")
     if options.get("plan"):
         return Plan.load(options["plan"])
     if training_data is None:
@@ -209,17 +214,6 @@ def plan_pipeline_module(model, user: dict, training_data, collate_fn, world: in
     _check_executable(plan, options)
     plan.notes.append("profiled layers: " + ", ".join(u.name for u in prof.units))
     return plan
-
-
-def option(options: dict, name: str, value) -> str:
-    """How the user restricts the search by ``name`` in the form they launched with: a flag of
-    ``ds-autoplan launch`` (``--pp 2``) or, for ``deepspeed --autoplan``, which takes no flags
-    of ours, the environment variable (``DS_AUTOPLAN_PP=2``)."""
-    if isinstance(value, (list, tuple)):
-        value = ",".join(map(str, value))
-    if options.get("via") == "launch":
-        return f"--{name.replace('_', '-')} {value}"
-    return f"DS_AUTOPLAN_{name.upper()}={value}"
 
 
 def describe(plan) -> str:

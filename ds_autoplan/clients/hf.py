@@ -134,8 +134,9 @@ def plan_trainer(model, args, train_dataset) -> None:
     options = state["options"]
     filled = args.hf_deepspeed_config.config          # the user's config, `auto` filled from args
     world = args.world_size
+    dp = world // max(1, int(_get(filled, "tensor_parallel.autotp_size") or 1))   # the user's AutoTP
     B = options.get("global_batch") or \
-        args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+        args.per_device_train_batch_size * args.gradient_accumulation_steps * dp
     seq = seq_of(_first(train_dataset))
     plan = shared_plan(lambda w, opts: plan_module(model, global_batch=int(B), world=w,
                                                    precision=config_precision(filled), options=opts,
@@ -172,18 +173,15 @@ def _set_plan_keys(plan, user: dict, where: str, always=()) -> dict:
     for the stack to fill, but those in ``always``), each replaced value printed."""
     from ..emit.deepspeed import ENGINE_KEYS, user_config
     keys = [k for k in ENGINE_KEYS if k in always or _get(user, k) != "auto"]
-    cfg, changes = user_config(plan, user, keys)
+    cfg, changes = user_config(plan, user, keys, engine=True)
     for line in changes:
         say(f"{where} {line}")
     return cfg
 
 
 def _get(cfg: dict, key: str):
-    for k in key.split("."):
-        if not isinstance(cfg, dict):
-            return None
-        cfg = cfg.get(k)
-    return cfg
+    from ..emit.deepspeed import config_value
+    return config_value(cfg, key, None)
 
 
 # -- Accelerate -------------------------------------------------------------------------------------
@@ -235,9 +233,11 @@ def plan_accelerate(acc, objs: list) -> list:
     world = acc.num_processes
     B = state["options"].get("global_batch") or mbs * gas * world
     seq = seq_of(_first(loaders[0].dataset)) if loaders else None
+    # no AutoTP: Accelerate's DataLoader preparation is not verified to give a tensor-parallel
+    # group the same batches (docs/huggingface.md)
     plan = shared_plan(lambda w, opts: plan_module(model, global_batch=int(B), world=w,
                                                    precision=config_precision(conf), options=opts,
-                                                   seq=seq), state["options"])
+                                                   seq=seq, autotp=False), state["options"])
     # Accelerate takes a number in the config over its own accumulation ('auto': its own)
     cfg = _set_plan_keys(plan, conf, "ds_config", always=("gradient_accumulation_steps",))
     conf.clear()                # in place: the plugin's HfDeepSpeedConfig holds this dict

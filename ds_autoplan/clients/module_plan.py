@@ -108,26 +108,68 @@ def model_spec(model, seq: int | None, sample=None, name: str = "module"):
                              "note": "parameters only: no training_data to measure activations"})
 
 
+def autotp_of(model) -> bool:
+    """Whether DeepSpeed's AutoTP can shard ``model``: a Hugging Face model (AutoTP finds its
+    layers from the config) without peft adapters (their wrapped linear layers are not AutoTP's)."""
+    return hf_config(model) is not None and getattr(model, "peft_config", None) is None
+
+
 def plan_module(model, *, global_batch: int, world: int, precision: str, options: dict,
-                seq: int | None = None, sample=None, fix: dict | None = None):
-    """The plan of ``model`` in DeepSpeed's engine space (this process plans)."""
-    from ..plan import Plan
+                seq: int | None = None, sample=None, fix: dict | None = None, autotp: bool = True):
+    """The plan of ``model`` in DeepSpeed's engine space (this process plans).  ``autotp``:
+    whether the script's data path gives a tensor-parallel group the same batches (tensor
+    degrees are then searched where AutoTP shards the model); ``options["tp"]`` restricts them."""
     from ..search.engine_space import search_engine_space
     from ..spec import SpecError, load_cluster
+    autotp = autotp and autotp_of(model)
     if options.get("plan"):
-        return Plan.load(options["plan"])
+        return premade_plan(options, autotp)
     name = f"{type(model).__name__}"
     spec = model_spec(model, seq, sample, name)
     trainable = trainable_of(model, spec)
     try:
         cluster = load_cluster(options["cluster"])
         res = search_engine_space(spec, cluster, global_batch, checkpointing=checkpointing_of(model),
-                                  precision=precision, world_size=world, trainable=trainable, fix=fix)
+                                  precision=precision, world_size=world, trainable=trainable,
+                                  fix={**(fix or {}), **({"tp": options["tp"]} if options.get("tp") else {})},
+                                  autotp=autotp)
     except SpecError as e:
         raise AutoplanRefused(f"planning {name} for DeepSpeed's engine failed: {e}") from None
     plan = res.plan
     if spec.config.get("note"):
         plan.notes.append(spec.config["note"])
+    return plan
+
+
+def option(options: dict, name: str, value) -> str:
+    """How the user restricts the search by ``name`` in the form they launched with: a flag of
+    ``ds-autoplan launch`` (``--pp 2``) or, for ``deepspeed --autoplan``, which takes no flags
+    of ours, the environment variable (``DS_AUTOPLAN_PP=2``)."""
+    if isinstance(value, (list, tuple)):
+        value = ",".join(map(str, value))
+    if options.get("via") == "launch":
+        return f"--{name.replace('_', '-')} {value}"
+    return f"DS_AUTOPLAN_{name.upper()}={value}"
+
+
+def premade_plan(options: dict, autotp: bool):
+    """The plan made before launch (``DS_AUTOPLAN_MODEL`` / ``ds-autoplan launch --model``), for a
+    script whose module DeepSpeed's own engine runs: refused, naming what, when that engine
+    cannot run it (a pipeline needs a PipelineModule script)."""
+    from ..plan import Plan
+    plan = Plan.load(options["plan"])
+    what = [f"{k}={getattr(plan, k)}" for k in ("pp", "cp", "ep") if getattr(plan, k) > 1]
+    if plan.tp > 1 and plan.parallel.sequence_parallel:
+        what.append(f"tp={plan.tp} with sequence parallelism")
+    elif plan.tp > 1 and not autotp:
+        what.append(f"tp={plan.tp}, which DeepSpeed's AutoTP does not run for this module")
+    if what:
+        given = "--model" if options.get("via") == "launch" else "DS_AUTOPLAN_MODEL"
+        raise AutoplanRefused(
+            f"the plan made before launch ({plan.model}, {given}) uses {', '.join(what)}, but the "
+            "script's model is not a PipelineModule: DeepSpeed's engine runs it with data "
+            f"parallelism, ZeRO and AutoTP only; launch without {given} to plan the module itself"
+            + (f", or restrict the plan with {option(options, 'pp', 1)}" if plan.pp > 1 else ""))
     return plan
 
 
@@ -166,7 +208,7 @@ def shared_plan(make, options: dict) -> "Plan":
 def describe_module_plan(plan) -> str:
     """One line naming a plan of the engine space."""
     t = plan.predicted.get("trainable")
-    return (f"dp={plan.dp} ZeRO-{plan.zero_stage} micro-batch {plan.micro_batch_size} x "
+    return (f"dp={plan.dp}{f' AutoTP tp={plan.tp}' if plan.tp > 1 else ''} ZeRO-{plan.zero_stage} micro-batch {plan.micro_batch_size} x "
             f"{plan.num_microbatches} accumulation steps, activation checkpointing "
             f"{'on' if any(plan.recompute_per_stage) else 'off'}"
             + (f", offload {plan.offload}" if plan.offload != "none" else "")

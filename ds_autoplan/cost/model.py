@@ -358,14 +358,15 @@ class CostModel:
     def _offload_times(self, off, W: float, Wx: float, gpu_step: float, tr: float = 1.0):
         """((seconds beside the last backward, seconds after it), (forward, backward seconds per
         micro-batch)) of the offload ``off`` (dense, expert terms) for ``W`` dense and ``Wx``
-        expert parameters on a rank, of which the share ``tr`` trains (the step and its copies
-        see those; fetches all); ``gpu_step``: the device's share of the step."""
+        expert parameters on a rank, of which the share ``tr`` trains (the step, its copies and
+        the gradient accumulation round trip see those; fetches all); ``gpu_step``: the device's
+        share of the step."""
         hide = after = mf = mb = 0.0
         for t, n in zip(off, (W, Wx)):
             if n <= 0:
                 continue
             h, a = ofl.step_times(t, tr * n, self._rates, gpu_step * n / (W + Wx)) if tr > 0 else (0.0, 0.0)
-            f, b = ofl.microbatch_times(t, n, self._rates)
+            f, b = ofl.microbatch_times(t, n, self._rates, tr * n)
             hide, after, mf, mb = hide + h, after + a, mf + f, mb + b
         return (hide, after), (mf, mb)
 

@@ -234,11 +234,14 @@ def step_times(t: OffloadTerms, W: float, rates: HostRates, gpu_step: float) -> 
     return W * t.d2h / link, after
 
 
-def microbatch_times(t: OffloadTerms, W: float, rates: HostRates) -> tuple[float, float]:
-    """(forward, backward) transfer seconds of one micro-batch of ``W`` parameters: ZeRO-3's
-    parameter fetch (from NVMe first when the parameters live there), ZeRO-2's accumulation
-    round trip (backward, micro-batches without synchronisation)."""
+def microbatch_times(t: OffloadTerms, W: float, rates: HostRates,
+                     trained: float | None = None) -> tuple[float, float]:
+    """(forward, backward) transfer seconds of one micro-batch of ``W`` parameters, ``trained``
+    of which train (None: all): ZeRO-3's parameter fetch of all (from NVMe first when the
+    parameters live there), the gradient accumulation round trip of the trained ones (backward,
+    micro-batches without synchronisation: a frozen parameter has no gradient to accumulate)."""
     fetch = W * t.fetch / rates.link if t.fetch else 0.0
     if t.nvme_fetch:
         fetch += W * t.nvme_fetch / rates.nvme if rates.nvme else float("inf")
-    return fetch, fetch + (W * t.accum / rates.link if t.accum else 0.0)
+    grads = W if trained is None else trained
+    return fetch, fetch + (grads * t.accum / rates.link if t.accum else 0.0)

@@ -10,13 +10,15 @@ import copy
 from ..plan import Plan
 
 
-def ds_config(plan: Plan) -> dict:
+def ds_config(plan: Plan, engine: bool = False) -> dict:
     """The DeepSpeed config of ``plan``.  ZeRO 2/3 only without pipeline parallelism
     (PipelineEngine asserts ZeRO < 2).  The plan itself (partition, schedule, per-stage
     recompute: what DeepSpeed has no key for) is ``pipeline.autoplan``; DeepSpeed keeps the
     ``pipeline`` section as given and the engine reads it back from there.
     ``pipeline.activation_checkpoint_interval`` is 0: DeepSpeed's switch is global, the
-    ds_autoplan runtime recomputes per stage (``recompute_per_stage``)."""
+    ds_autoplan runtime recomputes per stage (``recompute_per_stage``).  ``engine``: the config
+    of DeepSpeed's own engine running a module by itself (search/engine_space.py), whose tensor
+    parallelism is AutoTP (``tensor_parallel.autotp_size``)."""
     par = plan.parallel
     if par.pp > 1 and par.zero > 1:
         raise ValueError(f"ZeRO stage {par.zero} cannot run with pipeline parallelism "
@@ -50,6 +52,13 @@ def ds_config(plan: Plan) -> dict:
         cfg["zero_optimization"].update({"overlap_comm": True, "contiguous_gradients": True})
     if par.offload.states:
         cfg["zero_optimization"].update(offload_section(plan))
+    if engine and par.tp > 1:
+        # DeepSpeed's AutoTP training (search/engine_space.py).  train_batch_size is left for
+        # DeepSpeed to derive: its config counts every rank as data-parallel without an mpu
+        # (micro x steps x world) but, under ZeRO-3, zero.Init parses the config again with the
+        # TP groups (micro x steps x dp); a number fits one of the two (0.19.8, measured)
+        cfg["tensor_parallel"] = {"autotp_size": par.tp}
+        del cfg["train_batch_size"]
     return cfg
 
 
@@ -95,17 +104,20 @@ def _partition_params(plan: Plan) -> int:
     return int(m.total_params // (plan.tp * plan.pp * plan.dp))
 
 
-# what a plan decides in a DeepSpeed config: parallelism, batch, schedule (dotted paths)
 # the file name of the config a launch merges from the script's own config and the plan (under
 # `ds-autoplan launch --out` / `deepspeed --autoplan`): never the script's ds_config.json
 MERGED_CONFIG = "ds_config.autoplan.json"
 
-PLAN_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-             "zero_optimization.stage", "zero_optimization.offload_optimizer", "zero_optimization.offload_param",
-             "zero_optimization.sub_group_size", "pipeline.activation_checkpoint_interval", "pipeline.stages",
-             "pipeline.partition", "pipeline.autoplan", "activation_checkpointing.cpu_checkpointing")
-# what a plan decides for DeepSpeed's own engine (any module, no pipeline): batch, ZeRO, offload
-ENGINE_KEYS = PLAN_KEYS[:7]
+# what a plan decides in a DeepSpeed config: parallelism, batch, schedule (dotted paths)
+BATCH_ZERO_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                   "zero_optimization.stage", "zero_optimization.offload_optimizer",
+                   "zero_optimization.offload_param", "zero_optimization.sub_group_size")
+PLAN_KEYS = BATCH_ZERO_KEYS + ("pipeline.activation_checkpoint_interval", "pipeline.stages",
+                               "pipeline.partition", "pipeline.autoplan",
+                               "activation_checkpointing.cpu_checkpointing")
+# what a plan decides for DeepSpeed's own engine (any module, no pipeline): batch, ZeRO,
+# offload, AutoTP
+ENGINE_KEYS = BATCH_ZERO_KEYS + ("tensor_parallel.autotp_size",)
 _MISSING = object()
 
 
@@ -117,27 +129,40 @@ def config_precision(cfg: dict) -> str:
     return "fp32"
 
 
-def user_config(plan: Plan, user: dict, keys=PLAN_KEYS) -> tuple[dict, list[str]]:
+def config_value(cfg: dict, key: str, default=_MISSING):
+    """The value at the dotted ``key`` of a DeepSpeed config (``default`` where it is not set)."""
+    for k in key.split("."):
+        if not isinstance(cfg, dict) or k not in cfg:
+            return default
+        cfg = cfg[k]
+    return cfg
+
+
+def user_config(plan: Plan, user: dict, keys=PLAN_KEYS, engine: bool = False) -> tuple[dict, list[str]]:
     """A user's DeepSpeed config with the plan's ``keys`` (default :data:`PLAN_KEYS`) set and
     everything else (optimizer, scheduler, precision, clipping, logging) left as the user wrote it.  Returns
     ``(config, changes)``: one line per key whose user value the plan replaced, and a line when
-    the plan was costed for another precision than the config trains in."""
-    full, out, changes = ds_config(plan), copy.deepcopy(user), []
+    the plan was costed for another precision than the config trains in.  ``engine``: as in
+    :func:`ds_config` (with :data:`ENGINE_KEYS`)."""
+    full, out, changes = ds_config(plan, engine), copy.deepcopy(user), []
     for key in keys:
         *parents, leaf = key.split(".")
-        src, dst = full, out
-        for k in parents:
-            src = src[k]
-        if src.get(leaf) is False and _get(out, key) is _MISSING:
+        src = config_value(full, ".".join(parents)) if parents else full
+        src = src if isinstance(src, dict) else {}
+        if leaf not in src and config_value(out, key) is _MISSING:
+            continue                  # neither the plan's key nor the user's
+        if src.get(leaf) is False and config_value(out, key) is _MISSING:
             continue                  # a switch the plan leaves off: not added to the user's config
+        dst = out
         for k in parents:
             if not isinstance(dst.get(k), dict):
                 dst[k] = {}
             dst = dst[k]
         old = dst.get(leaf, _MISSING)
-        if leaf not in src:           # a key the plan leaves out: an offload it does not make is
-            #                           not the user's either; a sub-group size stays theirs
-            if old is not _MISSING and leaf.startswith("offload_"):
+        if leaf not in src:           # a key the plan leaves out: an offload or a TP degree it
+            #                           does not use is not the user's either, nor a batch size
+            #                           it leaves DeepSpeed to derive; a sub-group size stays theirs
+            if old is not _MISSING and leaf != "sub_group_size":
                 changes.append(f"{key}: {old!r} -> removed (the plan does not set it)")
                 del dst[leaf]
             continue
@@ -148,15 +173,6 @@ def user_config(plan: Plan, user: dict, keys=PLAN_KEYS) -> tuple[dict, list[str]
         changes.append(f"precision: the plan was costed for {plan.precision}; the config trains in "
                        f"{config_precision(user)} (kept)")
     return out, changes
-
-
-def _get(cfg: dict, key: str):
-    """The value at dotted ``key`` of ``cfg`` (_MISSING where absent)."""
-    for k in key.split("."):
-        if not isinstance(cfg, dict) or k not in cfg:
-            return _MISSING
-        cfg = cfg[k]
-    return cfg
 
 
 class _FakeMPU:

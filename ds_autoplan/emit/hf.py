@@ -3,22 +3,28 @@
 
 The config leaves to the Trainer what it fills from its arguments (``auto``: batch size,
 accumulation, clipping, precision; the optimizer and scheduler it builds itself) and sets what
-the plan decides and the arguments cannot say: the ZeRO stage and its offloading.  A plan with a pipeline or tensor
-parallelism has no Trainer form (the Trainer runs DeepSpeed's engine without them)."""
+the plan decides and the arguments cannot say: the ZeRO stage, its offloading and DeepSpeed's
+AutoTP degree (``tensor_parallel.autotp_size``; the Trainer shards the model with
+``deepspeed.tp_model_init`` and counts its data-parallel world as world / autotp_size).  A plan
+with a pipeline, context or expert parallelism, or Megatron's sequence parallelism has no
+Trainer form (the Trainer runs DeepSpeed's engine without them)."""
 from __future__ import annotations
 
 from ..plan import Plan
 
 
 class NotATrainerPlan(ValueError):
-    """The plan uses what a Trainer cannot run (pipeline or tensor parallelism)."""
+    """The plan uses what a Trainer cannot run (a pipeline, context or expert parallelism,
+    sequence parallelism)."""
 
 
 def _check(plan: Plan) -> None:
-    if plan.pp > 1 or plan.tp > 1 or plan.cp > 1 or plan.ep > 1:
-        raise NotATrainerPlan(f"the plan uses pp={plan.pp} tp={plan.tp} cp={plan.cp} ep={plan.ep}; a "
-                              "Trainer runs DeepSpeed's engine with data parallelism and ZeRO only "
-                              "(plan with --emit hf, which searches that space)")
+    from ..search.engine_space import engine_runs
+    if not engine_runs(plan):
+        raise NotATrainerPlan(f"the plan uses pp={plan.pp} tp={plan.tp} cp={plan.cp} ep={plan.ep}"
+                              f"{' with sequence parallelism' if plan.parallel.sequence_parallel else ''}; "
+                              "a Trainer runs DeepSpeed's engine with data parallelism, ZeRO and "
+                              "AutoTP only (plan with --emit hf, which searches that space)")
 
 
 def training_args(plan: Plan) -> dict:
@@ -39,9 +45,12 @@ def hf_ds_config(plan: Plan) -> dict:
         zero.update({"overlap_comm": True, "contiguous_gradients": True})
     if plan.parallel.offload.any:
         zero.update(offload_section(plan))
-    return {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "zero_optimization": zero, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+    cfg = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+           "zero_optimization": zero, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+    if plan.tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": plan.tp}
+    return cfg
 
 
 def args_line(plan: Plan, config_path: str = "ds_config.json") -> str:
