@@ -184,7 +184,9 @@ def predict(name, d, n, fbw, unit, act, overheads=None):
     # the loss stage also keeps the loss input and the target until its backward
     mem_f = [act * (1 + INNER) * lay + (2 * act if s == S - 1 else 0) for s in range(S)]
     mem_b = [-2 * act if s == S - 1 else 0.0 for s in range(S)]
-    costs = Costs.per_stage(S, n, f * unit * lay / 2, b * unit * lay / 2, w * unit * lay / 2,
+    # the first layer's input needs no gradient: no B there (models/sleep.py)
+    b_stage = [b * unit * (lay - (s == 0)) / 2 for s in range(S)]
+    costs = Costs.per_stage(S, n, f * unit * lay / 2, b_stage, w * unit * lay / 2,
                             mem_f=mem_f, mem_b=mem_b)
     res = simulate(sched, costs.with_overheads(overheads) if overheads else costs)
     return res.makespan, res.peak_memory

@@ -154,6 +154,7 @@ def predict(name: str, n: int, t: float, overheads=None) -> dict:
     unit = SHAPE[0] * SHAPE[1] * SHAPE[2] * 4
     c = Costs.uniform(s, lay * t, lay * t, lay * t, act=lay * unit,
                       mem_split=(1.0 + INNER, 1.0 - INNER, -2.0))
+    c.b[0] -= t                             # the first layer's input needs no gradient: no B
     if any(a.kind == Kind.B for a in s.actions()):
         c = c.with_transient(unit)
     r = simulate(s, c.with_overheads(overheads) if overheads else c)

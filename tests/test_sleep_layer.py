@@ -98,3 +98,17 @@ def test_graph_split_sleeps_b_and_w_in_torch_pipelinings_passes():
     assert all(torch.allclose(a, b) for a, b in zip(out["graph"][2], out["defer"][2]))
     with pytest.raises(ValueError):
         SleepLayer(0.0, 0.0, split="graph", w_keeps="grad")
+
+
+@pytest.mark.parametrize("split", ["defer", "graph"])
+def test_no_input_gradient_no_b(split):
+    """B is the input gradient: the first layer of a stage whose input needs none (the first
+    stage) skips B's sleep in both splits, as autograd skips the work; W still runs."""
+    calls = []
+    ls = [SleepLayer(*(lambda sh, k=k, i=i: calls.append(k + str(i)) or 0.0 for k in "fbw"),
+                     split=split) for i in range(2)]
+    y = ls[1](ls[0](torch.randn(2, 3, 4)))
+    calls.clear()
+    y.sum().backward()
+    assert sorted(calls) == ["b1", "w0", "w1"]
+    assert all(layer.p.grad is not None for layer in ls)

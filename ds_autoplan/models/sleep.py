@@ -21,6 +21,10 @@ graph instead (``torch.distributed.pipelining``'s ``stage_backward_input`` / ``_
 the input path and the weight path are separate autograd nodes, B sleeps on the first, W on
 the second, and everything is kept until W (``w_keeps='all'``'s bytes).
 
+B is the input gradient: a layer whose input needs none (the first layer of the first stage)
+skips it, as autograd skips an operation's input gradient -- in both splits, so that every
+runtime runs the same model (torch.distributed.pipelining's first stage never asks for it).
+
 Times are seconds, or a callable ``shape -> seconds`` (a cost model of the input's shape).
 """
 from __future__ import annotations
@@ -96,13 +100,16 @@ class _SleepFn(torch.autograd.Function):
         from ..runtime.splitgrad import defer
         x, *inner = ctx.saved_tensors
         layer = ctx.layer
-        sleep(layer.seconds(layer.tb, x.shape))
+        gx = None
+        if ctx.needs_input_grad[0]:        # B: the input gradient, only where it is wanted
+            sleep(layer.seconds(layer.tb, x.shape))
+            gx = go * ctx.p
         s = (go * x).sum().reshape(1)
         held = (x, *inner, s) if layer.w_keeps == "all" else (x, go)
         if defer(_weight_pass, *held, layer=layer):
-            return go * ctx.p, None, None
+            return gx, None, None
         sleep(layer.seconds(layer.tw, x.shape))
-        return go * ctx.p, s, None
+        return gx, s, None
 
 
 class _InputPath(torch.autograd.Function):

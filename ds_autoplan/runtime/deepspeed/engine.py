@@ -11,7 +11,10 @@ Nothing here looks at a schedule's name.
 After the list: the step's sends are completed, then DeepSpeed's own once-per-step work --
 the tied-gradient reduction (only with tied modules), the data-parallel gradient reduction
 (only with something to reduce: more than one data-parallel replica, ZeRO or MoE) and the
-optimizer step -- and ``train_batch``'s loss aggregation.  Transfers are
+optimizer step -- and ``train_batch``'s loss aggregation: with one data-parallel replica
+and no additional losses, the loss rank's broadcast of the step's loss is posted as soon as
+its action list ends and the other ranks' receive before theirs begins, so no rank waits
+for it at the step's end.  Transfers are
 ``torch.distributed`` ``isend``/``irecv`` between global ranks: a SEND is issued and not
 waited for, a RECV posts the receive and the consuming F/B waits for it, exactly the
 semantics ``ds_autoplan.schedule.lower`` orders for.
@@ -90,6 +93,7 @@ class AutoplanEngine(PipelineEngine):
             raise ValueError("the AutoplanPipelineModule carries no schedule")
         self.S = sched.num_stages
         self._ap_globals = [self.grid.stage_to_global(r) for r in range(self.num_stages)]
+        self._world = dist.group.WORLD      # p2p by global rank, without the per-call checks
         self.placement = tuple(mod._ap_placement)
         self._loss_rank = self.placement[-1]
         self._split = False
@@ -106,7 +110,8 @@ class AutoplanEngine(PipelineEngine):
         self._p2p_timeout = datetime.timedelta(seconds=env_float(
             "DS_AUTOPLAN_P2P_TIMEOUT", (self.ap_watchdog.timeout or 600.0) + PG_MARGIN))
         self._slots = Slots()        # (stage, micro-batch) -> runtime.common.Slot
-        self._sends: list = []
+        self._sends: list = []           # (work, what, peer) of the sends not known complete
+        self._loss_bcast = None          # (work, losses, agg) of the step's loss broadcast
         self._meta_sent: set = set()
         self._recv_meta: dict = {}
         self._batches: dict = {}
@@ -275,6 +280,9 @@ class AutoplanEngine(PipelineEngine):
         self.ap_mem_trace = []
         self.ap_memory.new_step()
         self.fwd_outputs = []
+        self._loss_bcast = None
+        if pipe_schedule.train and self._loss_ahead() and not self.is_last_stage():
+            self._post_loss()
         tr = self.memtracker
         if tr is not None:
             tr.reset_peak()
@@ -292,6 +300,8 @@ class AutoplanEngine(PipelineEngine):
         for a, peer in zip(sched.actions, sched.waits):
             doing(a, peer)
             table[a.kind](a)
+        if sched.train and self.is_last_stage() and self._loss_ahead():
+            self._post_loss()
         doing("completing the step's sends")
         self._exec_commit_p2p()
         if sched.train:
@@ -309,6 +319,44 @@ class AutoplanEngine(PipelineEngine):
         if self.dp_world_size > 1 or self.zero_optimization_stage() > 0 or self.has_moe_layers:
             work.append("_exec_reduce_grads")
         return work + ["_exec_optimizer_step"]
+
+    # -- the step's loss ---------------------------------------------------------------------
+    def _loss_ahead(self) -> bool:
+        """Whether the step's loss goes out by one broadcast posted ahead (every rank decides
+        alike): a pipeline of one data-parallel replica without additional losses; otherwise
+        DeepSpeed's own aggregation runs after the step."""
+        return self.is_pipe_parallel and not self.is_data_parallel \
+            and self.module.get_additional_losses() is None
+
+    def _post_loss(self):
+        """Post the step's loss broadcast over the pipeline group: on the loss rank, the
+        values DeepSpeed's ``_aggregate_total_loss`` sends (the loss divided by the
+        accumulation steps, twice: this replica's and the data-parallel mean); elsewhere the
+        receive, before the step's first action."""
+        src = self._loss_stage_global_rank()
+        if self.is_last_stage():
+            loss = self._scale_loss_by_gas(self.total_loss)
+            self.agg_additional_losses = None
+            self.dp_group_loss = loss.clone().detach()
+            agg = self.dp_group_loss.clone().detach()
+            losses = torch.stack([self.dp_group_loss, agg]).float()
+        else:
+            agg, losses = None, torch.zeros(2, device=self.device)
+        work = dist.broadcast(losses, src=src, group=self.grid.get_pipe_parallel_group(),
+                              async_op=True)
+        self._loss_bcast = (work, losses, agg)
+
+    def _aggregate_total_loss(self):
+        pending, self._loss_bcast = self._loss_bcast, None
+        if pending is None:
+            return super()._aggregate_total_loss()
+        work, losses, agg = pending
+        self.ap_watchdog.doing("the step's loss broadcast", self._loss_rank)
+        self._wait(work, "the step's loss broadcast", self._loss_rank)
+        if agg is None:
+            self.dp_group_loss = losses[0].clone().detach()
+            agg = losses[1].clone().detach()
+        return agg
 
     def _trace(self, name, stage, mb):
         if self.memtracker is not None:
@@ -353,6 +401,14 @@ class AutoplanEngine(PipelineEngine):
         """The global rank of pipeline rank ``pipe_rank`` (this rank's data-parallel column)."""
         return self._ap_globals[pipe_rank]
 
+    def _isend(self, t, peer):
+        """``dist.isend`` of ``t`` to pipeline rank ``peer`` (through the world group)."""
+        return self._world.send([t], self._ap_globals[peer], 0)
+
+    def _irecv(self, t, peer):
+        """``dist.irecv`` into ``t`` from pipeline rank ``peer``."""
+        return self._world.recv([t], self._ap_globals[peer], 0)
+
     def _wait(self, work, what, peer):
         try:
             ok = work.wait(self._p2p_timeout)
@@ -370,11 +426,11 @@ class AutoplanEngine(PipelineEngine):
             meta += [self.DTYPE_TO_ID[t.dtype], t.dim(), *t.shape]
         buf = torch.zeros(256, dtype=torch.long)
         buf[:len(meta)] = torch.tensor(meta, dtype=torch.long)
-        self._sends.append((dist.isend(buf, self._peer(peer)), "activation metadata", peer))
+        self._sends.append((self._isend(buf, peer), "activation metadata", peer))
 
     def _recv_meta_blocking(self, peer):
         buf = torch.zeros(256, dtype=torch.long)
-        self._wait(dist.irecv(buf, self._peer(peer)), "activation metadata", peer)
+        self._wait(self._irecv(buf, peer), "activation metadata", peer)
         m = buf.tolist()
         is_tensor, n, i, specs = bool(m[0]), m[1], 2, []
         for _ in range(n):
@@ -397,7 +453,7 @@ class AutoplanEngine(PipelineEngine):
             self._meta_sent.add(stage)
             self._send_meta(tensors, torch.is_tensor(out), peer)
         for t in tensors:
-            self._sends.append((dist.isend(t, self._peer(peer)), f"activation of stage {stage}", peer))
+            self._sends.append((self._isend(t, peer), f"activation of stage {stage}", peer))
         self._prune_sends()
 
     def _recv_activation(self, a):
@@ -409,7 +465,7 @@ class AutoplanEngine(PipelineEngine):
                 self._recv_meta[stage] = self._recv_meta_blocking(peer)
             is_tensor, specs = self._recv_meta[stage]
         bufs = [torch.empty(shape, dtype=dt, device=self.device) for dt, shape in specs]
-        works = [dist.irecv(b, self._peer(peer)) for b in bufs]
+        works = [self._irecv(b, peer) for b in bufs]
         self._slots.at(stage, mb).recv_f = (works, bufs, is_tensor, peer)
 
     def _send_grad(self, a):
@@ -419,7 +475,7 @@ class AutoplanEngine(PipelineEngine):
         if any(g is None for g in grads):
             raise RuntimeError(f"stage {stage} micro-batch {mb}: no input gradient to send")
         for g in grads:
-            self._sends.append((dist.isend(g, self._peer(peer)), f"gradient of stage {stage}", peer))
+            self._sends.append((self._isend(g, peer), f"gradient of stage {stage}", peer))
         slot.inp = None
         self._prune_sends()
 
@@ -429,7 +485,7 @@ class AutoplanEngine(PipelineEngine):
         if slot.out is None:
             raise RuntimeError(f"RecvGrad for stage {stage} micro-batch {mb} before its forward")
         bufs = [torch.empty_like(t) for t in _as_list(slot.out) if t.is_floating_point()]
-        slot.recv_b = ([dist.irecv(b, self._peer(peer)) for b in bufs], bufs, None, peer)
+        slot.recv_b = ([self._irecv(b, peer) for b in bufs], bufs, None, peer)
 
     def _take_recv(self, slot, field, what):
         works, bufs, is_tensor, peer = getattr(slot, field)
@@ -439,12 +495,12 @@ class AutoplanEngine(PipelineEngine):
         return bufs, is_tensor
 
     def _prune_sends(self):
-        self._sends = [s for s in self._sends if not s[0].is_completed()]
+        self._sends[:] = [s for s in self._sends if not s[0].is_completed()]
 
     def _exec_commit_p2p(self):
         for work, what, peer in self._sends:
             self._wait(work, f"sending {what}", peer)
-        self._sends = []
+        self._sends.clear()
 
     # -- compute ---------------------------------------------------------------------------------
     def _stage_input(self, stage, mb, slot):
@@ -538,12 +594,13 @@ class AutoplanEngine(PipelineEngine):
                 DeepSpeedEngine.backward(self, slot.loss)
             else:
                 outs = [t for t in _as_list(slot.out) if t.is_floating_point()]
-                self._running_engine_backward = True
+                state = self.__dict__    # a plain attribute: no nn.Module.__setattr__ here
+                state["_running_engine_backward"] = True
                 try:
                     with self._lp_grads():
                         torch.autograd.backward(outs, grads)
                 finally:
-                    self._running_engine_backward = False
+                    state["_running_engine_backward"] = False
         if slot.h is not None:      # through the recomputed layers
             hs = [t for t in _as_list(slot.h) if t.is_floating_point()]
             h2 = [t for t in _as_list(slot.h2) if t.is_floating_point()]
