@@ -211,6 +211,23 @@ def test_autotp_is_searched_only_where_it_shards_the_module(tmp_path, capsys):
     assert "AutoTP tp=2" in capsys.readouterr().err
 
 
+def test_the_engine_space_offloads_model_states_only():
+    """A module's own checkpointing (Hugging Face's) keeps its inputs on the device: the engine
+    space weighs the planner's state offloads and no activation offload (the pipeline planner's
+    space has them), and refuses one asked for, in one line."""
+    from ds_autoplan.search.engine_space import ENGINE_OFFLOADS, search_engine_space
+    from ds_autoplan.search.space import Space
+    from ds_autoplan.spec import SpecError, load_cluster
+    from ds_autoplan.spec.model import load_model
+    m, c = load_model("llama2-7b"), load_cluster("8xa100-80gb")
+    full = Space(m, c, 64, runtime="deepspeed").offloads(1, 1, 8)
+    engine = Space(m, c, 64, runtime="deepspeed", offloads=ENGINE_OFFLOADS).offloads(1, 1, 8)
+    assert any(o.activations for o in full) and not any(o.activations for o in engine)
+    assert [o for o in full if not o.activations] == engine
+    with pytest.raises(SpecError, match=r"offload=opt\+act: DeepSpeed's engine running a module by itself"):
+        search_engine_space(m, c, 64, fix={"offload": "opt+act"})
+
+
 def _premade(tmp_path, **fix):
     from ds_autoplan.search import SearchOptions, plan_model
     plan = plan_model(_tiny_spec(), "cpu-2", 8, options=SearchOptions(fix=fix, precision="fp32"))

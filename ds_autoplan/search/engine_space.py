@@ -22,6 +22,12 @@ module by itself.
 from __future__ import annotations
 
 from ..spec import SpecError
+from ..spec.parallel import Offload
+from .space import OFFLOAD_SPACE
+
+# the offloads of model states only: the module's own checkpointing (Hugging Face's) keeps its
+# inputs on the device, and DeepSpeed's cpu_checkpointing serves deepspeed.checkpointing only
+ENGINE_OFFLOADS = tuple(o for o in OFFLOAD_SPACE if not o.activations)
 
 
 def search_engine_space(model, cluster, global_batch: int, seq: int | None = None, *,
@@ -41,6 +47,10 @@ def search_engine_space(model, cluster, global_batch: int, seq: int | None = Non
     if tp not in (None, 1) and not autotp:
         raise SpecError(f"tp={tp}: this module cannot take DeepSpeed's AutoTP (a Hugging Face "
                         "model without adapters can), so its engine runs tp=1")
+    if "offload" in fix and Offload.parse(fix["offload"]).activations:
+        raise SpecError(f"offload={fix['offload']}: DeepSpeed's engine running a module by itself keeps "
+                        "its activations on the device (cpu_checkpointing serves deepspeed.checkpointing "
+                        "only, not the module's own checkpointing)")
     for key in ("cp", "ep"):
         if fix.get(key, 1) != 1:
             raise SpecError(f"{key}={fix[key]}: DeepSpeed's engine runs a module without "
@@ -58,7 +68,7 @@ def search_engine_space(model, cluster, global_batch: int, seq: int | None = Non
             res = search(model, cluster, global_batch, seq, options, pp=1,
                          tp=(tp or None) if autotp else 1, sequence_parallel="off",
                          fix={**fix, "recompute": mode, "cp": 1, "ep": 1},
-                         runtime="deepspeed", execution="deepspeed",
+                         runtime="deepspeed", execution="deepspeed", offloads=ENGINE_OFFLOADS,
                          wide=False, baselines=False, keep_sim=False, **changes)
         except SpecError as e:
             miss = e

@@ -64,6 +64,8 @@ class SearchOptions:
     # which parameters train (spec/trainable.py: a fraction, 'lora:r=..,targets=..' or a
     # Trainable; None: all): frozen ones cost parameter bytes only
     trainable: Any = None
+    # the offloads weighed where the cluster has host figures (None: search/space.OFFLOAD_SPACE)
+    offloads: tuple | None = None
 
     @classmethod
     def of(cls, options: "SearchOptions | None" = None, **changes) -> "SearchOptions":

@@ -307,14 +307,15 @@ class Space:
     def offloads(self, z: int, P: int, dd: int, only=None) -> list:
         """What a configuration at ZeRO stage ``z`` with ``P`` stages and ``dd`` data ranks may
         offload: nothing (ZeRO with one data rank only to offload states), and where the cluster has host
-        figures the :data:`OFFLOAD_SPACE` members its engines run (--fix offload=... : that one;
+        figures the :data:`OFFLOAD_SPACE` (or ``options.offloads``) members its engines run (--fix offload=... : that one;
         ``only``: these, for the baselines)."""
         if only is not None:
             want = [o for o in only if self.offload_fix in (None, o)]
         elif self.offload_fix is not None:
             want = [self.offload_fix]
         else:
-            want = [NO_OFFLOAD] + ([o for o in OFFLOAD_SPACE if self.cm.cluster.offload_missing(
+            space = OFFLOAD_SPACE if self.options.offloads is None else self.options.offloads
+            want = [NO_OFFLOAD] + ([o for o in space if self.cm.cluster.offload_missing(
                 nvme=o.device == "nvme") == []] if self.cm._rates is not None else [])
         return [o for o in want if (o.states or dd > 1 or z == 0) and (z > 0 or not o.states)
                 and self.cm.offload_refusal(Strategy(1, 1, z, offload=o), P) is None]
