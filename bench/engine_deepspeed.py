@@ -109,10 +109,23 @@ def _stepper(engine, tracker, data):
     return step
 
 
-def worker(args):
+def bench_rows(outs) -> list:
+    """The ``BENCH`` rows the ranks printed (``spawn``'s ``(rc, output)`` per rank); a failed
+    rank ends the benchmark with its output's tail."""
+    rows = []
+    for rc, out in outs:
+        if rc != 0:
+            print(out[-3000:], file=sys.stderr)
+            raise SystemExit(f"a benchmark rank failed (rc {rc})")
+        rows += [json.loads(ln[6:]) for ln in out.splitlines() if ln.startswith("BENCH ")]
+    return rows
+
+
+def setup(args):
+    """A rank's set-up (one thread, the process group): (d, rank, n, unit seconds, the
+    micro-batches, the DeepSpeed config)."""
     import torch
 
-    from ds_autoplan.models.sleep import scaled
     from ds_autoplan.runtime.deepspeed.dist import init_distributed
     torch.set_num_threads(1)
     init_distributed()
@@ -123,6 +136,14 @@ def worker(args):
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": n,
            "train_batch_size": 2 * n, "steps_per_print": 10 ** 9, "gradient_clipping": 0.0,
            "zero_allow_untested_optimizer": True}
+    return d, rank, n, unit, data, cfg
+
+
+def worker(args):
+    import torch
+
+    from ds_autoplan.models.sleep import scaled
+    d, rank, n, unit, data, cfg = setup(args)
     barrier = torch.distributed.barrier
     refs = [nm for nms in NULL.values() for nm in nms]     # null iterations of these
 
@@ -236,12 +257,7 @@ def main(argv=None):
     outs = spawn([os.path.abspath(__file__), "--worker", *(["--quick"] if args.quick else []),
                   "--n", str(args.n), "--unit-ms", str(args.unit_ms), "--iters", str(args.iters),
                   "--ratios", args.ratios], args.ranks, timeout=600)
-    rows = []
-    for rc, out in outs:
-        if rc != 0:
-            print(out[-3000:], file=sys.stderr)
-            raise SystemExit(f"a benchmark rank failed (rc {rc})")
-        rows += [json.loads(ln[6:]) for ln in out.splitlines() if ln.startswith("BENCH ")]
+    rows = bench_rows(outs)
     d, n, unit = args.ranks, args.n, args.unit_ms / 1000.0
     ovs = overheads(rows, d, n)
     runs = {}

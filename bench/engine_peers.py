@@ -138,16 +138,7 @@ def worker(args):
     import torch
 
     from ds_autoplan.models.sleep import scaled
-    from ds_autoplan.runtime.deepspeed.dist import init_distributed
-    torch.set_num_threads(1)
-    init_distributed()
-    d, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    n, unit = args.n, args.unit_ms / 1000.0
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(2, 16, 64, generator=g), torch.randn(2, 16, 64, generator=g)) for _ in range(n)]
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": n,
-           "train_batch_size": 2 * n, "steps_per_print": 10 ** 9, "gradient_clipping": 0.0,
-           "zero_allow_untested_optimizer": True}
+    d, rank, n, unit, data, cfg = E.setup(args)
     barrier = torch.distributed.barrier
     names = args.schedules.split(",")
     runs = {}
@@ -221,12 +212,7 @@ def main(argv=None):
     outs = spawn([os.path.abspath(__file__), "--worker", "--n", str(args.n), "--unit-ms",
                   str(args.unit_ms), "--iters", str(args.iters), "--schedules", args.schedules],
                  args.ranks, timeout=900)
-    rows = []
-    for rc, out in outs:
-        if rc != 0:
-            print(out[-3000:], file=sys.stderr)
-            raise SystemExit(f"a benchmark rank failed (rc {rc})")
-        rows += [json.loads(ln[6:]) for ln in out.splitlines() if ln.startswith("BENCH ")]
+    rows = E.bench_rows(outs)
     by = {}
     for r in rows:
         by.setdefault((r["runtime"], r["schedule"]), []).append(r)
