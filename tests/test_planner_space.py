@@ -12,9 +12,9 @@ import pytest
 from ds_autoplan.cli import main
 from ds_autoplan.emit.deepspeed import ds_config, validate
 from ds_autoplan.emit.megatron import megatron_args
-from ds_autoplan.schedule import Costs, build, names, simulate
+from ds_autoplan.schedule import Costs, build, fastsim, names, simulate
 from ds_autoplan.schedule.builders import builder_info
-from ds_autoplan.search import fastsim, search
+from ds_autoplan.search import search
 from ds_autoplan.search.fix import parse_fix
 from ds_autoplan.search.pipeline import schedule_options
 from ds_autoplan.search.planner import Planner

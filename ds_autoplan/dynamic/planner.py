@@ -2,8 +2,9 @@
 
 ``IterationPlanner(lengths)`` → :class:`IterationPlan`: split the global batch into
 micro-batches (DP or a baseline), build the pipeline schedule for those unequal
-micro-batches (DynaPipe's adaptive cyclic schedule or 1F1B), time it with the core
-simulator, and lower it so every rank has its send/recv order (§5.6: the core
+micro-batches (DynaPipe's adaptive cyclic schedule or 1F1B) for each micro-batch order
+tried, time those with the fast simulation (``schedule.fastsim``), simulate the fastest in
+full once, and lower it so every rank has its send/recv order (§5.6: the core
 ``lower`` plans communication from the simulated timeline and ``simulate(blocking=True)``
 proves it deadlock-free).  The plan carries the *shape plan* -- (mbs, padded length) per
 micro-batch, in execution order -- so both ends of every transfer know the tensor shape
@@ -22,7 +23,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from ..schedule import Costs, Schedule, build, lower, simulate
+from ..schedule import Costs, Schedule, build, fastsim, lower, simulate
 from ..schedule.builders import builder_info
 from ..schedule.builders.dynapipe import safety_stock
 from .cost import CostModel
@@ -114,38 +115,45 @@ class IterationPlanner:
         lengths = np.asarray(lengths)
         ids = list(range(len(lengths))) if ids is None else [int(i) for i in ids]
         sp = split(self.method, lengths, self.cost, self.stages, **self.split_opts)
+        costs_sp = stage_costs(sp, self.cost, self.stages, self.p2p)
+        options = builder_info(self.schedule).options
+        # a builder that does not take the costs gives one schedule for every order
+        same = None if "costs" in options else self._schedule(options, len(sp), costs_sp, None)
         best = None
         orders = _orders(sp.times) if self.try_orders else {"split": list(range(len(sp)))}
         for oname, perm in orders.items():
-            cand = _reorder(sp, perm)
-            costs = stage_costs(cand, self.cost, self.stages, self.p2p)
-            sched = self._build(cand, costs, None)
-            res = simulate(sched, costs, check=False)
+            costs = costs_sp.take(perm)
+            sched, fast = same or self._schedule(options, len(sp), costs, None)
+            res = fast(costs)
             if self.device_mem is not None and max(res.peak_memory) > self.device_mem \
-                    and "mem_limit" in self._options:
-                sched = self._build(cand, costs, self.device_mem)
-                res = simulate(sched, costs, check=False)
-            if best is None or res.makespan < best[3].makespan - 1e-9:
-                best = (oname, cand, costs, res, sched)
-        oname, cand, costs, res, sched = best
-        low = lower(sched, costs)
+                    and "mem_limit" in options:
+                sched, fast = self._schedule(options, len(sp), costs, self.device_mem)
+                res = fast(costs)
+            if best is None or res.makespan < best[2] - 1e-9:
+                best = (oname, perm, res.makespan, sched, costs)
+        oname, perm, _, sched, costs = best
+        cand = _reorder(sp, perm)
+        res = simulate(sched, costs)    # the chosen list in full, once: its timeline is lowered
+        low = lower(sched, costs, res)
         mbs = [tuple(ids[p] for p in mb.samples) for mb in cand.microbatches]
         info = {"order": oname, "peak_memory": [float(x) for x in res.peak_memory],
                 "safety_stock": safety_stock(sched, res, self.p2p), "bubble": res.bubble_ratio}
         return IterationPlan(step, mbs, cand.shapes, cand, sched, low, costs, float(res.makespan),
                              time.perf_counter() - t0, time.thread_time() - c0, info)
 
-    @property
-    def _options(self) -> dict:
-        return builder_info(self.schedule).options
-
-    def _build(self, plan: MicroBatchPlan, costs: Costs, mem_limit) -> Schedule:
-        """The schedule for this split; a cost-aware builder (one taking ``costs``, e.g.
-        DynaPipe's adaptive schedule) gets the split's costs and the memory limit."""
+    def _schedule(self, options: dict, n: int, costs: Costs, mem_limit) -> tuple[Schedule, Callable]:
+        """The schedule of ``n`` micro-batches with these costs and its makespan and peaks as
+        a function of the costs (``schedule.fastsim``; the simulator where it does not apply).
+        A cost-aware builder (one taking ``costs``, e.g. DynaPipe's adaptive schedule) gets
+        the costs and the memory limit."""
         given = {"costs": costs, "report": False, "mem_limit": mem_limit}
         opts = {**self.schedule_opts,
-                **{k: v for k, v in given.items() if k in self._options and v is not None}}
-        return build(self.schedule, self.stages, len(plan), **opts)
+                **{k: v for k, v in given.items() if k in options and v is not None}}
+        sched = build(self.schedule, self.stages, n, **opts)
+        c = fastsim.compile_schedule(sched)
+        if c is None:
+            return sched, lambda cs: simulate(sched, cs, check=False)
+        return sched, lambda cs: fastsim.run_costs(c, cs)
 
 
 class Prefetcher:

@@ -113,6 +113,15 @@ class Costs:
                                 f"micro-batches; schedule has {sched.num_stages} x "
                                 f"{sched.num_microbatches}")
 
+    def take(self, order) -> "Costs":
+        """These costs with the micro-batches in ``order`` (micro-batch k of the result is
+        micro-batch ``order[k]`` here)."""
+        i = list(order)
+        tr = self.b_transient
+        return replace(self, **{k: getattr(self, k)[:, i] for k in
+                                ("f", "b", "w", "r", "mem_f", "mem_b", "mem_w", "keep_ckpt")},
+                       b_transient=tr if np.ndim(tr) == 0 else tr[:, i])
+
     def with_transient(self, b_transient) -> "Costs":
         """These costs with ``b_transient`` bytes held during every backward (a scalar, or
         per stage, or per (stage, micro-batch))."""

@@ -14,16 +14,18 @@ import bisect
 
 from .costs import Costs
 from .ir import Action, DependencyIndex, Kind, Schedule, cross_stage_pred
-from .simulator import simulate
+from .simulator import SimResult, simulate
 
 
-def lower(sched: Schedule, costs: Costs | None = None) -> Schedule:
-    """Return ``sched`` with SEND_F/RECV_F/SEND_B/RECV_B inserted (idempotent)."""
+def lower(sched: Schedule, costs: Costs | None = None, timeline: SimResult | None = None
+          ) -> Schedule:
+    """Return ``sched`` with SEND_F/RECV_F/SEND_B/RECV_B inserted (idempotent).
+    ``timeline``: ``simulate(sched, costs)`` when the caller has it already."""
     if sched.has_comm():
         return sched
     if costs is None:
         costs = Costs.uniform(sched)
-    res = simulate(sched, costs)
+    res = simulate(sched, costs) if timeline is None else timeline
     end = {a.key: v for a, v in res.end.items()}
     dep = DependencyIndex(sched)
     # transfers: (time, producer rank, seq) → (send action, recv action)

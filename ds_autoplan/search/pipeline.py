@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import fastsim
-from .fastsim import cached_build as _build
+from ..schedule import fastsim
+from ..schedule.fastsim import cached_build as _build
 from .dp import INF, Context
 from .partition import even_partition, minmax_partition, stage_matrices
 

@@ -24,6 +24,8 @@ later chunks of a V placement cannot overshoot); each backward releases its stag
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -109,6 +111,15 @@ def cyclic_order(placement: Sequence[int], n: int, mem_f: np.ndarray,
     return order
 
 
+@lru_cache(maxsize=64)
+def _unlimited(placement: tuple[int, ...], n: int, max_inflight: int | None) -> Schedule:
+    """The schedule without a memory limit, memoised: activations only matter against a
+    limit, so it is the same for every cost of ``n`` micro-batches (a per-step planner
+    builds it for each micro-batch order it tries)."""
+    order = cyclic_order(placement, n, np.zeros((len(placement), n)), None, max_inflight)
+    return draft(n, placement, order, mem_limit=None, max_inflight=max_inflight)
+
+
 def safety_stock(sched: Schedule, res: SimResult, p2p: float = 0.0) -> list[float]:
     """Mean number of ready-but-waiting compute actions on each rank, sampled when the rank
     starts an action (docs/schedules.md §8 decision 10).  Stage-0 forwards are excluded: the
@@ -177,8 +188,12 @@ def dynapipe(d: int, n: int, *, costs: Costs | None = None, mb_f=None, mb_b=None
                             f"micro-batches; need {S} x {n}")
     if max_inflight is not None and (not isinstance(max_inflight, int) or max_inflight < 1):
         raise ScheduleError(f"dynapipe: max_inflight must be a positive integer, got {max_inflight!r}")
-    order = cyclic_order(pl, n, costs.mem_f, mem_limit, max_inflight)
-    sched = draft(n, pl, order, mem_limit=mem_limit, max_inflight=max_inflight)
+    if mem_limit is None:
+        sched = _unlimited(pl, n, max_inflight)
+        sched = replace(sched, meta=dict(sched.meta))
+    else:
+        order = cyclic_order(pl, n, costs.mem_f, mem_limit, max_inflight)
+        sched = draft(n, pl, order, mem_limit=mem_limit, max_inflight=max_inflight)
     if not report:
         return sched
     res = simulate(sched, costs)

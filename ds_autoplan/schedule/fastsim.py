@@ -1,12 +1,15 @@
-"""The simulator's answer for the planner's inner loop, without its event loop.
+"""The simulator's answer for a planner's inner loop, without its event loop.
 
-A compute-only schedule (F, B, W, BW; no R, no SEND/RECV) whose costs are per stage is a
-DAG: an action starts when its rank is free and its predecessors have ended, plus the p2p
-latency on a cross-rank stage edge (``schedule.simulator.simulate``'s rules).  Start times
-are then a longest path, computed once per (schedule, costs) in a topological order that
-is compiled once per schedule shape.  The planner costs hundreds of (schedule, partition,
-recompute) variants on the same few shapes; ``tests/test_planner_space.py`` checks this against
-the simulator on every registered schedule."""
+A compute-only schedule (F, B, W, BW; no R, no SEND/RECV) is a DAG: an action starts when
+its rank is free and its predecessors have ended, plus the p2p latency on a cross-rank stage
+edge (:func:`ds_autoplan.schedule.simulate`'s rules).  Start times are then a longest path,
+computed once per (schedule, costs) in a topological order that is compiled once per
+schedule.  The static search costs hundreds of (schedule, partition, recompute) variants on
+the same few shapes with per-stage costs; the per-step planner of variable-length batches
+(DynaPipe) compares a few micro-batch orders with costs per (stage, micro-batch).  Makespan
+and peaks of :func:`run` are the simulator's to the last bit (the same additions in the same
+order): ``tests/test_planner_space.py`` checks every registered schedule,
+``tests/test_dynamic_plans.py`` the bit equality on costs per (stage, micro-batch)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,10 +24,11 @@ _KINDS = ("F", "B", "W", "BW")
 @dataclass(frozen=True)
 class Compiled:
     """A schedule compiled once for :func:`run`: actions in topological order with their rank,
-    stage, kind, predecessors and rank predecessor."""
+    stage, micro-batch, kind, predecessors and rank predecessor."""
     order: tuple          # action indices, topological
     rank: np.ndarray      # [A] rank of each action
     stage: np.ndarray     # [A]
+    mb: np.ndarray        # [A]
     kind: np.ndarray      # [A] index into _KINDS
     preds: tuple          # per action: ((pred index, cross-rank stage edge?), ...)
     prev: tuple           # per action: previous action on its rank, or -1
@@ -49,8 +53,11 @@ class FastResult:
         return 1.0 - float(self.busy.sum()) / (len(self.busy) * self.makespan) if self.makespan > 0 else 0.0
 
 
+@lru_cache(maxsize=64)
 def compile_schedule(sched) -> Compiled | None:
     """The DAG of ``sched``; None when it has actions outside F/B/W/BW (use the simulator).
+    Memoised: a :class:`~ds_autoplan.schedule.Schedule` is immutable and hashes by its
+    lists (a per-step planner meets the same lists for every micro-batch order it tries).
     Dependencies as ``schedule.ir.DependencyIndex`` states them: F after F of the previous
     stage; B/BW after its F and after the next stage's backward; W after its B."""
     keys = [(a.kind.value, a.stage, a.mb) for lst in sched.ranks for a in lst]
@@ -94,14 +101,14 @@ def compile_schedule(sched) -> Compiled | None:
     if len(order) != n:
         return None                     # a deadlock: let the simulator report it
     return Compiled(tuple(order), rank, np.array([s for _, s, _ in keys]),
-                    np.array([_KINDS.index(k) for k, _, _ in keys]), tuple(preds), tuple(prev),
-                    sched.num_ranks)
+                    np.array([m for _, _, m in keys]), np.array([_KINDS.index(k) for k, _, _ in keys]),
+                    tuple(preds), tuple(prev), sched.num_ranks)
 
 
 @lru_cache(maxsize=256)
 def cached_build(name: str, d: int, n: int, opts: tuple):
     """``schedule.build(name, d, n, **dict(opts))``, memoised (schedules are immutable)."""
-    from ..schedule import build
+    from .builders import build
     return build(name, d, n, **dict(opts))
 
 
@@ -113,13 +120,14 @@ def compiled(name: str, d: int, n: int, opts: tuple) -> Compiled | None:
 
 
 def run(c: Compiled, f, b, w, mem_f, mem_b, mem_w, p2p: float) -> FastResult:
-    """Per-stage durations and memory deltas -> makespan, per-rank peak and busy time, as
-    ``simulate`` computes them (allocations at start, frees at end, frees first on ties)."""
+    """Durations and memory deltas per stage (``[S]`` each) or per (stage, micro-batch)
+    (``[S, n]``) -> makespan, per-rank peak and busy time, as ``simulate`` computes them
+    (allocations at start, frees at end, frees first on ties)."""
     f, b, w = (np.asarray(x, float) for x in (f, b, w))
-    dur_tab = np.stack([f, b, w, b + w])                      # [kind, stage]
+    at = (c.kind, c.stage) if f.ndim == 1 else (c.kind, c.stage, c.mb)
+    dur = np.stack([f, b, w, b + w])[at]                      # tables [kind, stage(, mb)]
     mf, mb, mw = (np.asarray(x, float) for x in (mem_f, mem_b, mem_w))
-    mem_tab = np.stack([mf, mb, mw, mb + mw])
-    dur = dur_tab[c.kind, c.stage]
+    delta = np.stack([mf, mb, mw, mb + mw])[at]
     dl = dur.tolist()
     end = [0.0] * len(dl)
     start = [0.0] * len(dl)
@@ -136,19 +144,27 @@ def run(c: Compiled, f, b, w, mem_f, mem_b, mem_w, p2p: float) -> FastResult:
     st, en = np.array(start), np.array(end)
     makespan = float(en.max() - st.min())
     busy = np.bincount(c.rank, weights=dur, minlength=c.num_ranks)
-    delta = mem_tab[c.kind, c.stage]
     nz = delta != 0
     d, alloc, rk = delta[nz], delta[nz] > 0, c.rank[nz]
     tm = np.where(alloc, st[nz], en[nz])
     o = np.lexsort((d, alloc, tm, rk))                         # per rank, by time, frees first
     d, rk = d[o], rk[o]
-    cur = np.cumsum(d)
-    # each rank's level: the running sum less the sum before the rank's first event
-    head = np.maximum.accumulate(np.where(np.r_[True, rk[1:] != rk[:-1]], np.arange(len(d)), 0))
-    level = cur - (cur - d)[head]
-    peak = np.zeros(c.num_ranks)
-    np.maximum.at(peak, rk, level)
+    # each rank's level: its own running sum from 0 (a row each, zero-padded), added in the
+    # simulator's order
+    count = np.bincount(rk, minlength=c.num_ranks)
+    levels = np.zeros((c.num_ranks, int(count.max(initial=0)) + 1))
+    levels[rk, np.arange(len(d)) - np.repeat(np.cumsum(count) - count, count)] = d
+    peak = np.maximum(np.cumsum(levels, axis=1).max(axis=1), 0.0)
     return FastResult(makespan, peak, busy)
+
+
+def run_costs(c: Compiled, costs) -> FastResult:
+    """:func:`run` with a :class:`~ds_autoplan.schedule.Costs`; runtime overheads and
+    backward transients are the simulator's only."""
+    if costs.dispatch or costs.step or np.any(costs.b_transient):
+        raise ValueError("fastsim: costs with runtime overheads or backward transients need "
+                         "the simulator")
+    return run(c, costs.f, costs.b, costs.w, costs.mem_f, costs.mem_b, costs.mem_w, costs.p2p)
 
 
 @dataclass(frozen=True)
