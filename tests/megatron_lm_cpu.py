@@ -288,7 +288,10 @@ def runs(job: str) -> None:
     for run in todo:
         code = fork_wait(lambda run=run: _run_child(run, rank, world), run["log"], RUN_TIMEOUT)
         failed |= code != 0
-        print("MLM_CPU_RUN " + json.dumps({"tag": run["tag"], "rank": rank, "exit": code}), flush=True)
+        # one write of one line (print writes the text and the newline apart: ranks sharing the
+        # launcher's pipe interleaved there, two results on one line)
+        sys.stdout.write("MLM_CPU_RUN " + json.dumps({"tag": run["tag"], "rank": rank, "exit": code}) + "\n")
+        sys.stdout.flush()
     _end(1 if failed else 0)
 
 

@@ -120,7 +120,7 @@ def _forked_runs(cmds: dict, cwd: pathlib.Path, tmp: pathlib.Path, nproc: int, n
             "; ".join(f"wait $p{i} || exit 1" for i in range(nodes))
     r = _launch(launch, cwd, timeout=420 * len(todo))     # as much as separate launches
     launch_out = r.stdout + r.stderr
-    done = [json.loads(x) for x in re.findall(r"MLM_CPU_RUN (\{.*\})", launch_out)]
+    done = [json.loads(x) for x in re.findall(r"MLM_CPU_RUN (\{[^{}]*\})", launch_out)]
     res = {}
     for run in todo:
         codes = [d["exit"] for d in done if d["tag"] == run["tag"]]
