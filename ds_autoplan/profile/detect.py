@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import statistics
-import time
 
 import torch
 
@@ -66,39 +64,18 @@ def rank_facts(layout: dict | None = None) -> dict:
 
 
 # -- micro-benchmarks --------------------------------------------------------------------------------
-def _sync(device: torch.device):
-    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-
-def _timed(fn, sync, repeats: int) -> float:
-    """Median seconds of ``fn`` after one warm-up."""
-    times = []
-    for r in range(repeats + 1):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        if r:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure_device(device: torch.device, quick: bool = True) -> dict:
     """Achieved matmul rate (bf16 on a GPU, fp32 on a CPU; TFLOP/s, the best of a few square
     sizes) and memory bandwidth (a device-to-device copy: bytes read + written, GB/s)."""
-    sync, gpu = _sync(device), device.type == "cuda"
+    from .hardware import matmul_flops, median_seconds
+    gpu, repeats = device.type == "cuda", 3 if quick else 10
     dtype = torch.bfloat16 if gpu else torch.float32
-    g = torch.Generator(device=device).manual_seed(0)     # the process's own generators untouched
-    best = 0.0
-    for n in ((4096, 8192) if gpu else (256, 512)) + ((16384,) if gpu and not quick else ()):
-        a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
-        b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
-        best = max(best, 2.0 * n ** 3 / _timed(lambda: a @ b, sync, 3 if quick else 10) / 1e12)
-        del a, b
+    best = max(matmul_flops(n, device, dtype, repeats) / 1e12
+               for n in ((4096, 8192) if gpu else (256, 512)) + ((16384,) if gpu and not quick else ()))
     nbytes = (1 << 30 if gpu else 1 << 26) // (2 if quick else 1)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    hbm = 2 * nbytes / _timed(lambda: dst.copy_(src), sync, 3 if quick else 10) / 1e9
+    hbm = 2 * nbytes / median_seconds(lambda: dst.copy_(src), device, repeats) / 1e9
     return {"peak_tflops": round(best, 5), "hbm_GBps": round(hbm, 1)}
 
 
@@ -108,13 +85,13 @@ def allreduce_busbw(group, device: torch.device, sizes=SIZES[True], repeats: int
     time counts."""
     import torch.distributed as dist
 
-    from .hardware import _fit
+    from .hardware import _fit, median_seconds
     n = dist.get_world_size(group)
-    sync, points = _sync(device), []
+    points = []
     for nbytes in sizes:
         x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
         dist.barrier(group=group)
-        t = torch.tensor([_timed(lambda: dist.all_reduce(x, group=group), sync, repeats)],
+        t = torch.tensor([median_seconds(lambda: dist.all_reduce(x, group=group), device, repeats)],
                          dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         points.append((x.numel() * 4, float(t.item())))

@@ -21,23 +21,30 @@ import torch.multiprocessing as mp
 from ..errors import UserError
 
 
-def matmul_flops(n: int = 512, device: str | torch.device = "cpu", dtype=torch.float32,
-                 repeats: int = 5) -> float:
-    """Achieved FLOP/s of an n x n x n matmul (median of ``repeats`` after one warm-up)."""
+def median_seconds(fn, device: str | torch.device = "cpu", repeats: int = 5) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls after one warm-up (a CUDA ``device``
+    is synchronized around each call)."""
     device = torch.device(device)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     times = []
     for r in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        fn()
+        sync()
         if r:
             times.append(time.perf_counter() - t0)
-    return 2.0 * n ** 3 / statistics.median(times)
+    return statistics.median(times)
+
+
+def matmul_flops(n: int = 512, device: str | torch.device = "cpu", dtype=torch.float32,
+                 repeats: int = 5) -> float:
+    """Achieved FLOP/s of an n x n x n matmul (median of ``repeats`` after one warm-up).  The
+    operands come from a generator of its own: the process's random state is left as it was."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    return 2.0 * n ** 3 / median_seconds(lambda: a @ b, device, repeats)
 
 
 def host_link_GBps(device: str | torch.device = "cpu", nbytes: int = 1 << 24,
@@ -51,17 +58,7 @@ def host_link_GBps(device: str | torch.device = "cpu", nbytes: int = 1 << 24,
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
 
     def rate(dst, src):
-        times = []
-        for r in range(repeats + 1):
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=cuda)
-            if cuda:
-                torch.cuda.synchronize()
-            if r:
-                times.append(time.perf_counter() - t0)
-        return nbytes / statistics.median(times) / 1e9
+        return nbytes / median_seconds(lambda: dst.copy_(src, non_blocking=cuda), device, repeats) / 1e9
 
     return {"d2h_GBps": rate(host, dev), "h2d_GBps": rate(dev, host), "bytes": nbytes}
 
