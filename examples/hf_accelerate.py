@@ -52,6 +52,7 @@ def main():
             losses = []
             if step == args.steps:
                 break
+    acc.end_training()           # destroys the process group: a live gloo group can abort at exit
 
 
 if __name__ == "__main__":

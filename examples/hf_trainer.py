@@ -13,6 +13,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 from ds_autoplan.models.tiny_hf import tiny_llama, token_dataset
@@ -40,6 +41,8 @@ def main():
         for h in trainer.state.log_history:
             if "loss" in h:
                 print(f"LOSS {h['step']} {h['loss']!r}", flush=True)
+    if dist.is_initialized():    # a gloo group left alive can abort the process at exit (SIGABRT)
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
