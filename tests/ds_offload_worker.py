@@ -139,16 +139,22 @@ JOBS = {**{k: versus_deepspeed(k) for k in PLANS},
 
 
 def script():
-    """An unchanged DeepSpeed pipeline script (``--script``), for ``ds-autoplan launch``: one
-    line per step, ``OFFLOAD_LOSS step loss``, and the offload its engine runs."""
+    """An unchanged DeepSpeed pipeline script (``--script [--config ds_config.json]``), for
+    ``ds-autoplan launch`` and DeepSpeed's own launcher: one line per step, ``OFFLOAD_LOSS step
+    loss``, and the offload its engine runs."""
+    import json
+
     import deepspeed
     from deepspeed.pipe import PipelineModule
     deepspeed.init_distributed(dist_backend="gloo")
     g = torch.Generator().manual_seed(1)
     xs, ys = torch.randn(4 * MBS * N * STEPS, H, generator=g), torch.randn(4 * MBS * N * STEPS, H, generator=g)
     net = PipelineModule(layers=layers(), num_stages=1, loss_fn=F.mse_loss)
-    engine, *_ = deepspeed.initialize(model=net, config={**CFG, "train_batch_size": 2 * MBS * N},
-                                      training_data=torch.utils.data.TensorDataset(xs, ys))
+    cfg = {**CFG, "train_batch_size": 2 * MBS * N}
+    if "--config" in sys.argv:
+        with open(sys.argv[sys.argv.index("--config") + 1]) as fh:
+            cfg = json.load(fh)
+    engine, *_ = deepspeed.initialize(model=net, config=cfg, training_data=torch.utils.data.TensorDataset(xs, ys))
     for step in range(STEPS):
         loss = float(engine.train_batch())
         if torch.distributed.get_rank() == 0:
@@ -157,6 +163,8 @@ def script():
         zo = engine._config.zero_config
         print("OFFLOAD_RAN", zo.stage, zo.offload_optimizer.device if zo.offload_optimizer else None,
               engine._config.activation_checkpointing_config.cpu_checkpointing, flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()      # a live gloo group aborts the process at exit
 
 
 if __name__ == "__main__":

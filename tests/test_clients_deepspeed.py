@@ -129,10 +129,10 @@ def launches(client, patched_runner, tmp_path_factory, request):
     launch`` line; ``(form, world)``: the unrestricted runs (:func:`_unrestricted`: rc,
     output, losses, the /dev/shm files the launch left); ``"references"``: DeepSpeed's own
     engines on the unchanged script, one run after the other in the ranks of one 2-rank
-    ``deepspeed`` launch (deepspeedexamples_shim/shim_runs.py): the non-pipelined path (-p 0)
-    under the unrestricted 2-rank plan's merged config (every rank's micro-step losses), then
-    the pipeline engine (TrainSchedule) under the 1F1B plan's merged config and cut
-    (``train_batch`` losses), ``{"zero2": (rc, out, per-step losses), "1f1b": (...)}``; the
+    ``deepspeed`` launch (deepspeedexamples_shim/shim_runs.py): the pipeline engine with one
+    stage (-p 1) under the unrestricted 2-rank plan's merged config at ZeRO-1, then with two
+    (TrainSchedule) under the 1F1B plan's merged config and cut (``train_batch`` losses),
+    ``{"zero2": (rc, out, per-step losses), "1f1b": (...)}``; the
     refusal of a pipeline without example input; ``"plain-module"`` and ``"plain-module-by-hand"``:
     the -p 0 path planned, then by hand with the config it wrote."""
     nodata = tmp_path_factory.mktemp("nodata")
@@ -245,30 +245,18 @@ def _references(client: Path, pipe_run, zero2_run) -> dict:
     assert zero2_run[0] == 0, zero2_run[1][-4000:]
     plan = json.loads((client / "ds_autoplan_out" / "plan.json").read_text())
     cuts = [0, plan["layers_per_stage"][0], 22]
-    zero2 = client / "out-deepspeed-2" / "ds_config.autoplan.json"
+    # the unrestricted plan's merged config at ZeRO-1: DeepSpeed's PipelineEngine asserts ZeRO < 2
+    zero1 = json.loads((client / "out-deepspeed-2" / "ds_config.autoplan.json").read_text())
+    assert zero1["zero_optimization"]["stage"] >= 2, zero1
+    zero1["zero_optimization"]["stage"] = 1
+    (client / "ds_config.zero1.json").write_text(json.dumps(zero1))
     pipe = client / "ds_autoplan_out" / "ds_config.autoplan.json"
-    runs = [[f"--deepspeed_config={zero2}", "-p", "0", "--steps=2", "--backend", "gloo"],
+    runs = [["--deepspeed_config=ds_config.zero1.json", "-p", "1", "--steps=2", "--backend", "gloo"],
             [f"--deepspeed_config={pipe}", *ARGS[1:]]]
-    rc, out, pipe_losses = _run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-                                 str(SHIM / "shim_runs.py")], client,
-                                _env(SHIM_PARTS=",".join(map(str, cuts)), SHIM_RUNS=json.dumps(runs)))
-    gas = json.loads(zero2.read_text())["gradient_accumulation_steps"]
-    return {"zero2": (rc, out, _reference_losses(out, gas, 2) if rc == 0 else []),
-            "1f1b": (rc, out, pipe_losses)}
-
-
-def _reference_losses(out: str, gas: int, world: int) -> list[float]:
-    """Per step, DeepSpeed's own engine's loss on the script's non-pipelined path: the mean
-    over the step's micro-batches and over the ranks (what train_batch returns)."""
-    per_rank = {}
-    for ln in out.splitlines():
-        if ln.startswith("SHIM_MICRO_LOSS "):
-            _, r, v = ln.split()
-            per_rank.setdefault(int(r), []).append(float(v))
-    assert sorted(per_rank) == list(range(world)), out[-4000:]
-    steps = len(per_rank[0]) // gas
-    return [sum(sum(xs[i * gas:(i + 1) * gas]) for xs in per_rank.values()) / (gas * world)
-            for i in range(steps)]
+    rc, out, losses = _run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                            str(SHIM / "shim_runs.py")], client,
+                           _env(SHIM_PARTS=",".join(map(str, cuts)), SHIM_RUNS=json.dumps(runs)))
+    return {"zero2": (rc, out, losses[:2]), "1f1b": (rc, out, losses[2:])}
 
 
 @pytest.mark.parametrize("form,world", [
@@ -279,8 +267,10 @@ def _reference_losses(out: str, gas: int, world: int) -> list[float]:
 def test_unrestricted_plan_trains_the_unchanged_script(client, launches, form, world):
     """Without restrictions the planner picks ZeRO-2 without a pipeline on these CPU ranks (cpu-N's
     figures: the AlexNet fits every rank; no pipeline bubble); the script's pipeline layers train in
-    DeepSpeed's plain engine through its ``train_batch`` calls, with the losses of DeepSpeed's
-    own engine on the script's non-pipelined path (-p 0) under the merged config (1e-6)."""
+    DeepSpeed's plain engine through its ``train_batch`` calls, on the batches DeepSpeed's
+    pipeline engine feeds (not shuffled), with the losses of DeepSpeed's own launch of the
+    script with one stage under the merged config at ZeRO-1, the highest stage its pipeline
+    engine takes (1e-6)."""
     out_dir = f"out-{form}-{world}"
     rc, out, ours, left = launches.result((form, world))
     assert rc == 0, out[-4000:]

@@ -294,7 +294,11 @@ def test_launch_trains_an_offloaded_plan_of_an_unchanged_script(tmp_path):
     """``ds-autoplan launch --offload ...`` (2 gloo ranks) on an unchanged DeepSpeed pipeline
     script (ds_offload_worker.py --script): the plan offloads the optimizer (and the activations),
     DeepSpeed's engine runs with offload_optimizer on the host and cpu_checkpointing, and the
-    activation offload leaves the losses of the same plan without it unchanged, exactly."""
+    activation offload leaves the losses of the same plan without it unchanged, exactly.  The
+    optimizer-offload plan (ZeRO-2, no pipeline: DeepSpeed's plain engine) has the losses of
+    DeepSpeed's own launch of the script under the merged config at ZeRO-1 (its pipeline
+    engine asserts ZeRO < 2): the same batches in the same order, the same offloaded Adam."""
+    import json
     import os
     import re
     import subprocess
@@ -316,3 +320,15 @@ def test_launch_trains_an_offloaded_plan_of_an_unchanged_script(tmp_path):
         assert ran[1] == "cpu" and ran[2] == str(off.endswith("act")), ran
         runs[off] = [float(x) for x in re.findall(r"OFFLOAD_LOSS \d+ (\S+)", text)]
     assert len(runs["opt"]) == 3 and runs["opt+act"] == runs["opt"], runs
+    cfg = json.loads((tmp_path / "opt" / "ds_config.autoplan.json").read_text())
+    assert cfg["zero_optimization"]["stage"] == 2, cfg
+    cfg["zero_optimization"]["stage"] = 1
+    (tmp_path / "zero1.json").write_text(json.dumps(cfg))
+    out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
+                          "--master_port", str(free_port()), worker, "--script", "--config", "zero1.json"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert re.search(r"OFFLOAD_RAN (\d) (\S+)", text).groups() == ("1", "cpu"), text[-4000:]
+    ref = [float(x) for x in re.findall(r"OFFLOAD_LOSS \d+ (\S+)", text)]
+    assert len(ref) == 3 and max(abs(a - b) / abs(b) for a, b in zip(runs["opt"], ref)) <= 1e-6, (runs, ref)

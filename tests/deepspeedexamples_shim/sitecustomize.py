@@ -4,7 +4,7 @@ a rank ends as soon as the script has run to its end (harness.forked.exit_now);
 rank 0 prints every ``train_batch`` loss (``SHIM_LOSS``; DeepSpeed's pipeline engine and
 ds_autoplan's plain one), and DeepSpeed's own plain engine every rank's micro-step loss
 (``SHIM_MICRO_LOSS rank loss``); with ``SHIM_PARTS`` (layer
-boundaries, e.g. "0,10,22") DeepSpeed's own PipelineModule uses that partition, so a
+boundaries, e.g. "0,10,22") DeepSpeed's own PipelineModule of that many stages uses that partition, so a
 reference run can cut the layers where a plan did.  Each line is one write: the launcher runs
 its ranks unbuffered (``python -u``), where ``print`` writes the text and its newline apart
 and another rank's line could land between them."""
@@ -61,7 +61,7 @@ def _patch_deepspeed():
         partition = PipelineModule._partition_layers
 
         def fixed(self, method="uniform"):
-            if type(self) is not PipelineModule:
+            if type(self) is not PipelineModule or len(parts.split(",")) != self.num_stages + 1:
                 return partition(self, method)
             self.parts = [int(x) for x in parts.split(",")]
             self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])

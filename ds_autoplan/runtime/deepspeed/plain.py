@@ -65,10 +65,19 @@ class DataParallelEngine(DeepSpeedEngine):
         super().__init__(*args, **kwargs)
         if not isinstance(self.module, StageModule):
             raise TypeError("DataParallelEngine needs a StageModule (use ds_autoplan.initialize)")
-        # the loader DeepSpeedEngine built from training_data (deepspeed_io: DistributedSampler
-        # over the DP ranks), repeated as a script on the plain engine repeats it
-        self.data_iterator = None if self.training_dataloader is None else \
-            RepeatingLoader(self.training_dataloader)
+        self.data_iterator = None
+        if self.training_data is not None:
+            self._build_data_iter(self.training_data)
+
+    def _build_data_iter(self, dataset):
+        """``training_data`` fed as ``PipelineEngine._build_data_iter`` feeds it (0.19.8): each
+        data-parallel rank its share in the dataset's order (DistributedSampler, shuffle=False),
+        repeated; not the shuffled loader ``deepspeed_io`` builds by default, so a plan without a
+        pipeline trains a PipelineModule script on the batches DeepSpeed's own launch of it uses."""
+        sampler = torch.utils.data.distributed.DistributedSampler(
+            dataset, num_replicas=self.dp_world_size, rank=dist.get_rank(group=self.data_parallel_group),
+            shuffle=False)
+        self.data_iterator = RepeatingLoader(self.deepspeed_io(dataset, data_sampler=sampler))
 
     def set_dataiterator(self, iterator):
         """Store an iterator of (inputs, labels) micro-batches (``PipelineEngine``'s)."""
