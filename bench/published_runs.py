@@ -62,6 +62,7 @@ from ds_autoplan.cost.model import CostModel  # noqa: E402
 from ds_autoplan.spec import SpecError, load_cluster, load_model  # noqa: E402
 from ds_autoplan.spec.cluster import GB  # noqa: E402
 from ds_autoplan.spec.presets import read_mapping  # noqa: E402
+from ds_autoplan.spec.parallel import Offload  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "published_runs.yaml")
 CALIBRATION = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -144,7 +145,8 @@ def candidates(r: dict, model) -> list[Config]:
                 continue
             out.append(Config(tp=tp, pp=pp, dp=dp, cp=cp, ep=r.get("ep", 1), etp=r.get("etp"),
                               micro_batch=b, num_microbatches=m,
-                              zero=r.get("zero", 0), recompute=r["recompute"],
+                              zero=r.get("zero", 0), offload=Offload.parse(r.get("offload") or "none"),
+                              recompute=r["recompute"],
                               sp=bool(r.get("sequence_parallel")), chunks=v))
     return out
 
