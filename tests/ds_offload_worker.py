@@ -7,8 +7,9 @@ Cases: ``zero2-opt`` (ZeRO-Offload, DeepSpeed's plain engine), ``zero3-ratio`` (
 of the optimizer on the host: Twin-Flow), ``zero3-infinity`` (optimizer and parameters on the
 host), ``pipe-zero1-opt`` (2 pipeline stages, ZeRO-1 with the optimizer on the host: the
 pipeline engine), ``zero2-opt-act`` / ``zero1-act`` (activations on the host too / alone, in the
-plain and the pipeline engine), ``resume-off-on`` / ``resume-on-off`` (a ZeRO-1 checkpoint saved without
-offload resumed with it, and back)."""
+plain and the pipeline engine), ``resume-off-on`` / ``resume-on-off`` (a ZeRO-1 pipeline checkpoint
+saved without offload resumed with it, and back), ``resume-zero2-off-on`` / ``resume-zero2-on-off``
+(the same for a ZeRO-2 plan in DeepSpeed's plain engine: ZeRO-Offload on and off)."""
 import os
 import sys
 import tempfile
@@ -17,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ds_autoplan.runtime.deepspeed import initialize, load_checkpoint, save_checkpoint
+from ds_autoplan.runtime.deepspeed import initialize
 from ds_autoplan.runtime.deepspeed.api import config_from_plan
 from ds_autoplan.runtime.deepspeed.dist import init_distributed
 from ds_autoplan.runtime.launch import report_runs
@@ -108,34 +109,39 @@ def versus_deepspeed(name):
     return run
 
 
-def resume(first: str, then: str):
-    """Two steps under the ZeRO-1 pipeline plan with offload ``first``, a checkpoint, the third
-    step under offload ``then`` from it; against three uninterrupted steps under ``first``."""
+def resume(name: str, first: str, then: str, base: str = "pipe-zero1-opt"):
+    """Two steps under plan ``base`` with offload ``first``, a checkpoint (the engine's
+    ``save_checkpoint``: ds_autoplan's plan-independent one in the pipeline engine, DeepSpeed's
+    own in its plain engine), the third step under offload ``then`` from it; against three
+    uninterrupted steps under ``first``."""
     def run():
         rank = torch.distributed.get_rank()
-        batches = data(0)
-        p = {o: plan_of(**{**PLANS["pipe-zero1-opt"], "offload": o}) for o in (first, then)}
+        p = {o: plan_of(**{**PLANS[base], "offload": o}) for o in (first, then)}
+        batches = data(rank if p[first].pp == 1 else 0)
         _, whole = train(p[first], batches)
         folder = tempfile.mkdtemp(prefix="ds-autoplan-offload-") if rank == 0 else None
         box = [folder]
         torch.distributed.broadcast_object_list(box)
         folder = os.path.join(box[0], "ckpt")
         engine, head = train(p[first], batches[:2])
-        save_checkpoint(engine, folder)
+        engine.save_checkpoint(folder)
         engine2, *_ = initialize(layers(), p[then], loss_fn=F.mse_loss, config=CFG)
-        load_checkpoint(engine2, folder)
+        engine2.load_checkpoint(folder)
         _, tail = train(p[then], batches[2:], engine2)
         torch.distributed.barrier()
         if rank == 0:
             import shutil
             shutil.rmtree(box[0], ignore_errors=True)
-        return {"case": f"resume-{first}-{then}", "rank": rank, "whole": whole, "resumed": head + tail,
+        return {"case": name, "rank": rank, "whole": whole, "resumed": head + tail,
+                "engine": type(engine2).__name__,
                 "loss_err": max(abs(a - b) / abs(b) for a, b in zip(head + tail, whole))}
     return run
 
 
 JOBS = {**{k: versus_deepspeed(k) for k in PLANS},
-        "resume-off-on": resume("none", "opt"), "resume-on-off": resume("opt", "none")}
+        **{f"resume{z}-{a}-{b}": resume(f"resume{z}-{a}-{b}", *o, base)
+           for z, base in (("", "pipe-zero1-opt"), ("-zero2", "zero2-opt"))
+           for a, b, o in (("off", "on", ("none", "opt")), ("on", "off", ("opt", "none")))}}
 
 
 def script():
