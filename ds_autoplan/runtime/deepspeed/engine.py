@@ -18,6 +18,11 @@ for it at the step's end.  Transfers are
 ``torch.distributed`` ``isend``/``irecv`` between global ranks: a SEND is issued and not
 waited for, a RECV posts the receive and the consuming F/B waits for it, exactly the
 semantics ``ds_autoplan.schedule.lower`` orders for.
+
+F and B call the stage's layers and autograd directly where DeepSpeed's
+``DeepSpeedEngine.forward`` / ``backward`` would do nothing else for the engine's
+configuration (:func:`wrapper_work`, decided once when the engine is built); otherwise they go
+through those wrappers as ``PipelineEngine`` does.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import datetime
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -60,6 +66,49 @@ class ActionSchedule:
     def __init__(self, actions, placement, train=True):
         self.actions, self.train = tuple(actions), train
         self.waits = tuple(waits_for(a, placement) for a in self.actions)
+
+
+def wrapper_work(engine) -> list[str]:
+    """What ``DeepSpeedEngine.forward`` / ``backward`` (DeepSpeed 0.19.8, runtime/engine.py)
+    would do for ``engine`` besides calling its module and autograd; empty: nothing, and F/B
+    call them directly (the values are the same, bit for bit: the loss is divided by the
+    accumulation steps as ``backward`` does, and ``AutoplanEngine._backward_prologue_per_tensor``
+    leaves output gradients as they are).  What the wrappers do, and when:
+
+    - ``forward``: a ZeRO optimizer's ``clear_backward_seen_flag``; the autotuner's model-info
+      profile (then exits); DeepCompile's compile passes and ZeRO-3 eager fallback; the
+      ``torch_autocast`` context (and turning off an outer autocast: checked per call);
+      output backward hooks whose first call runs ``_backward_prologue`` -- engine timers
+      (``wall_clock_breakdown`` / flops profiler), ``memory_breakdown``'s print, DeepCompile's
+      prologue, a ZeRO optimizer's ``backward_prologue`` / ``enter_backward`` / post-backward
+      callback and accumulation boundary (ZeRO-1/2/3 and ``BF16_Optimizer``, which DeepSpeed
+      uses for bf16 pipelines, are ZeRO optimizers).
+    - ``backward``: an optimizer assertion; the running-backward count under a lock and the
+      engine-backward graph tracker (read by the two prologues above); the unmanaged
+      accumulation count; loss / accumulation steps; loss scaling by a ZeRO or fp16 optimizer
+      or the autocast ``GradScaler``; compiled autograd (``compile()``); then
+      ``_backward_epilogue``: timers, ``BF16_Optimizer.backward_epilogue``, the gradient
+      all-reduce where ``enable_backward_allreduce`` (``PipelineEngine`` turns it off), a ZeRO
+      optimizer's epilogue / ``exit_backward``, DeepCompile's epilogue, ``memory_breakdown``.
+
+    The module's own forward hooks (DeepSpeed's ``_forward_prologue`` / ``_forward_epilogue``:
+    forward timers, throughput timer, flops profiler, random-LTD) run either way: F calls the
+    module.  Micro-step counters and accumulation boundaries move in ``step()``, not here."""
+    opt = engine.optimizer
+    why = []
+    if not isinstance(opt, torch.optim.Optimizer) or isinstance(opt, DeepSpeedOptimizer):
+        why.append(f"optimizer {type(opt).__name__} (a DeepSpeed wrapper or none)")
+    checks = {"ZeRO": engine.zero_optimization(), "fp16": engine.fp16_enabled(),
+              "torch_autocast": engine.torch_autocast_enabled(),
+              "DeepCompile": engine.is_deepcompile_enabled(),
+              "compile()": engine.is_compiled or engine._is_compiled_autograd_enabled,
+              "engine timers": bool(engine.engine_timers.backward_timers),
+              "memory_breakdown": engine.memory_breakdown(),
+              "autotuning profile": engine.autotuning_profile_model_info(),
+              "unmanaged gradient accumulation": not engine.managed_gradient_accumulation(),
+              "backward all-reduce": engine.enable_backward_allreduce,
+              "ZenFlow": bool(engine.zenflow)}
+    return why + [k for k, on in checks.items() if on]
 
 
 def _as_list(x):
@@ -123,6 +172,7 @@ class AutoplanEngine(PipelineEngine):
         self.ap_swap: dict = {}          # local stage -> runtime.swap.Swapper (set_swap_policy)
         self._step_state = None          # StepState of the next train_batch (set_step)
         self.ap_table = self._dispatch()        # kind -> callable(action), HANDLERS
+        self._decide_calls()
         self._ap_ready = True
         if self.training_data and (self.is_first_stage() or self.is_last_stage()) \
                 and getattr(self, "data_iterator", None) is None:
@@ -176,6 +226,20 @@ class AutoplanEngine(PipelineEngine):
         watched = mem.tracker is not None or mem.timeline is not None
         return {k: measured(k, getattr(self, m)) if k.is_compute and watched else getattr(self, m)
                 for k, m in HANDLERS.items()}
+
+    def _decide_calls(self):
+        """F/B call the module and autograd directly when DeepSpeed's wrappers have nothing
+        to do for this engine (``ap_wrapped``: what they would do, :func:`wrapper_work`)."""
+        self.ap_wrapped = wrapper_work(self)
+        self.ap_direct = not self.ap_wrapped
+        # BF16_Optimizer keeps fp32 gradients, moved after every backward piece (_lp_grads)
+        self._ap_lp = self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update
+
+    def compile(self, *args, **kwargs):
+        """DeepSpeed's ``compile``; F/B go through its wrappers from then on."""
+        out = super().compile(*args, **kwargs)
+        self._decide_calls()
+        return out
 
     def eval_batch(self, *args, **kwargs):
         with self.ap_watchdog.step():
@@ -530,7 +594,8 @@ class AutoplanEngine(PipelineEngine):
         sw = self.ap_swap.get(stage) if torch.is_grad_enabled() else None
         with self.module.activated(stage, k), \
                 (sw.forward() if sw is not None else contextlib.nullcontext()):
-            out = DeepSpeedEngine.forward(self, x)
+            direct = self.ap_direct and not torch.is_autocast_enabled()
+            out = self.module(x) if direct else DeepSpeedEngine.forward(self, x)
         slot.out = out
         if stage == self.S - 1:
             if self._compute_loss and self.module.loss_fn is not None:
@@ -590,17 +655,12 @@ class AutoplanEngine(PipelineEngine):
         # the stage's layers stay active: DeepSpeed's checkpoint function re-runs
         # module.forward_funcs[start:end] during backward
         with ctx(), self.module.activated(stage, k):
-            if stage == self.S - 1:
-                DeepSpeedEngine.backward(self, slot.loss)
+            if stage < self.S - 1:
+                self._outputs_backward(slot.out, grads)
+            elif self.ap_direct:     # DeepSpeedEngine.backward's scaling, and nothing else
+                torch.autograd.backward(slot.loss / self.gradient_accumulation_steps())
             else:
-                outs = [t for t in _as_list(slot.out) if t.is_floating_point()]
-                state = self.__dict__    # a plain attribute: no nn.Module.__setattr__ here
-                state["_running_engine_backward"] = True
-                try:
-                    with self._lp_grads():
-                        torch.autograd.backward(outs, grads)
-                finally:
-                    state["_running_engine_backward"] = False
+                DeepSpeedEngine.backward(self, slot.loss)
         if slot.h is not None:      # through the recomputed layers
             hs = [t for t in _as_list(slot.h) if t.is_floating_point()]
             h2 = [t for t in _as_list(slot.h2) if t.is_floating_point()]
@@ -613,16 +673,31 @@ class AutoplanEngine(PipelineEngine):
             slot.inp = None
         self._trace("B" if split else "BW", stage, mb)
 
-    @contextlib.contextmanager
+    def _outputs_backward(self, out, grads):
+        """Backward of a stage before the loss's, from its outputs' gradients (as
+        ``PipelineEngine._exec_backward_pass``; directly where ``ap_direct``)."""
+        outs = [t for t in _as_list(out) if t.is_floating_point()]
+        if self.ap_direct:
+            torch.autograd.backward(outs, grads)
+            return
+        state = self.__dict__    # a plain attribute: no nn.Module.__setattr__ here
+        state["_running_engine_backward"] = True
+        try:
+            with self._lp_grads():
+                torch.autograd.backward(outs, grads)
+        finally:
+            state["_running_engine_backward"] = False
+
     def _lp_grads(self):
         """BF16_Optimizer keeps fp32 gradients; move the low-precision ones after every
         backward piece that is not DeepSpeedEngine.backward (as PipelineEngine does)."""
-        bf16 = self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update
-        if bf16:
-            self.optimizer.clear_lp_grads()
+        return self._bf16_grads() if self._ap_lp else _nullctx()
+
+    @contextlib.contextmanager
+    def _bf16_grads(self):
+        self.optimizer.clear_lp_grads()
         yield
-        if bf16:
-            self.optimizer.update_hp_grads(clear_lp_grads=False)
+        self.optimizer.update_hp_grads(clear_lp_grads=False)
 
     def _run_backward(self, a):
         self._backward(a.mb, a.stage, split=False)
