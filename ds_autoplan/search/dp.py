@@ -46,20 +46,35 @@ class Context:
         self._prefix: dict = {}
         self._solved: dict = {}
         self._stage_memo: dict = {}
+        self._staged: dict = {}
+
+    def staged(self, S: int) -> "Context":
+        """The context of the same strategies, micro-batches and budget split into ``S``
+        pipeline stages (a schedule's stage count), memoised, so its stage figures and split
+        matrices serve every costing of that schedule."""
+        if S not in self._staged:
+            self._staged[S] = Context(self.cm, self.strategies, S, self.m, self.B_m, self.E, self.units)
+        return self._staged[S]
 
     @cached_property
     def _classes(self):
         """Strategies sharing a layout (TP, data degree, level order) re-lay out to each
         other for free and alike to the rest (§2.5), so the DP's min over s' runs per class:
-        (class of each strategy, members of each class, R between classes), or None where
-        R is not per layout (a plain S x S min)."""
+        (class of each strategy, the members of each class as the rows of a [class, member]
+        index array padded with S (an INF row) where the classes differ in size, R between
+        classes), or None where R is not per layout (a plain S x S min)."""
         keys = [(s.tp, s.dp, s.tp_outer) for s in self.strategies]
         uniq = list(dict.fromkeys(keys))
         cls = np.array([uniq.index(k) for k in keys])
         members = [np.flatnonzero(cls == c) for c in range(len(uniq))]
         rep = np.array([m[0] for m in members])
         Rc = self.Rm[:, rep][:, :, rep]
-        return (cls, members, Rc) if np.array_equal(Rc[:, cls][:, :, cls], self.Rm) else None
+        if not np.array_equal(Rc[:, cls][:, :, cls], self.Rm):
+            return None
+        rows = np.full((len(members), max(len(m) for m in members)), self.S)
+        for c, m in enumerate(members):
+            rows[c, :len(m)] = m
+        return cls, rows, Rc
 
     def _columns(self, t: int) -> np.ndarray:
         """Row of :meth:`_relayout_min`'s matrices that serves each strategy, for type t."""
@@ -70,22 +85,20 @@ class Context:
     def _relayout_min(self, Dp: np.ndarray, t: int):
         """M[k, e] = min_s' D[s', e] + m R(s', s) and its first argmin s', for the strategies
         s of row k = ``_columns(t)[s]``: one row when R(t) is zero, one per layout class
-        when R is per class, else one per strategy."""
+        when R is per class (the first class that attains it, then its first member that
+        attains the class's min), else one per strategy."""
         if self._r_zero[t]:
-            return Dp.min(axis=0, keepdims=True), Dp.argmin(axis=0)[None, :]
+            M, arg = _min_first(Dp, 0)
+            return M[None], arg[None]
         if self._classes is None:
-            tot = Dp[:, None, :] + self.Rm[t][:, :, None]
-            return tot.min(axis=0), tot.argmin(axis=0)
-        _, members, Rc = self._classes
-        E1 = Dp.shape[1]
-        Dc = np.empty((len(members), E1))
-        best = np.empty((len(members), E1), dtype=np.int64)
-        for c, mem in enumerate(members):
-            sub = Dp[mem]
-            best[c] = mem[sub.argmin(axis=0)]
-            Dc[c] = sub.min(axis=0)
-        tot = Dc[:, None, :] + Rc[t][:, :, None]                   # [source class, class, e]
-        return tot.min(axis=0), np.take_along_axis(best, tot.argmin(axis=0), axis=0)
+            return _min_first(Dp[:, None, :] + self.Rm[t][:, :, None], 0)
+        _, rows, Rc = self._classes
+        if rows.shape[0] * rows.shape[1] > self.S:          # padded: index S is a row of INF
+            Dp = np.concatenate([Dp, np.full((1, Dp.shape[1]), INF)])
+        Dc, k = _min_first(Dp[rows], 1)                                     # [class, member, e]
+        M, arg = _min_first(Dc[:, None, :] + Rc[t][:, :, None], 0)         # [source class, class, e]
+        best = rows[np.arange(len(rows))[:, None], k]                       # [class, e]
+        return M, best[arg, np.arange(Dp.shape[1])]
 
     def w(self, K: int) -> np.ndarray:
         """Discretised forward-memory weight per (type, strategy): K*O_f1 + O_ms (Eq. 3),
@@ -297,3 +310,10 @@ class Context:
         """Eq. 9: T = (m-1) max_i C_ns(M_i) + sum_i C(M_i)."""
         C, Cns, _ = self.stage_costs(parts, plan)
         return float((self.m - 1) * Cns.max() + C.sum())
+
+
+def _min_first(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """``x.min(axis)`` and the first index along ``axis`` that attains it: numpy's argmin
+    (for arrays without NaN) without its slow scan along a leading axis."""
+    m = x.min(axis=axis)
+    return m, (x == np.expand_dims(m, axis)).argmax(axis=axis)

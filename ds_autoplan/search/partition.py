@@ -72,7 +72,10 @@ def _shape_terms(A: dict, pcn, pf, pm, run, L: int, objective: str, first: bool,
     if objective == "time":
         p2p = 0.0 if last else 2 * A["p2p"][np.minimum(hi - 1, L + 1)]
         return np.where(valid, pcn[hi] - pcn[lo] + p2p, INF), None
-    rest = run[np.broadcast_to(lo, (L, L)), hi - 1] - pf[lo] + pm[hi] - pm[lo]
+    # run[lo(a), hi(b) - 1] at [b, a]: lo and hi - 1 step by one unit per block, so a slice
+    c0 = 2 if last else 1
+    peak = run[0, c0:c0 + L][:, None] if first else run[1:L + 1, c0:c0 + L].T
+    rest = peak - pf[lo] + pm[hi] - pm[lo]
     return np.where(valid, rest, INF), pf[hi] - pf[lo]
 
 

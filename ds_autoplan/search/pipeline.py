@@ -58,8 +58,7 @@ def full_recompute_evals(ctx: Context, schedules, keep_sim=False, chunks: int | 
             if S > L:
                 break
             parts = even_partition(L, S)
-            sub = Context(ctx.cm, ctx.strategies, S, ctx.m, ctx.B_m, ctx.E, ctx.units)
-            figs = stage_figures(sub, parts, nock, ck)
+            figs = stage_figures(ctx.staged(S), parts, nock, ck)
             evals.append(stage_aware_recompute(ctx, name, parts, figs, [g["nblk"] for g in figs],
                                                keep_sim, max_rounds=0))
     return sorted(evals, key=lambda e: (not e.ok, e.time))
@@ -315,7 +314,7 @@ def time_partition(ctx: Context, S: int, plan_nock_fn) -> tuple | None:
     L = len(ctx.seq) - 2
     if L < S:
         return None
-    sub = Context(ctx.cm, ctx.strategies, S, ctx.m, ctx.B_m, ctx.E, ctx.units)
+    sub = ctx.staged(S)
     return minmax_partition(stage_matrices(sub, plan_nock_fn(sub), "time"))
 
 
@@ -386,7 +385,7 @@ def choose_schedule(ctx: Context, parts: tuple, plan: list, schedules, keep_sim=
             sp = time_partition(ctx, num_stages(name, P, v), nock)
             if sp is None:
                 break
-            sub = Context(ctx.cm, ctx.strategies, len(sp), ctx.m, ctx.B_m, ctx.E, ctx.units)
+            sub = ctx.staged(len(sp))
             figs_of = lambda q, sub=sub: stage_figures(sub, q, nock(sub), ck(sub))   # noqa: E731
             best = min([bound] + [e.time for e in evals if e.ok])
             evals.append(stage_aware_recompute(ctx, name, sp, figs_of(sp), None, keep_sim, bound=best))

@@ -34,8 +34,7 @@ GPU_DATA = Path(__file__).resolve().parents[1] / "data" / "gpus.yaml"
 def gpu_table() -> dict:
     """The per-GPU-kind figures of ``ds_autoplan/data/gpus.yaml`` as written (the cost model's
     ``cost.compute.gpu_kinds`` reads them)."""
-    import yaml
-    return yaml.safe_load(GPU_DATA.read_text())
+    return read_mapping(GPU_DATA)
 
 
 def check_gpu(name: str) -> None:
