@@ -188,6 +188,7 @@ class CostModel:
         self.trainable = parse_trainable(trainable)
         self.unit_params = [self.trainable.split(u) for u in self.units]
         self._cache: dict = {}
+        self._column_memo: dict = {}
         self._relayout: dict = {}
         self._times: dict = {}
 
@@ -197,120 +198,138 @@ class CostModel:
 
     def tables(self, strategies: list, B_m: int) -> LayerTables:
         """Memory and time of every unit under each of ``strategies`` for micro-batch size ``B_m``
-        (memoised): the arrays the stage DP indexes."""
+        (memoised): the arrays the stage DP indexes, a column per strategy (:meth:`_column`)."""
         key = (tuple(strategies), B_m)
         if key in self._cache:
             return self._cache[key]
-        cb = 4 if self.precision == "fp32" else 2
-        ab = ACT_SCALE[self.precision]
         T, S = len(self.units), len(strategies)
-        shape = (T, S)
-        ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, kept, host, host_act = (np.zeros(shape) for _ in range(11))
-        allowed = np.ones(shape, dtype=bool)
-        R = np.zeros((T, S, S))
-        net, ex = self.net, self.execution
-        gcb = grad_bytes(ex, self.precision, cb)
+        arrays = [np.zeros((T, S)) for _ in range(11)]
+        allowed = np.ones((T, S), dtype=bool)
         for j, s in enumerate(strategies):
-            t, d, z, cp, ep = s.tp, s.dp, s.zero, s.cp, s.ep
-            b = B_m / d
-            if B_m % d or not self.admits(s):
-                allowed[:, j] = False
-            # a context-parallel rank does the work of b / cp whole samples (compute.block_times)
-            bc = b / cp
-            # dense parameters are replicated over the dp x cp ranks of a tensor-parallel rank
-            # (Megatron's dp-cp group, stride t); routed experts are split ep x etp and
-            # replicated over the expert-data-parallel group (stride etp * ep)
-            etp = s.expert_tp
-            split = ep > 1 or etp != t
-            dd, ed = d * cp, s.expert_dp
-            pb, gb, obytes = state_bytes(self.precision, z, dd, self.runtime, ex.grad_bytes, ex.master_remainders)
-            opt_share = local_optimizer_fraction(z, dd, self.precision, self.runtime)
-            pe, ge, oe = state_bytes(self.precision, z, ed, self.runtime, ex.grad_bytes, ex.master_remainders)
-            opt_e = local_optimizer_fraction(z, ed, self.precision, self.runtime)
-            off = self.offload_terms(s, dd, ed) if s.offload.states else None
-            if s.offload.activations and self.offload_refusal(s):
-                allowed[:, j] = False
-                continue
-            if off is not None:
-                if off[0] is None:
-                    allowed[:, j] = False
-                    continue
-                (pb, gb, obytes), (pe, ge, oe) = off[0].device, off[1].device
-                opt_share, opt_e = off[0].gpu * dd, off[1].gpu * ed
-            # sequence parallelism (Korthikanti et al. 2022 §4.2.2): the activations TP keeps
-            # replicated (LayerNorm/dropout inputs, residuals), the layer input kept by CKPT and
-            # the pipeline send ([s/t, b, h]) are split along the sequence over the t ranks
-            q = t if s.sp and t > 1 else 1
-            for i, u in enumerate(self.units):
-                We = u.expert_params if split else 0.0
-                n_u, n_tr = self.unit_params[i]
-                tr = n_tr / n_u if n_u else 0.0        # trained share: gradient, master, moments
-                W, Wx = (n_u - We) / t, We / (ep * etp)
-                sel = s.sel and not s.ckpt and u.checkpointable
-                act = (u.act_rep / q + (u.act_tp - (attention_score_bytes(self.dims, u) if sel else 0.0)) / t) * ab
-                x = u.boundary * ab / q
-                ck = s.ckpt and u.checkpointable
-                if s.ckpt and not u.checkpointable:
-                    allowed[i, j] = False
-                ms[i, j] = W * (pb + tr * gb + tr * obytes) + Wx * (pe + tr * ge + tr * oe)
-                if off is not None:      # the trained parameters' states; frozen 16-bit copies
-                    host[i, j] = tr * (W * off[0].host + Wx * off[1].host) + \
-                        ((1.0 - tr) * (W + Wx) * cb if s.offload.params else 0.0)
-                f1[i, j] = bc * (x if ck else act)
-                k = self.unit_times(u, bc, t, s.sp, ep, etp)
-                c_f, c_b, buf = self.parallel_comm(u, s, bc, ab)
-                ob[i, j] = (bc * act if ck else 0.0) + ((W + Wx) * 2 * cb if z == 3 else 0.0) + buf
-                # with SP each all-reduce is a reduce-scatter + all-gather of the same tensor
-                # (§4.2.2): 2 (t-1)/t X / BW, a ring all-reduce's own two phases, so t_AR stands
-                A_tp = u.tp_allreduces * net.all_reduce(bc * u.boundary * ab, t, s.tp_stride()) if t > 1 else 0.0
-                g_f, g_b, g_sync, gather = (a + e for a, e in zip(
-                    self._data_comm(W * cb, W * gcb, dd, s.dp_stride(), z, tr),
-                    self._data_comm(Wx * cb, Wx * gcb, ed, etp * ep, z, tr)))
-                # after the step: ZeRO-1/2 gather the updated parameters (hidden behind the next
-                # forward with Megatron's --overlap-param-gather); the Adam step itself streams
-                # the rank's optimizer shard through HBM (memory-bound)
-                tail = gather + self.step_time(tr * (W * opt_share + Wx * opt_e))
-                hide = 0.0
-                if off is not None:      # host step, copies and fetches (cost/offload.py)
-                    (hide, tail_o), (mf, mb) = self._offload_times(off, W, Wx, tail - gather, tr)
-                    tail, g_f, g_b = gather + tail_o, g_f + mf, g_b + mb
-                # a frozen weight's backward computes the input gradient only
-                k_comp = k.bwd - (1.0 - tr) * k.wgrad + (k.fwd + c_f if ck else k.attn if sel else 0.0)
-                # Megatron overlaps the backward TP all-reduce of the column-parallel input
-                # gradient with their weight-gradient GEMMs; CKPT repeats the forward's
-                k_tp = (self.ov(A_tp, k.wcol) - k.wcol if k.wcol and self.overlap_tp_comm else A_tp) + \
-                    (A_tp if ck else 0.0)
-                base = self.ov(k_comp, g_b) + k_tp + c_b
-                # FSDP prefetches the next layer's all-gather behind this layer's forward
-                fwd[i, j] = (self.ov(k.fwd, g_f) if ex.zero3_prefetch else k.fwd + g_f) + A_tp + c_f
-                bwd[i, j] = (self.ov(k_comp, g_sync + g_b) + k_tp + c_b if self.overlap_grad_reduce
-                             else base + g_sync) + tail
-                if s.offload.activations and u.kind == "block":
-                    # a block's kept activations in host memory (docs/offload.md §2-3): the input
-                    # of a recomputed block (DeepSpeed's cpu_checkpointing), every saved tensor of
-                    # a kept one (runtime/swap.py); copied out on a side stream beside the
-                    # forward, back on demand when its backward starts (not hidden)
-                    moved, f1[i, j] = f1[i, j], 0.0
-                    host_act[i, j], ob[i, j] = moved, ob[i, j] + moved
-                    t_link = moved / self._rates.link
-                    fwd[i, j] += self.ov(k.fwd, t_link) - k.fwd
-                    bwd[i, j] += t_link
-                    base += t_link
-                if hide:     # the boundary gradient copy follows each reduction: in backward
-                    #          hooks with ZeRO-2/3, after the backward with ZeRO-1
-                    bwd[i, j] += self.ov(k_comp, g_b + hide) - self.ov(k_comp, g_b) if z >= 2 else hide
-                bwd_ns[i, j] = base
-                wg[i, j] = tr * k.wgrad
-                p2p[i, j] = self.p2p_time(bc * u.boundary * ab, t, q, s)
-                # DeepSpeed's PipelineEngine keeps each in-flight micro-batch's stage output
-                # (pipe_buffers['outputs'], freed after its backward); Megatron-LM frees it
-                # once sent (deallocate_pipeline_outputs, set by its training arguments)
-                kept[i, j] = bc * u.boundary * ab if self.runtime != "megatron" else 0.0
-        R = self._relayout_times(tuple(strategies), B_m, ab)
+            values, allowed[:, j] = self._column(s, B_m)
+            for x, v in zip(arrays, values):
+                x[:, j] = v
+        ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, kept, host, host_act = arrays
+        R = self._relayout_times(tuple(strategies), B_m, ACT_SCALE[self.precision])
         res = LayerTables(list(strategies), ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, R, allowed, kept, host,
                           host_act)
         self._cache[key] = res
         return res
+
+    def _column(self, s: Strategy, B_m: int) -> tuple:
+        """One strategy's column of :meth:`tables`: (ms, f1, ob, fwd, bwd, bwd_ns, wgrad, p2p, kept,
+        host, host_act) per unit and whether each unit may take it, memoised per (strategy,
+        micro-batch): the tables of the many strategy lists the search asks for share them."""
+        key = (s, B_m)
+        if key not in self._column_memo:
+            self._column_memo[key] = self._column_of(s, B_m)
+        return self._column_memo[key]
+
+    def _column_of(self, s: Strategy, B_m: int) -> tuple:
+        cb = 4 if self.precision == "fp32" else 2
+        ab = ACT_SCALE[self.precision]
+        T = len(self.units)
+        ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, kept, host, host_act = (np.zeros(T) for _ in range(11))
+        allowed = np.ones(T, dtype=bool)
+        out = ((ms, f1, ob, fwd, bwd, bwd_ns, wg, p2p, kept, host, host_act), allowed)
+        net, ex = self.net, self.execution
+        gcb = grad_bytes(ex, self.precision, cb)
+        t, d, z, cp, ep = s.tp, s.dp, s.zero, s.cp, s.ep
+        b = B_m / d
+        if B_m % d or not self.admits(s):
+            allowed[:] = False
+        # a context-parallel rank does the work of b / cp whole samples (compute.block_times)
+        bc = b / cp
+        # dense parameters are replicated over the dp x cp ranks of a tensor-parallel rank
+        # (Megatron's dp-cp group, stride t); routed experts are split ep x etp and
+        # replicated over the expert-data-parallel group (stride etp * ep)
+        etp = s.expert_tp
+        split = ep > 1 or etp != t
+        dd, ed = d * cp, s.expert_dp
+        pb, gb, obytes = state_bytes(self.precision, z, dd, self.runtime, ex.grad_bytes, ex.master_remainders)
+        opt_share = local_optimizer_fraction(z, dd, self.precision, self.runtime)
+        pe, ge, oe = state_bytes(self.precision, z, ed, self.runtime, ex.grad_bytes, ex.master_remainders)
+        opt_e = local_optimizer_fraction(z, ed, self.precision, self.runtime)
+        off = self.offload_terms(s, dd, ed) if s.offload.states else None
+        if s.offload.activations and self.offload_refusal(s):
+            allowed[:] = False
+            return out
+        if off is not None:
+            if off[0] is None:
+                allowed[:] = False
+                return out
+            (pb, gb, obytes), (pe, ge, oe) = off[0].device, off[1].device
+            opt_share, opt_e = off[0].gpu * dd, off[1].gpu * ed
+        # sequence parallelism (Korthikanti et al. 2022 §4.2.2): the activations TP keeps
+        # replicated (LayerNorm/dropout inputs, residuals), the layer input kept by CKPT and
+        # the pipeline send ([s/t, b, h]) are split along the sequence over the t ranks
+        q = t if s.sp and t > 1 else 1
+        for i, u in enumerate(self.units):
+            We = u.expert_params if split else 0.0
+            n_u, n_tr = self.unit_params[i]
+            tr = n_tr / n_u if n_u else 0.0        # trained share: gradient, master, moments
+            W, Wx = (n_u - We) / t, We / (ep * etp)
+            sel = s.sel and not s.ckpt and u.checkpointable
+            act = (u.act_rep / q + (u.act_tp - (attention_score_bytes(self.dims, u) if sel else 0.0)) / t) * ab
+            x = u.boundary * ab / q
+            ck = s.ckpt and u.checkpointable
+            if s.ckpt and not u.checkpointable:
+                allowed[i] = False
+            ms[i] = W * (pb + tr * gb + tr * obytes) + Wx * (pe + tr * ge + tr * oe)
+            if off is not None:      # the trained parameters' states; frozen 16-bit copies
+                host[i] = tr * (W * off[0].host + Wx * off[1].host) + \
+                    ((1.0 - tr) * (W + Wx) * cb if s.offload.params else 0.0)
+            f1[i] = bc * (x if ck else act)
+            k = self.unit_times(u, bc, t, s.sp, ep, etp)
+            c_f, c_b, buf = self.parallel_comm(u, s, bc, ab)
+            ob[i] = (bc * act if ck else 0.0) + ((W + Wx) * 2 * cb if z == 3 else 0.0) + buf
+            # with SP each all-reduce is a reduce-scatter + all-gather of the same tensor
+            # (§4.2.2): 2 (t-1)/t X / BW, a ring all-reduce's own two phases, so t_AR stands
+            A_tp = u.tp_allreduces * net.all_reduce(bc * u.boundary * ab, t, s.tp_stride()) if t > 1 else 0.0
+            g_f, g_b, g_sync, gather = (a + e for a, e in zip(
+                self._data_comm(W * cb, W * gcb, dd, s.dp_stride(), z, tr),
+                self._data_comm(Wx * cb, Wx * gcb, ed, etp * ep, z, tr)))
+            # after the step: ZeRO-1/2 gather the updated parameters (hidden behind the next
+            # forward with Megatron's --overlap-param-gather); the Adam step itself streams
+            # the rank's optimizer shard through HBM (memory-bound)
+            tail = gather + self.step_time(tr * (W * opt_share + Wx * opt_e))
+            hide = 0.0
+            if off is not None:      # host step, copies and fetches (cost/offload.py)
+                (hide, tail_o), (mf, mb) = self._offload_times(off, W, Wx, tail - gather, tr)
+                tail, g_f, g_b = gather + tail_o, g_f + mf, g_b + mb
+            # a frozen weight's backward computes the input gradient only
+            k_comp = k.bwd - (1.0 - tr) * k.wgrad + (k.fwd + c_f if ck else k.attn if sel else 0.0)
+            # Megatron overlaps the backward TP all-reduce of the column-parallel input
+            # gradient with their weight-gradient GEMMs; CKPT repeats the forward's
+            k_tp = (self.ov(A_tp, k.wcol) - k.wcol if k.wcol and self.overlap_tp_comm else A_tp) + \
+                (A_tp if ck else 0.0)
+            base = self.ov(k_comp, g_b) + k_tp + c_b
+            # FSDP prefetches the next layer's all-gather behind this layer's forward
+            fwd[i] = (self.ov(k.fwd, g_f) if ex.zero3_prefetch else k.fwd + g_f) + A_tp + c_f
+            bwd[i] = (self.ov(k_comp, g_sync + g_b) + k_tp + c_b if self.overlap_grad_reduce
+                      else base + g_sync) + tail
+            if s.offload.activations and u.kind == "block":
+                # a block's kept activations in host memory (docs/offload.md §2-3): the input
+                # of a recomputed block (DeepSpeed's cpu_checkpointing), every saved tensor of
+                # a kept one (runtime/swap.py); copied out on a side stream beside the
+                # forward, back on demand when its backward starts (not hidden)
+                moved, f1[i] = f1[i], 0.0
+                host_act[i], ob[i] = moved, ob[i] + moved
+                t_link = moved / self._rates.link
+                fwd[i] += self.ov(k.fwd, t_link) - k.fwd
+                bwd[i] += t_link
+                base += t_link
+            if hide:     # the boundary gradient copy follows each reduction: in backward
+                #          hooks with ZeRO-2/3, after the backward with ZeRO-1
+                bwd[i] += self.ov(k_comp, g_b + hide) - self.ov(k_comp, g_b) if z >= 2 else hide
+            bwd_ns[i] = base
+            wg[i] = tr * k.wgrad
+            p2p[i] = self.p2p_time(bc * u.boundary * ab, t, q, s)
+            # DeepSpeed's PipelineEngine keeps each in-flight micro-batch's stage output
+            # (pipe_buffers['outputs'], freed after its backward); Megatron-LM frees it
+            # once sent (deallocate_pipeline_outputs, set by its training arguments)
+            kept[i] = bc * u.boundary * ab if self.runtime != "megatron" else 0.0
+        return out
 
     def offload_engines(self, zero: int, off: Offload = NO_OFFLOAD) -> tuple:
         """The engines whose offloading ``off`` at ZeRO stage ``zero`` must fit: the runtime's,
