@@ -40,6 +40,7 @@ class Context:
         self.cost = np.where(bad, INF, t.c + (m - 1) * t.c_ns)
         self.Rm = m * t.R
         self.seq = np.concatenate([[0], cm.block_types, [1]])
+        self._types = tuple(int(x) for x in self.seq)
         self._w: dict[int, np.ndarray] = {}
         self._r_zero = ~np.any(self.Rm != 0, axis=(1, 2))
         self._shifts: dict = {}
@@ -169,15 +170,14 @@ class Context:
     def solve(self, types: tuple, K: int) -> StagePlan | None:
         """Fastest per-layer strategies of one stage under the budget (Algorithm 3 with
         the full-window scan, §3.4)."""
-        rle = tuple((k, len(list(g))) for k, g in itertools.groupby(types))
-        key = (K, rle)
+        key = (K, types)
         if key in self._solved:
             return self._solved[key]
         if self._two_level or self.S == 1:
             out = self._solve_ckpt_count(types, K) if self.S == 2 else self._solve_single(types, K)
             self._solved[key] = out
             return out
-        D, args = self._table(rle, K)
+        D, args = self._table(tuple((k, len(list(g))) for k, g in itertools.groupby(types)), K)
         t = self.tab
         b_up = float(np.max(np.where(t.allowed[list(types)], t.ob[list(types)], 0.0)))
         lo = max(0, self.units - math.ceil(b_up / self.g) - 1)
@@ -203,7 +203,7 @@ class Context:
         self._solved[key] = out
         return out
 
-    @property
+    @cached_property
     def _two_level(self) -> bool:
         """An executable strategy set: one layout without and with CKPT (no re-layout)."""
         st = self.strategies
@@ -247,7 +247,7 @@ class Context:
         for i, n in enumerate(parts):
             lo = 0 if i == 0 else a
             hi = a + n + (1 if i == len(parts) - 1 else 0)
-            out.append(tuple(int(x) for x in self.seq[lo:hi]))
+            out.append(self._types[lo:hi])
             a += n
         return out
 

@@ -93,23 +93,31 @@ class Eval:
 
 
 def stage_figures(ctx: Context, parts: tuple, plan_nock: list, plan_ck: list):
-    """Per-stage sums for the no-recompute and all-recompute variants of a uniform plan."""
-    A0, A1 = ctx.layer_arrays(plan_nock), ctx.layer_arrays(plan_ck)
+    """Per-stage sums for the no-recompute and all-recompute variants of a uniform plan (fresh
+    dicts), memoised in ``ctx`` per stage (its units and whether it sends on): the splits
+    that rank balancing and the schedules try share most of their stages."""
+    memo = ctx.__dict__.setdefault("_figs_memo", {}).setdefault((tuple(plan_nock), tuple(plan_ck)), {})
+    A0 = A1 = ck = None
     out = []
-    ck = np.array([ctx.cm.units[u].checkpointable for u in ctx.seq])
     for i, (lo, hi) in enumerate(ctx.bounds(parts)):
-        sl = slice(lo, hi)
-        nblk = int(ck[sl].sum())
-        d_mem = (A0["f1"][sl] - A1["f1"][sl])[ck[sl]]
-        d_time = (A1["bwd_ns"][sl] - A0["bwd_ns"][sl])[ck[sl]]
-        out.append(dict(
-            f=A0["fwd"][sl].sum() + A0["R"][sl].sum(), bw=A0["bwd_ns"][sl].sum(), w=A0["wgrad"][sl].sum(),
-            # stash per micro-batch: the stage's activations and the output the engine keeps
-            act=A0["f1"][sl].sum() + (A0["kept"][hi - 1] if i < len(parts) - 1 else 0.0),
-            ms=A0["ms"][sl].sum(), sync=A0["sync"][sl].sum(),
-            p2p=A0["p2p"][hi - 1], nblk=nblk,
-            d_mem=float(d_mem.mean()) if nblk else 0.0, d_time=float(d_time.mean()) if nblk else 0.0,
-            ob=float(A1["ob"][sl][ck[sl]].max()) if nblk else 0.0))
+        key = (lo, hi, i < len(parts) - 1)
+        if key not in memo:
+            if A0 is None:
+                A0, A1 = ctx.layer_arrays(plan_nock), ctx.layer_arrays(plan_ck)
+                ck = np.array([ctx.cm.units[u].checkpointable for u in ctx.seq])
+            sl = slice(lo, hi)
+            nblk = int(ck[sl].sum())
+            d_mem = (A0["f1"][sl] - A1["f1"][sl])[ck[sl]]
+            d_time = (A1["bwd_ns"][sl] - A0["bwd_ns"][sl])[ck[sl]]
+            memo[key] = dict(
+                f=A0["fwd"][sl].sum() + A0["R"][sl].sum(), bw=A0["bwd_ns"][sl].sum(), w=A0["wgrad"][sl].sum(),
+                # stash per micro-batch: the stage's activations and the output the engine keeps
+                act=A0["f1"][sl].sum() + (A0["kept"][hi - 1] if key[2] else 0.0),
+                ms=A0["ms"][sl].sum(), sync=A0["sync"][sl].sum(),
+                p2p=A0["p2p"][hi - 1], nblk=nblk,
+                d_mem=float(d_mem.mean()) if nblk else 0.0, d_time=float(d_time.mean()) if nblk else 0.0,
+                ob=float(A1["ob"][sl][ck[sl]].max()) if nblk else 0.0)
+        out.append(dict(memo[key]))
     return out
 
 
