@@ -47,14 +47,20 @@ class Context:
         self._prefix: dict = {}
         self._solved: dict = {}
         self._stage_memo: dict = {}
+        self._ck_memo: dict = {}
+        self._arrays: dict = {}
         self._staged: dict = {}
+        # per (objective, plan): the split matrices' terms per stage shape (partition.py),
+        # shared with the contexts of these tables over other stage counts
+        self.split_terms: dict = {}
 
     def staged(self, S: int) -> "Context":
         """The context of the same strategies, micro-batches and budget split into ``S``
         pipeline stages (a schedule's stage count), memoised, so its stage figures and split
         matrices serve every costing of that schedule."""
         if S not in self._staged:
-            self._staged[S] = Context(self.cm, self.strategies, S, self.m, self.B_m, self.E, self.units)
+            sub = self._staged[S] = Context(self.cm, self.strategies, S, self.m, self.B_m, self.E, self.units)
+            sub.split_terms = self.split_terms
         return self._staged[S]
 
     @cached_property
@@ -224,20 +230,30 @@ class Context:
         """The DP's answer for the two-level set in closed form: the first k checkpointable
         units recomputed (Megatron's 'block' order keeps the running peak lowest), all k at
         once with exact Eq. 2 peaks; the cheapest k that fits."""
-        t, n = self.tab, len(types)
-        ty = np.asarray(types)
-        ck = t.allowed[ty, 1]
-        rank = np.cumsum(ck) - 1                               # order among checkpointable units
-        k = np.arange(int(ck.sum()) + 1)[:, None]
-        sel = ck[None, :] & (rank[None, :] < k)                # [k, unit]: recomputed
-        pick = lambda a: np.where(sel, a[ty, 1][None, :], a[ty, 0][None, :])   # noqa: E731
-        f1, ob, ms, cost = pick(t.f1), pick(t.ob), pick(t.ms), pick(self.cost)
-        peak = (K - 1) * f1.sum(1) + (np.cumsum(f1, 1) + ob).max(1) + ms.sum(1)
-        total = np.where(peak <= self.E, cost.sum(1), INF)
+        sel, f1, run, ms, cost = self._ckpt_terms(types)
+        peak = (K - 1) * f1 + run + ms
+        total = np.where(peak <= self.E, cost, INF)
         i = int(np.argmin(total))
         if not np.isfinite(total[i]):
             return None
         return StagePlan([int(x) for x in sel[i]], float(peak[i]))
+
+    def _ckpt_terms(self, types: tuple) -> tuple:
+        """Per count k of recomputed units (rows): which units, and the Eq. 2 terms that do
+        not depend on the in-flight micro-batches K (f1 sum, running peak, model states) and
+        the cost, memoised per unit types (stages of a split that hold the same units differ
+        in K alone)."""
+        if types not in self._ck_memo:
+            t = self.tab
+            ty = np.asarray(types)
+            ck = t.allowed[ty, 1]
+            rank = np.cumsum(ck) - 1                               # order among checkpointable units
+            k = np.arange(int(ck.sum()) + 1)[:, None]
+            sel = ck[None, :] & (rank[None, :] < k)                # [k, unit]: recomputed
+            pick = lambda a: np.where(sel, a[ty, 1][None, :], a[ty, 0][None, :])   # noqa: E731
+            f1, ob, ms, cost = pick(t.f1), pick(t.ob), pick(t.ms), pick(self.cost)
+            self._ck_memo[types] = (sel, f1.sum(1), (np.cumsum(f1, 1) + ob).max(1), ms.sum(1), cost.sum(1))
+        return self._ck_memo[types]
 
     # -- whole pipeline ----------------------------------------------------------------
     def stage_types(self, parts: tuple) -> list[tuple]:
@@ -266,7 +282,14 @@ class Context:
         return self.pipeline_time(parts, plan), plan
 
     def layer_arrays(self, plan: list):
-        """Per-unit arrays (seq order) of the given full-model plan."""
+        """Per-unit arrays (seq order) of the given full-model plan, memoised (read only: the
+        splits, stage costs and figures of one plan share them)."""
+        key = tuple(plan)
+        if key not in self._arrays:
+            self._arrays[key] = self._layer_arrays(plan)
+        return self._arrays[key]
+
+    def _layer_arrays(self, plan: list):
         t, seq = self.tab, self.seq
         p = np.asarray(plan)
         R = np.zeros(len(seq))

@@ -80,11 +80,17 @@ def _shape_terms(A: dict, pcn, pf, pm, run, L: int, objective: str, first: bool,
 
 
 def _stage_matrices(ctx: Context, plan: list, objective: str) -> StageSegs:
-    A, pc, pcn, pf, pm, run = _seg_matrices(ctx, plan)
     L, P = len(ctx.seq) - 2, ctx.pp
     shapes = [(i == 0, i == P - 1) for i in range(P)]
-    terms = {k: _shape_terms(A, pcn, pf, pm, run, L, objective, *k) for k in dict.fromkeys(shapes)}
-    return StageSegs(terms, shapes, [ctx.K(i) - 1 for i in range(P)])
+    # the terms of a stage shape do not depend on the stage count: shared by the contexts of
+    # the same tables over other stage counts (Context.staged)
+    terms = ctx.split_terms.setdefault((objective, tuple(plan)), {})
+    missing = [k for k in dict.fromkeys(shapes) if k not in terms]
+    if missing:
+        A, pc, pcn, pf, pm, run = _seg_matrices(ctx, plan)
+        for k in missing:
+            terms[k] = _shape_terms(A, pcn, pf, pm, run, L, objective, *k)
+    return StageSegs({k: terms[k] for k in dict.fromkeys(shapes)}, shapes, [ctx.K(i) - 1 for i in range(P)])
 
 
 def minmax_partition(segs: StageSegs, stages=None, lo: int = 0, hi: int | None = None) -> tuple | None:
@@ -120,7 +126,7 @@ def frugal_plan(ctx: Context) -> list:
     """Most memory-frugal allowed strategy per unit (BMW's fallback Strategy_Init, §4.4)."""
     t = ctx.tab
     mem = np.where(t.allowed, ctx.pp * t.f1 + t.ms, INF)
-    return [int(np.argmin(mem[u])) for u in ctx.seq]
+    return [int(x) for x in np.argmin(mem[ctx.seq], axis=1)]
 
 
 def stage_times(ctx: Context, parts, plan):
