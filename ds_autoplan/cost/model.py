@@ -480,18 +480,19 @@ class CostModel:
     def _relayout_times(self, strategies: tuple, B_m: int, ab: float) -> np.ndarray:
         """R[type, s', s]: re-layout before each layer type (§2.5), activations only: an
         all-gather of ``frac`` of the micro-batch's boundary tensor over ``g`` ranks."""
-        if strategies not in self._relayout:
+        if strategies not in self._relayout:     # what does not depend on the micro-batch
             n = len(strategies)
             shapes = [self.relayout_shape(sp, s) for sp in strategies for s in strategies]
             # reshaped: an empty strategy list (a pipeline depth no allowed layout fits) is (0, 0)
-            self._relayout[strategies] = (np.array([f for f, _ in shapes], dtype=float).reshape(n, n),
-                                          np.array([g for _, g in shapes], dtype=int).reshape(n, n))
-        frac, g = self._relayout[strategies]
-        R = np.zeros((len(self.units), len(strategies), len(strategies)))
-        a, c = np.nonzero(g > 1)
-        if len(a):
+            frac = np.array([f for f, _ in shapes], dtype=float).reshape(n, n)
+            g = np.array([g for _, g in shapes], dtype=int).reshape(n, n)
+            a, c = np.nonzero(g > 1)
             g, frac = g[a, c], frac[a, c]
-            bw, lat = np.array([self.net.link(int(x), 1) for x in g]).T
+            bw, lat = np.array([self.net.link(int(x), 1) for x in g]).T if len(a) else (None, None)
+            self._relayout[strategies] = a, c, g, frac, bw, lat
+        a, c, g, frac, bw, lat = self._relayout[strategies]
+        R = np.zeros((len(self.units), len(strategies), len(strategies)))
+        if len(a):
             for i, u in enumerate(self.units):
                 R[i, a, c] = (g - 1) / g * B_m * u.boundary * ab * frac / bw + lat
         return R
