@@ -43,7 +43,8 @@ def accept(sched: Schedule, *, num_ranks: int, num_microbatches: int | None = No
     count and placement, and return it lowered (``lower`` with ``costs``)."""
     if not isinstance(sched, Schedule):
         raise ScheduleError(f"{who}: expected a Schedule, got {type(sched).__name__}")
-    validate(sched)
+    if _PROVEN.get(id(sched)) is not sched:      # a proven list was validated before (per step)
+        validate(sched)
     if sched.num_ranks != num_ranks:
         raise ScheduleError(f"{who}: schedule is for {sched.num_ranks} pipeline ranks, "
                             f"the pipeline has {num_ranks}")
