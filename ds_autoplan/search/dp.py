@@ -152,7 +152,8 @@ class Context:
             D = M.ravel().take(self._shift(K, t))
             D += self.cost[t][:, None]
             res = (D, args + ((arg.astype(np.int16), self._columns(t)),))
-        self._prefix[key] = res
+        if self.pp > 1:     # one stage: one unit sequence, no prefix is met again (each D: S x E1)
+            self._prefix[key] = res
         return res
 
     def _backtrack(self, types: tuple, K: int, args, e: int, s: int) -> list:
