@@ -193,8 +193,9 @@ class CostModel:
         self._times: dict = {}
 
     def ov(self, x, y):
-        """Overlap with mutual slowdown gamma: max + (gamma-1)*min (§2.4, §6 #5)."""
-        return np.maximum(x, y) + (self.gamma - 1) * np.minimum(x, y)
+        """Overlap with mutual slowdown gamma: max + (gamma-1)*min (§2.4, §6 #5), of two
+        seconds (Python's max/min: numpy's ufuncs cost microseconds on scalars)."""
+        return max(x, y) + (self.gamma - 1) * min(x, y)
 
     def tables(self, strategies: list, B_m: int) -> LayerTables:
         """Memory and time of every unit under each of ``strategies`` for micro-batch size ``B_m``
