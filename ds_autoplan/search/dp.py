@@ -50,6 +50,7 @@ class Context:
         self._ck_memo: dict = {}
         self._arrays: dict = {}
         self._staged: dict = {}
+        self._figs_memo: dict = {}      # pipeline.stage_figures: per (plans, stage bounds)
         # per (objective, plan): the split matrices' terms per stage shape (partition.py),
         # shared with the contexts of these tables over other stage counts
         self.split_terms: dict = {}

@@ -96,7 +96,7 @@ def stage_figures(ctx: Context, parts: tuple, plan_nock: list, plan_ck: list):
     """Per-stage sums for the no-recompute and all-recompute variants of a uniform plan (fresh
     dicts), memoised in ``ctx`` per stage (its units and whether it sends on): the splits
     that rank balancing and the schedules try share most of their stages."""
-    memo = ctx.__dict__.setdefault("_figs_memo", {}).setdefault((tuple(plan_nock), tuple(plan_ck)), {})
+    memo = ctx._figs_memo.setdefault((tuple(plan_nock), tuple(plan_ck)), {})
     A0 = A1 = ck = None
     out = []
     for i, (lo, hi) in enumerate(ctx.bounds(parts)):
