@@ -55,6 +55,20 @@ def test_top_level_help_speaks_to_users_and_lists_presets(capsys):
     assert "gpt3-13b" in out and "cpu-N" in out and "ds-autoplan presets" in out
 
 
+def test_launch_planning_failure_names_the_detected_cluster(capsys, monkeypatch, tmp_path):
+    """A plan made before launch on the detected cluster that cannot be made: one line naming
+    the cluster by its name (not the spec's repr) and why."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.delenv("DS_AUTOPLAN_CLUSTER", raising=False)
+    rc, out, err = _run(capsys, ["launch", "--model", "gpt-tiny", "--offload", "nvme:opt",
+                                 "--out", str(tmp_path / "o"), "--num_gpus", "2",
+                                 os.path.join(ROOT, "examples", "train_deepspeed.py")])
+    line = err.strip().splitlines()[-1]
+    assert rc == 2 and "ClusterSpec" not in err, err
+    assert re.match(r"ds-autoplan launch: error: planning gpt-tiny on cpu-auto-1x2 failed: "
+                    r"offload=nvme:opt: ", line), line
+
+
 @pytest.mark.parametrize("cmd, starts", [
     ("patch", "Add --autoplan to the installed DeepSpeed launcher (deepspeed/launcher/runner.py), "
               "or take it out again."),

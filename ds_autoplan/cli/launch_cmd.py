@@ -132,7 +132,8 @@ def _plan_model_now(model, cluster, global_batch, pp, schedules, resources, out,
         plan = plan_model(model, cluster, global_batch, options=SearchOptions(
             pp=pp, tp=tp, schedules=schedules, fix={"offload": offload} if offload else None))
     except (SpecError, ValueError, KeyError) as e:
-        raise UserError(f"planning {model} on {cluster} failed: {e}") from None
+        where = getattr(cluster, "name", cluster)       # a detected cluster: its name
+        raise UserError(f"planning {model} on {where} failed: {e}") from None
     if plan.world != world:
         raise UserError(f"the plan uses {plan.world} ranks (cluster {plan.cluster}) but the launch "
                         f"has {world}; pass a cluster with {world} devices")
