@@ -331,3 +331,29 @@ def test_launch_trains_an_offloaded_plan_of_an_unchanged_script(tmp_path):
     assert re.search(r"OFFLOAD_RAN (\d) (\S+)", text).groups() == ("1", "cpu"), text[-4000:]
     ref = [float(x) for x in re.findall(r"OFFLOAD_LOSS \d+ (\S+)", text)]
     assert len(ref) == 3 and max(abs(a - b) / abs(b) for a, b in zip(runs["opt"], ref)) <= 1e-6, (runs, ref)
+
+
+def test_the_example_trains_an_offloaded_plan_made_before_launch(tmp_path):
+    """docs/offload.md's user path with the example script: ``ds-autoplan launch --model gpt-tiny
+    --offload opt`` plans ZeRO-2 + optimizer offload without a pipeline (DeepSpeed's plain engine)
+    and examples/train_deepspeed.py trains it on 2 gloo ranks, reading ``engine.grid`` as it does
+    under a pipeline plan (the plain engine had none: AttributeError on every rank)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from ds_autoplan.runtime.launch import free_port
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "ds_autoplan", "launch", "--model", "gpt-tiny",
+                          "--cluster", "cpu-2", "--offload", "opt", "--out", str(tmp_path / "o"),
+                          "--num_gpus", "2", "--master_port", str(free_port()),
+                          os.path.join(root, "examples", "train_deepspeed.py"), "--steps", "3"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    plan = Plan.load(tmp_path / "o" / "plan.json")
+    assert (plan.pp, plan.dp, plan.zero_stage, plan.offload) == (1, 2, 2, "opt"), plan.to_dict()
+    losses = [float(x) for x in re.findall(r"step \d+ loss (\S+)", text)]
+    assert len(losses) == 3 and losses[-1] < losses[0], text[-4000:]

@@ -79,6 +79,12 @@ class DataParallelEngine(DeepSpeedEngine):
             shuffle=False)
         self.data_iterator = RepeatingLoader(self.deepspeed_io(dataset, data_sampler=sampler))
 
+    @property
+    def grid(self):
+        """``PipelineEngine.grid``: the pipeline grid of the script's module (one stage, every
+        rank a data-parallel rank; a script reads e.g. ``engine.grid.data_parallel_id``)."""
+        return self.module.stages._grid
+
     def set_dataiterator(self, iterator):
         """Store an iterator of (inputs, labels) micro-batches (``PipelineEngine``'s)."""
         self.data_iterator = iterator
