@@ -20,8 +20,8 @@
   action leaves for a later one; at the step's end it must be empty.
 """
 from .contract import (KINDS, RULES, Rule, StepState, accept, check_world, deadlock_free,
-                       dispatch_table, recomputed, waits_for)
+                       dispatch_table, posting_order, recomputed, waits_for)
 from .state import Slot, Slots
 
 __all__ = ["KINDS", "RULES", "Rule", "Slot", "Slots", "StepState", "accept", "check_world",
-           "deadlock_free", "dispatch_table", "recomputed", "waits_for"]
+           "deadlock_free", "dispatch_table", "posting_order", "recomputed", "waits_for"]

@@ -105,6 +105,63 @@ def waits_for(a, placement: Sequence[int]) -> int | None:
     return None if r == placement[a.stage] else r
 
 
+def posting_order(actions, early: bool = False) -> list:
+    """``actions`` in the order a runtime whose SEND/RECV posts never block (gloo: a post
+    returns at once, the transfer completes in the background) issues them.
+
+    * The transfers between two compute actions are one group, posted as torch's
+      ``batch_isend_irecv`` posts one: its sends before its receives.  A receive's post is a
+      rendezvous message to its sender (gloo's sender writes only into a posted receive), so
+      posting it first would hold back a send a neighbour may be waiting for.
+    * ``early``: each receive joins the group before the compute action that precedes it
+      (or the group before the one before that, where none lies between the two), so its
+      sender finds it posted and writes at once instead of waiting for it: a round trip on
+      the receiver's path.  A RECV_B stays after the F whose output gradient it receives
+      (its buffers take that output's shape).  A receive's buffers then exist during one or
+      two more compute actions.
+
+    Receives from a peer keep their order, and sends to it theirs, so each (peer,
+    direction) sees its messages in the list's order; compute actions keep theirs.  Over a
+    backend whose sends can block until the peer's receive is posted (NCCL outside a group)
+    only the list's own order is proven, so there it is not used."""
+    groups: list = [[]]          # groups[j]: the transfers before compute action j (last: after all)
+    comp: list = []
+    for a in actions:
+        if a.kind.is_comm:
+            groups[-1].append(a)
+        else:
+            comp.append(a)
+            groups.append([])
+    if early:
+        had = [bool(g) for g in groups]
+        f_at = {(c.stage, c.mb): j for j, c in enumerate(comp) if c.kind == Kind.F}
+        moved: list = [[] for _ in groups]
+        last: dict = {}          # peer -> the group its last receive went to
+        for j, g in enumerate(groups):
+            keep = []
+            for a in g:
+                if a.kind in _SENDS or j == 0:
+                    keep.append(a)
+                    continue
+                to = j - 2 if j >= 2 and not had[j - 1] and had[j - 2] else j - 1
+                if a.kind == Kind.RECV_B:
+                    to = max(to, f_at.get((a.stage, a.mb), -1) + 1)
+                to = max(to, last.get(a.peer, 0))
+                last[a.peer] = to
+                (keep if to == j else moved[to]).append(a)
+            groups[j] = keep
+        groups = [g + m for g, m in zip(groups, moved)]
+    out: list = []
+    for j, g in enumerate(groups):
+        out += [x for x in g if x.kind in _SENDS] + [x for x in g if x.kind not in _SENDS]
+        if j < len(comp):
+            out.append(comp[j])
+    return out
+
+
+_SENDS = (Kind.SEND_F, Kind.SEND_B)
+
+
 def recomputed(actions) -> set:
     """The (stage, micro-batch) pairs a rank's list recomputes: their F keeps only the
     recomputed prefix's input, their R re-runs it (schedule/passes.py)."""

@@ -29,26 +29,36 @@ class ActionMemory:
         self.by_action: dict = {}
         self.timeline = trace.from_env()
 
+    def begin(self):
+        """Start measuring one compute action (plain calls, no context manager: this runs
+        around every action); :meth:`end` with the returned token records it."""
+        tr = self.tracker
+        t0 = trace.clock() if self.timeline is not None else None
+        if tr is None:
+            return None, None, t0
+        m0, peak0 = tr.current, tr.peak
+        tr.peak = m0
+        return m0, peak0, t0
+
+    def end(self, token, kind: Kind, stage: int, mb: int) -> None:
+        """Record the action :meth:`begin` started: its (delta, rise) of tracked bytes and,
+        when tracing, its start and end."""
+        m0, peak0, t0 = token
+        tr = self.tracker
+        if tr is not None:
+            self.by_action[(Kind(kind), stage, mb)] = (tr.current - m0, tr.peak - m0)
+            tr.peak = max(peak0, tr.peak)
+        if t0 is not None:
+            self.timeline.record(kind, stage, mb, t0, trace.clock())
+
     @contextlib.contextmanager
     def measure(self, kind: Kind, stage: int, mb: int):
-        """Context around one compute action: records its (delta, rise) of tracked bytes and, when
-        tracing, its start and end."""
-        tr, tl = self.tracker, self.timeline
-        if tr is None and tl is None:
-            yield
-            return
-        t0 = trace.clock()
-        if tr is not None:
-            m0, peak0 = tr.current, tr.peak
-            tr.peak = m0
+        """Context around one compute action (:meth:`begin` ... :meth:`end`)."""
+        token = self.begin()
         try:
             yield
         finally:
-            if tr is not None:
-                self.by_action[(Kind(kind), stage, mb)] = (tr.current - m0, tr.peak - m0)
-                tr.peak = max(peak0, tr.peak)
-            if tl is not None:
-                tl.record(kind, stage, mb, t0, trace.clock())
+            self.end(token, kind, stage, mb)
 
     def new_step(self) -> None:
         """Forget the last step's measurements (a new step begins)."""

@@ -13,8 +13,8 @@ the tied-gradient reduction (only with tied modules), the data-parallel gradient
 (only with something to reduce: more than one data-parallel replica, ZeRO or MoE) and the
 optimizer step -- and ``train_batch``'s loss aggregation: with one data-parallel replica
 and no additional losses, the loss rank's broadcast of the step's loss is posted as soon as
-its action list ends and the other ranks' receive before theirs begins, so no rank waits
-for it at the step's end.  Transfers are
+its action list ends and the other ranks' receive where they first wait for a peer (or
+after their list), so no rank waits for it at the step's end.  Transfers are
 ``torch.distributed`` ``isend``/``irecv`` between global ranks: a SEND is issued and not
 waited for, a RECV posts the receive and the consuming F/B waits for it, exactly the
 semantics ``ds_autoplan.schedule.lower`` orders for.
@@ -38,7 +38,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from ...env import env_float
 from ...schedule import Kind, Schedule
 from .. import splitgrad
-from ..common import Slots, StepState, accept, dispatch_table, recomputed, waits_for
+from ..common import (Slots, StepState, accept, dispatch_table, posting_order, recomputed,
+                     waits_for)
 from ..common.memory import ActionMemory
 from ..memtrack import MemTracker, hold
 from ..rng import RngState
@@ -143,8 +144,12 @@ class AutoplanEngine(PipelineEngine):
         self.S = sched.num_stages
         self._ap_globals = [self.grid.stage_to_global(r) for r in range(self.num_stages)]
         self._world = dist.group.WORLD      # p2p by global rank, without the per-call checks
+        # gloo's posts never block: a run of transfers goes out sends first (posting_order)
+        self._ap_grouped = dist.get_backend(self._world) == "gloo"
         self.placement = tuple(mod._ap_placement)
         self._loss_rank = self.placement[-1]
+        self._ap_loss_src = self.grid.stage_to_global(self._loss_rank)
+        self._loss_due = False           # the step's loss receive is still to be posted
         self._split = False
         self._take_schedule(sched, self.micro_batches)
         self.memtracker = MemTracker(exclude=list(mod.parameters()) + list(mod.buffers())) \
@@ -219,9 +224,14 @@ class AutoplanEngine(PipelineEngine):
         mem = self.ap_memory
 
         def measured(kind, fn):
+            begin, end = mem.begin, mem.end
+
             def run(a):
-                with mem.measure(kind, a.stage, a.mb):
+                token = begin()
+                try:
                     fn(a)
+                finally:
+                    end(token, kind, a.stage, a.mb)
             return run
         watched = mem.tracker is not None or mem.timeline is not None
         return {k: measured(k, getattr(self, m)) if k.is_compute and watched else getattr(self, m)
@@ -272,7 +282,10 @@ class AutoplanEngine(PipelineEngine):
         self.ap_schedule = accept(sched, num_ranks=self.num_stages, num_microbatches=n,
                                   placement=self.placement, who="DeepSpeed adapter")
         self.ap_actions = self.ap_schedule.ranks[self.stage_id]
-        self._ap_train = ActionSchedule(self.ap_actions, self.placement)
+        self._ap_train = ActionSchedule(posting_order(self.ap_actions) if self._ap_grouped
+                                        else self.ap_actions, self.placement)
+        self._ap_early = None       # the list with early receives, once every shape is known
+        self._ap_recv_stages = {a.stage for a in self.ap_actions if a.kind == Kind.RECV_F}
         self._recompute = self.module.recompute_plan(self.ap_schedule)
         self._recomputed = recomputed(self.ap_actions)
         if any(a.kind == Kind.W for a in self.ap_actions) and not self._split:
@@ -310,7 +323,7 @@ class AutoplanEngine(PipelineEngine):
         return self.stage_id == self._loss_rank
 
     def _loss_stage_global_rank(self):
-        return self.grid.stage_to_global(self._loss_rank)
+        return self._ap_loss_src
 
     def _backward_prologue_per_tensor(self, grad):
         # the loss is divided by gradient_accumulation_steps in DeepSpeedEngine.backward;
@@ -319,7 +332,16 @@ class AutoplanEngine(PipelineEngine):
 
     # -- schedules ----------------------------------------------------------------------------
     def _train_schedule(self):
-        return self._ap_train
+        """The rank's list; over gloo, with early receives once no receive needs a shape
+        handshake (the first step's is blocking: posted early it could wait for a peer that
+        waits for this rank), see ``runtime.common.posting_order``."""
+        if not self._ap_grouped or (self.ap_shape_plan is None
+                                    and not self._ap_recv_stages <= self._recv_meta.keys()):
+            return self._ap_train
+        if self._ap_early is None:
+            self._ap_early = ActionSchedule(posting_order(self.ap_actions, early=True),
+                                            self.placement)
+        return self._ap_early
 
     def _inference_schedule(self, micro_batches):
         # forward only, in (micro-batch, stage) order: a topological order every rank follows
@@ -345,8 +367,9 @@ class AutoplanEngine(PipelineEngine):
         self.ap_memory.new_step()
         self.fwd_outputs = []
         self._loss_bcast = None
-        if pipe_schedule.train and self._loss_ahead() and not self.is_last_stage():
-            self._post_loss()
+        # elsewhere than on the loss rank, the loss broadcast's receive is posted where the
+        # rank first waits for a peer (_take_recv), or after its list
+        self._loss_due = pipe_schedule.train and self._loss_ahead() and not self.is_last_stage()
         tr = self.memtracker
         if tr is not None:
             tr.reset_peak()
@@ -364,7 +387,7 @@ class AutoplanEngine(PipelineEngine):
         for a, peer in zip(sched.actions, sched.waits):
             doing(a, peer)
             table[a.kind](a)
-        if sched.train and self.is_last_stage() and self._loss_ahead():
+        if self._loss_due or (sched.train and self.is_last_stage() and self._loss_ahead()):
             self._post_loss()
         doing("completing the step's sends")
         self._exec_commit_p2p()
@@ -396,8 +419,9 @@ class AutoplanEngine(PipelineEngine):
         """Post the step's loss broadcast over the pipeline group: on the loss rank, the
         values DeepSpeed's ``_aggregate_total_loss`` sends (the loss divided by the
         accumulation steps, twice: this replica's and the data-parallel mean); elsewhere the
-        receive, before the step's first action."""
-        src = self._loss_stage_global_rank()
+        receive."""
+        self._loss_due = False
+        src = self._ap_loss_src
         if self.is_last_stage():
             loss = self._scale_loss_by_gas(self.total_loss)
             self.agg_additional_losses = None
@@ -554,6 +578,8 @@ class AutoplanEngine(PipelineEngine):
     def _take_recv(self, slot, field, what):
         works, bufs, is_tensor, peer = getattr(slot, field)
         setattr(slot, field, None)
+        if self._loss_due and works and not works[-1].is_completed():
+            self._post_loss()       # the rank waits here anyway
         for w in works:
             self._wait(w, what, peer)
         return bufs, is_tensor

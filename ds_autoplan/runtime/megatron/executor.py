@@ -55,7 +55,8 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_mo
 
 from ...schedule import Costs, Kind, Schedule, ScheduleError, lower
 from ...schedule.passes import plan_schedule, stage_recompute
-from ..common import RULES, Slots, StepState, accept, dispatch_table, recomputed, waits_for
+from ..common import (RULES, Slots, StepState, accept, dispatch_table, posting_order, recomputed,
+                      waits_for)
 from ..common.memory import ActionMemory
 from ..memtrack import hold
 from ..rng import RngState
@@ -271,6 +272,10 @@ class _Step:
         self._check_chunks()
         self.shapes = self._shapes(state.shapes)
         self.mine = self.sched.ranks[self.rank]
+        if torch.distributed.get_backend(self.pp_group) == "gloo":
+            # gloo's posts never block: sends first in each group, receives posted early
+            # (shapes are known: no handshake), see runtime.common.posting_order
+            self.mine = posting_order(self.mine, early=True)
         self.rec = recomputed(self.mine)
         self.rec_k = {s: stage_recompute(self.sched, s, len(_chunk_layers(self.model[c])))
                       for s, c in self.chunk.items()}
@@ -337,8 +342,11 @@ class _Step:
                 sync.enable()
             doing(act, waits_for(act, place))
             if measured and act.kind.is_compute:
-                with mem.measure(act.kind, act.stage, act.mb):
+                token = mem.begin()
+                try:
                     table[act.kind](act)
+                finally:
+                    mem.end(token, act.kind, act.stage, act.mb)
             else:
                 table[act.kind](act)
             if i in final:
