@@ -51,10 +51,19 @@ def engine(name, cfg, precision, recompute=0.0):
 
 def decide(name):
     def run():
+        from ds_autoplan.runtime.deepspeed.engine import hook_work
         cfg, precision = CONFIGS[name]
         e = engine("1f1b", cfg, precision)
-        return {"config": name, "rank": torch.distributed.get_rank(), "direct": e.ap_direct,
-                "wrapped": e.ap_wrapped}
+        row = {"config": name, "rank": torch.distributed.get_rank(), "direct": e.ap_direct,
+               "wrapped": e.ap_wrapped, "bare": e._ap_hooks is not None, "hooks": hook_work(e)}
+        if name == "fp32":      # F skips DeepSpeed's hooks, still starts the throughput timer,
+            train(e)            # and a hook the user adds runs
+            row["timer"] = [e.tput_timer.config.enabled, e.tput_timer.started]
+            calls = []
+            e.module.register_forward_hook(lambda *_: calls.append(1))
+            train(e)
+            row["user_hook_calls"] = len(calls)
+        return row
     return run
 
 

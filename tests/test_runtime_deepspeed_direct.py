@@ -11,6 +11,8 @@ pytest.importorskip("deepspeed")
 
 from ds_autoplan.runtime.launch import results  # noqa: E402
 
+N = 4     # micro-batches per step in ds_direct_worker.py
+
 WORKER = str(Path(__file__).with_name("ds_direct_worker.py"))
 
 
@@ -25,6 +27,17 @@ def test_direct_exactly_where_the_wrappers_have_nothing_to_do():
             "wall_clock_breakdown": "engine timers", "memory_breakdown": "memory_breakdown"}
     for config, why in want.items():
         assert any(why in w for w in got[(config, 0)][1]), (config, got[(config, 0)])
+    # DeepSpeed's forward hooks are skipped only where they would do nothing but start the
+    # throughput timer (hook_work), which F then starts itself; a user's hook brings them back
+    rows = {(d["config"], d["rank"]): d for d in rows}
+    for (config, rank), d in rows.items():
+        assert d["bare"] == (config == "fp32"), d
+    assert "forward timers" in rows[("wall_clock_breakdown", 0)]["hooks"]
+    assert "memory_breakdown" in rows[("memory_breakdown", 0)]["hooks"]
+    for rank in (0, 1):
+        d = rows[("fp32", rank)]
+        assert d["timer"] == [True, True], d    # (PipelineEngine never stops it: no step())
+        assert d["user_hook_calls"] == 2 * N, d  # every F of both steps on this rank
 
 
 def _engine(optimizer, **on):

@@ -31,6 +31,7 @@ import datetime
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules import module as _nn_module
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -110,6 +111,27 @@ def wrapper_work(engine) -> list[str]:
               "backward all-reduce": engine.enable_backward_allreduce,
               "ZenFlow": bool(engine.zenflow)}
     return why + [k for k, on in checks.items() if on]
+
+
+def hook_work(engine) -> list[str]:
+    """What DeepSpeed's forward hooks on the engine's module (``DeepSpeedEngine.
+    _forward_prologue`` / ``_forward_epilogue``, DeepSpeed 0.19.8, registered at engine set-up)
+    would do for ``engine`` besides starting the throughput timer (``tput_timer.start()``
+    without a training data loader, which ``PipelineEngine._exec_forward_pass`` also does
+    before every forward); empty: a direct F (``ap_direct``) starts that timer itself and calls
+    the module's ``forward``, as long as those two hooks are the module's only ones (checked
+    per call: a hook the user adds later takes ``nn.Module.__call__`` again).  The pieces:
+    ``see_memory_usage`` (``memory_breakdown``), the flops profiler, random-LTD's sequence
+    update, the forward timers (``wall_clock_breakdown``), ZeRO-3's parameter discovery,
+    fp16 auto-cast of the inputs and the autotuner's profile."""
+    checks = {"memory_breakdown": engine.memory_breakdown(),
+              "flops profiler": engine.flops_profiler_enabled(),
+              "random-LTD": engine.random_ltd_enabled(),
+              "forward timers": bool(engine.engine_timers.forward_timers),
+              "ZeRO-3": engine.zero_optimization_partition_weights(),
+              "fp16 auto-cast": engine.fp16_auto_cast(),
+              "autotuning profile": engine.autotuning_profile_model_info()}
+    return [k for k, on in checks.items() if on]
 
 
 def _as_list(x):
@@ -242,6 +264,10 @@ class AutoplanEngine(PipelineEngine):
         to do for this engine (``ap_wrapped``: what they would do, :func:`wrapper_work`)."""
         self.ap_wrapped = wrapper_work(self)
         self.ap_direct = not self.ap_wrapped
+        # DeepSpeed's own forward hooks on the module, skipped by a direct F (hook_work)
+        own = (getattr(self, "module_forward_pre_hook", None), getattr(self, "module_forward_post_hook", None))
+        self._ap_hooks = None if not self.ap_direct or None in own or hook_work(self) \
+            else (own[0].id, own[1].id)
         # BF16_Optimizer keeps fp32 gradients, moved after every backward piece (_lp_grads)
         self._ap_lp = self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update
 
@@ -621,7 +647,7 @@ class AutoplanEngine(PipelineEngine):
         with self.module.activated(stage, k), \
                 (sw.forward() if sw is not None else contextlib.nullcontext()):
             direct = self.ap_direct and not torch.is_autocast_enabled()
-            out = self.module(x) if direct else DeepSpeedEngine.forward(self, x)
+            out = self._call_module(x) if direct else DeepSpeedEngine.forward(self, x)
         slot.out = out
         if stage == self.S - 1:
             if self._compute_loss and self.module.loss_fn is not None:
@@ -632,21 +658,36 @@ class AutoplanEngine(PipelineEngine):
                 # DeepSpeed divides by gradient_accumulation_steps; the factor makes the step's
                 # gradient the sample/token-weighted one (dynamic.py)
                 loss = loss * self.ap_loss_factors[mb]
-            self.loss = slot.loss = loss
+            state = self.__dict__   # plain attributes: no nn.Module.__setattr__ per micro-batch
+            state["loss"] = slot.loss = loss
             if self.eval_return_logits:
                 self.outputs = out
             det = loss.detach() if torch.is_tensor(loss) else [t.detach() for t in loss]
             self.fwd_outputs.append(det)
             if self.total_loss is None:
-                self.total_loss = det.clone() if torch.is_tensor(det) else [t.clone() for t in det]
+                state["total_loss"] = det.clone() if torch.is_tensor(det) else [t.clone() for t in det]
             elif torch.is_tensor(det):
-                self.total_loss += det
+                self.total_loss.add_(det)
             else:
                 for t, d_ in zip(self.total_loss, det):
                     t += d_
         if not torch.is_grad_enabled():
             slot.inp = None
         self._trace("F", stage, mb)
+
+    def _call_module(self, x):
+        """``self.module(x)``; where DeepSpeed's two forward hooks are its only hooks and do
+        nothing but start the throughput timer (:func:`hook_work`), that and ``forward``."""
+        mod, own = self.module, self._ap_hooks
+        pre, post = mod._forward_pre_hooks, mod._forward_hooks
+        if own is None or len(pre) != 1 or len(post) != 1 or own[0] not in pre or own[1] not in post \
+                or mod._backward_hooks or mod._backward_pre_hooks or _nn_module._global_forward_pre_hooks \
+                or _nn_module._global_forward_hooks or _nn_module._global_backward_hooks \
+                or _nn_module._global_backward_pre_hooks or torch._C._get_tracing_state():
+            return mod(x)
+        if self.training_dataloader is None:
+            self.tput_timer.start()
+        return mod.forward(x)
 
     def _run_recompute(self, a):
         mb, stage = a.mb, a.stage

@@ -46,6 +46,9 @@ def parts_from(layers_per_stage, num_layers: int) -> list[int]:
     return parts
 
 
+_NULL = contextlib.nullcontext()
+
+
 class AutoplanPipelineModule(PipelineModule):
     """``PipelineModule`` with an explicit stage partition and stage→rank placement.
 
@@ -176,10 +179,18 @@ class AutoplanPipelineModule(PipelineModule):
                                               for i in range(0, len(self.forward_funcs), k)]
             self.is_checkpointable_results_interval = k
 
-    @contextlib.contextmanager
     def activated(self, stage: int, lo: int = 0, hi: int | None = None):
-        """Expose layers ``[lo, hi)`` of local ``stage`` through ``forward``."""
-        self._activate(self.local_stages.index(stage), lo, hi)
+        """Context exposing layers ``[lo, hi)`` of local ``stage`` through ``forward``: no
+        context at all when that is what ``forward`` exposes outside one (one stage, whole)."""
+        chunk = self.local_stages.index(stage)
+        if chunk == 0 and lo == 0 and hi is None and \
+                self.__dict__.get("_ap_active") == (0, 0, None, self.activation_checkpoint_interval):
+            return _NULL
+        return self._activated(chunk, lo, hi)
+
+    @contextlib.contextmanager
+    def _activated(self, chunk: int, lo: int, hi: int | None):
+        self._activate(chunk, lo, hi)
         try:
             yield self
         finally:
