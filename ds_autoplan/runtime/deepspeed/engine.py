@@ -94,8 +94,8 @@ def wrapper_work(engine) -> list[str]:
       optimizer's epilogue / ``exit_backward``, DeepCompile's epilogue, ``memory_breakdown``.
 
     The module's own forward hooks (DeepSpeed's ``_forward_prologue`` / ``_forward_epilogue``:
-    forward timers, throughput timer, flops profiler, random-LTD) run either way: F calls the
-    module.  Micro-step counters and accumulation boundaries move in ``step()``, not here."""
+    forward timers, throughput timer, flops profiler, random-LTD) are :func:`hook_work`'s
+    decision.  Micro-step counters and accumulation boundaries move in ``step()``, not here."""
     opt = engine.optimizer
     why = []
     if not isinstance(opt, torch.optim.Optimizer) or isinstance(opt, DeepSpeedOptimizer):
