@@ -13,8 +13,9 @@ input- and weight-gradient passes), ours through ``runtime.splitgrad``.  Same sl
 saved bytes per layer.
 
 Every round runs, for every pair, one iteration of ours and one of torch's (alternating which
-goes first), then one null iteration of each (every sleep at zero: the runtime's own time);
-ratios are per round (paired), printed with their min-max spread.  Memory: the peak saved-
+goes first), then :data:`NULLS` null iterations of each, alternating (every sleep at zero: the
+runtime's own time; the JSON's ``null_iteration_ms`` is the median over all of them of the
+slowest rank's); ratios are per round (paired), printed with their min-max spread.  Memory: the peak saved-
 activation bytes per rank (``runtime.memtrack``, the same tracker for both), the largest rank.
 The last round's null iterations also run instrumented: the JSON's ``null_breakdown_ms`` is,
 for the rank that finished last, each runtime's own time per iteration by what it spends it
@@ -42,6 +43,7 @@ import engine_deepspeed as E  # noqa: E402
 PAIRS = {"v-zb": "ScheduleZBVZeroBubble", "1f1b": "Schedule1F1B",
          "zb-h1": "ScheduleInterleavedZeroBubble", "interleaved": "ScheduleInterleaved1F1B"}
 FBW = (1.0, 1.0, 1.0)
+NULLS = 5       # null iterations of each runtime per round (a null iteration lasts ~30-80 ms)
 ONCE_DS = E._STEP_INSTR      # DeepSpeed's once-per-step instructions -> the engine's methods
 
 
@@ -166,11 +168,12 @@ def worker(args):
                 if r >= M.WARMUP:
                     times[k].append(t)
                     peaks[k] = max(peaks[k], runs[k].peak)
-            for k in pair:
-                with scaled(0.0):
-                    t = once(runs[k])
-                if r >= M.WARMUP:
-                    nulls[k].append(t)
+            for j in range(NULLS):           # null iterations, alternating which goes first
+                for k in (pair if j % 2 == 0 else pair[::-1]):
+                    with scaled(0.0):
+                        t = once(runs[k])
+                    if r >= M.WARMUP:
+                        nulls[k].append(t)
             if r == rounds - 1:          # the breakdown of one more null iteration each
                 for k in pair:
                     bd = M.Breakdown()

@@ -13,8 +13,8 @@ the tied-gradient reduction (only with tied modules), the data-parallel gradient
 (only with something to reduce: more than one data-parallel replica, ZeRO or MoE) and the
 optimizer step -- and ``train_batch``'s loss aggregation: with one data-parallel replica
 and no additional losses, the loss rank's broadcast of the step's loss is posted as soon as
-its action list ends and the other ranks' receive where they first wait for a peer (or
-after their list), so no rank waits for it at the step's end.  Transfers are
+its last forward of the loss stage has run and the other ranks' receive where they first
+wait for a peer (or after their list), so no rank waits for it at the step's end.  Transfers are
 ``torch.distributed`` ``isend``/``irecv`` between global ranks: a SEND is issued and not
 waited for, a RECV posts the receive and the consuming F/B waits for it, exactly the
 semantics ``ds_autoplan.schedule.lower`` orders for.
@@ -171,7 +171,7 @@ class AutoplanEngine(PipelineEngine):
         self.placement = tuple(mod._ap_placement)
         self._loss_rank = self.placement[-1]
         self._ap_loss_src = self.grid.stage_to_global(self._loss_rank)
-        self._loss_due = False           # the step's loss receive is still to be posted
+        self._loss_due = False           # the step's loss broadcast (its send or receive) is still to post
         self._split = False
         self._take_schedule(sched, self.micro_batches)
         self.memtracker = MemTracker(exclude=list(mod.parameters()) + list(mod.buffers())) \
@@ -393,9 +393,10 @@ class AutoplanEngine(PipelineEngine):
         self.ap_memory.new_step()
         self.fwd_outputs = []
         self._loss_bcast = None
-        # elsewhere than on the loss rank, the loss broadcast's receive is posted where the
-        # rank first waits for a peer (_take_recv), or after its list
-        self._loss_due = pipe_schedule.train and self._loss_ahead() and not self.is_last_stage()
+        # the step's loss broadcast: the loss rank posts it after its last F of the loss
+        # stage, the others their receive where they first wait for a peer (_take_recv);
+        # whoever has not, after its list
+        self._loss_due = pipe_schedule.train and self._loss_ahead()
         tr = self.memtracker
         if tr is not None:
             tr.reset_peak()
@@ -413,7 +414,7 @@ class AutoplanEngine(PipelineEngine):
         for a, peer in zip(sched.actions, sched.waits):
             doing(a, peer)
             table[a.kind](a)
-        if self._loss_due or (sched.train and self.is_last_stage() and self._loss_ahead()):
+        if self._loss_due:
             self._post_loss()
         doing("completing the step's sends")
         self._exec_commit_p2p()
@@ -604,7 +605,8 @@ class AutoplanEngine(PipelineEngine):
     def _take_recv(self, slot, field, what):
         works, bufs, is_tensor, peer = getattr(slot, field)
         setattr(slot, field, None)
-        if self._loss_due and works and not works[-1].is_completed():
+        if self._loss_due and works and self.stage_id != self._loss_rank \
+                and not works[-1].is_completed():
             self._post_loss()       # the rank waits here anyway
         for w in works:
             self._wait(w, what, peer)
@@ -671,6 +673,8 @@ class AutoplanEngine(PipelineEngine):
             else:
                 for t, d_ in zip(self.total_loss, det):
                     t += d_
+            if self._loss_due and len(self.fwd_outputs) == self.micro_batches:
+                self._post_loss()   # the step's loss is complete: no later action changes it
         if not torch.is_grad_enabled():
             slot.inp = None
         self._trace("F", stage, mb)
