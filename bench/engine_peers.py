@@ -15,8 +15,9 @@ saved bytes per layer.
 Every round runs, for every pair, one iteration of ours and one of torch's (alternating which
 goes first), then :data:`NULLS` null iterations of each, alternating (every sleep at zero: the
 runtime's own time; the JSON's ``null_iteration_ms`` is the median over all of them of the
-slowest rank's); ratios are per round (paired), printed with their min-max spread.  Memory: the peak saved-
-activation bytes per rank (``runtime.memtrack``, the same tracker for both), the largest rank.
+slowest rank's); ratios are per round (paired), printed with their min-max spread.  Memory:
+the peak saved-activation bytes per rank (``runtime.memtrack``, the same tracker for both),
+the largest rank.
 The last round's null iterations also run instrumented: the JSON's ``null_breakdown_ms`` is,
 for the rank that finished last, each runtime's own time per iteration by what it spends it
 on (compute actions, p2p posting and waiting, the once-per-step instructions, the loss

@@ -11,8 +11,6 @@ free; a B may hold ``b_transient`` more until its end).
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 from ...schedule import Costs, Kind, Schedule, ScheduleError
@@ -29,9 +27,26 @@ class ActionMemory:
         self.by_action: dict = {}
         self.timeline = trace.from_env()
 
+    def measured(self, table: dict) -> dict:
+        """``table`` (kind -> handler taking the action) with every compute kind's handler
+        recording its action (:meth:`begin` ... :meth:`end`); ``table`` itself when nothing is
+        tracked or traced.  Plain calls, no context manager: this runs around every action."""
+        if self.tracker is None and self.timeline is None:
+            return dict(table)
+        begin, end = self.begin, self.end
+
+        def wrap(kind, fn):
+            def run(a):
+                token = begin()
+                try:
+                    fn(a)
+                finally:
+                    end(token, kind, a.stage, a.mb)
+            return run
+        return {k: wrap(k, fn) if k.is_compute else fn for k, fn in table.items()}
+
     def begin(self):
-        """Start measuring one compute action (plain calls, no context manager: this runs
-        around every action); :meth:`end` with the returned token records it."""
+        """Start measuring one compute action; :meth:`end` with the returned token records it."""
         tr = self.tracker
         t0 = trace.clock() if self.timeline is not None else None
         if tr is None:
@@ -50,15 +65,6 @@ class ActionMemory:
             tr.peak = max(peak0, tr.peak)
         if t0 is not None:
             self.timeline.record(kind, stage, mb, t0, trace.clock())
-
-    @contextlib.contextmanager
-    def measure(self, kind: Kind, stage: int, mb: int):
-        """Context around one compute action (:meth:`begin` ... :meth:`end`)."""
-        token = self.begin()
-        try:
-            yield
-        finally:
-            self.end(token, kind, stage, mb)
 
     def new_step(self) -> None:
         """Forget the last step's measurements (a new step begins)."""

@@ -243,21 +243,7 @@ class AutoplanEngine(PipelineEngine):
     def _dispatch(self) -> dict:
         """The dispatch table: kind -> the engine's handler, taking the action; a compute
         handler's tracked-memory change and rise are recorded (common contract)."""
-        mem = self.ap_memory
-
-        def measured(kind, fn):
-            begin, end = mem.begin, mem.end
-
-            def run(a):
-                token = begin()
-                try:
-                    fn(a)
-                finally:
-                    end(token, kind, a.stage, a.mb)
-            return run
-        watched = mem.tracker is not None or mem.timeline is not None
-        return {k: measured(k, getattr(self, m)) if k.is_compute and watched else getattr(self, m)
-                for k, m in HANDLERS.items()}
+        return self.ap_memory.measured({k: getattr(self, m) for k, m in HANDLERS.items()})
 
     def _decide_calls(self):
         """F/B call the module and autograd directly when DeepSpeed's wrappers have nothing

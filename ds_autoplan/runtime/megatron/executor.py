@@ -332,23 +332,15 @@ class _Step:
             tracker.reset_peak()
         sync = _GradSync(_no_sync_func(self.config))
         final = self._final_backwards()
-        doing, table, place = r.watchdog.doing, self.table, self.sched.placement
-        mem = r.memory
-        measured = mem.tracker is not None or mem.timeline is not None
+        doing, place = r.watchdog.doing, self.sched.placement
+        table = r.memory.measured(self.table)       # compute actions' bytes (and times)
         for i, act in enumerate(self.mine):
             if self.forward_only and not RULES[act.kind].forward:
                 continue
             if i in final:
                 sync.enable()
             doing(act, waits_for(act, place))
-            if measured and act.kind.is_compute:
-                token = mem.begin()
-                try:
-                    table[act.kind](act)
-                finally:
-                    mem.end(token, act.kind, act.stage, act.mb)
-            else:
-                table[act.kind](act)
+            table[act.kind](act)
             if i in final:
                 sync.disable()
         doing("completing the step's sends")
