@@ -31,9 +31,21 @@ CONFIG_KEYS = ("tp", "pp", "dp", "micro_batch", "num_microbatches", "zero", "rec
                "chunks")
 
 
+# the prediction's per-component breakdown (issue 38): a record of the costing, not a decision
+RECORDS = ("components",)
+# peaks the reference rounded to MB (plan.json keeps kB since issue 38)
+ROUNDED_MB = ("peak_memory_gb_per_stage", "peak_gb")
+
+
+def _mb(v):
+    """A peak (or a list of them) as the reference rounded it."""
+    return [_mb(x) for x in v] if isinstance(v, list) else round(v, 3) if isinstance(v, float) else v
+
+
 def _clean(d):
     if isinstance(d, dict):
-        return {k: _clean(v) for k, v in d.items() if k not in TIMING and not _new_default(k, v, d)}
+        return {k: _mb(v) if k in ROUNDED_MB else _clean(v)
+                for k, v in d.items() if k not in TIMING + RECORDS and not _new_default(k, v, d)}
     if isinstance(d, list):
         return [_clean(x) for x in d]
     return d
@@ -137,7 +149,7 @@ def main(argv=None) -> int:
             continue
         with open(path) as f:
             ref = json.load(f)
-        ok = ref == rec
+        ok = _clean(ref) == _clean(rec)     # the published rows' records are raw
         same, diff = same + ok, diff + (not ok)
         print(f"{'identical' if ok else 'DIFFERENT'} {name}", flush=True)
         if not ok:

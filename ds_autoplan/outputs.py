@@ -317,6 +317,52 @@ def _write_manifest(folder: str, files: dict[str, list[Stamp]]) -> None:
     _release(tmp)
 
 
+LAUNCH_LOCK = ".ds-autoplan-launch.lock"
+_HELD: dict = {}                # folder -> fd of its launch lock, held by this process
+
+
+def hold_for_launch(path, what: str = "--out") -> tuple[str, bool]:
+    """Take the output folder ``path`` for one launch: an exclusive lock on its
+    :data:`LAUNCH_LOCK` file, held while this process lives (or until :func:`release_launch`),
+    so a second launch into the same folder is refused by name before it plans or writes
+    anything (two launches in one working directory once replaced each other's plan.json).
+    The lock file holds the holder's pid.  Returns (the real folder, whether it was created
+    now)."""
+    folder, created = resolve_folder(path, what)
+    if folder in _HELD:
+        return folder, created
+    lock = os.path.join(folder, LAUNCH_LOCK)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        raise _os_error(what, lock, e) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+        os.close(fd)
+        raise OutputError(f"{what} {folder}: another launch (pid {holder}) is using this folder; "
+                          "wait for it to end or pass another --out") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _HELD[folder] = fd
+    return folder, created
+
+
+def release_launch(folder: str, remove: bool = False) -> None:
+    """Give the launch lock of ``folder`` back; ``remove``: also delete the lock file and the
+    folder if nothing else is in it (a launch refused before it wrote anything)."""
+    fd = _HELD.pop(folder, None)
+    if fd is None:
+        return
+    if remove:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(folder, LAUNCH_LOCK))
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)                     # only when empty
+    os.close(fd)
+
+
 @contextlib.contextmanager
 def _locked(folder: str):
     fd = os.open(folder, os.O_RDONLY)

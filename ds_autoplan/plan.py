@@ -52,7 +52,7 @@ PARALLEL_KEYS = {FILE_NAMES.get(f.name, f.name): f.name for f in dataclasses.fie
 
 
 # the fields of a Prediction that record the search rather than predict the plan
-SEARCH_TABLES = ("baselines", "wide", "schedules_tried", "search_phases_s")
+SEARCH_TABLES = ("baselines", "wide", "schedules_tried", "search_phases_s", "components")
 
 
 def _when_set():
@@ -76,7 +76,7 @@ class Prediction(Mapping):
     throughput_tokens_per_s: float | None = None
     samples_per_s: float | None = None
     mfu: float | None = None
-    peak_memory_gb_per_stage: list | None = None     # per pipeline rank, GB (rounded to MB)
+    peak_memory_gb_per_stage: list | None = None     # per pipeline rank, GB (rounded to kB)
     memory_budget_gb: float | None = None            # usable device memory the plan fits
     memory_headroom_gb: float | None = None          # kept free below the budget
     memory_runtime: str | None = None                # whose accounting: any, megatron, deepspeed
@@ -97,6 +97,8 @@ class Prediction(Mapping):
     wide_gain_vs_1f1b: float | None = _when_set()
     schedules_tried: list | None = None              # per schedule: time, fits, split, memory
     search_phases_s: dict | None = _when_set()
+    # per cost-model component (cost/components.py), seconds per iteration of each pipeline rank
+    components: dict | None = _when_set()
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)

@@ -16,6 +16,7 @@ from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin
 from torch.utils.data import DataLoader
 
+from ds_autoplan.errors import one_line_errors
 from ds_autoplan.models.tiny_hf import tiny_llama, token_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,8 +53,14 @@ def main():
             losses = []
             if step == args.steps:
                 break
-    acc.end_training()           # destroys the process group: a live gloo group can abort at exit
+    # Every rank past its last collective before the group goes: gloo's worker threads release a
+    # collective's tensors after the caller's wait returns, and one still doing so when the
+    # interpreter exits aborts the process ("terminate called without an active exception", seen
+    # on rank 1 of this script, which exits while rank 0 prints). end_training destroys the group.
+    acc.wait_for_everyone()
+    acc.end_training()
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_errors("hf_accelerate.py"):    # a bad DS_AUTOPLAN_* value: one line, exit 2
+        main()

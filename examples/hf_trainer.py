@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
+from ds_autoplan.errors import one_line_errors
 from ds_autoplan.models.tiny_hf import tiny_llama, token_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -41,9 +42,11 @@ def main():
         for h in trainer.state.log_history:
             if "loss" in h:
                 print(f"LOSS {h['step']} {h['loss']!r}", flush=True)
-    if dist.is_initialized():    # a gloo group left alive can abort the process at exit (SIGABRT)
+    if dist.is_initialized():    # as examples/hf_accelerate.py: a barrier, then the group goes
+        dist.barrier()
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_errors("hf_trainer.py"):    # a bad DS_AUTOPLAN_* value: one line, exit 2
+        main()

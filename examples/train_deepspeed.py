@@ -20,8 +20,8 @@ import sys
 
 import torch
 
+from ds_autoplan.errors import PlanError, one_line_errors
 from ds_autoplan.models.tiny_gpt import GPTConfig, TinyGPT, gpt_loss
-from ds_autoplan.errors import PlanError
 from ds_autoplan.plan import Plan
 from ds_autoplan.runtime.deepspeed import as_plan, initialize
 from ds_autoplan.runtime.deepspeed.dist import init_distributed
@@ -124,4 +124,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_errors("train_deepspeed.py"):    # a bad DS_AUTOPLAN_* value: one line, exit 2
+        main()

@@ -15,6 +15,7 @@ import time
 import torch
 from torch.utils.data import DataLoader
 
+from ds_autoplan.errors import one_line_errors
 from ds_autoplan.dynamic import CostModel, IterationPlanner, LengthSampler
 from ds_autoplan.dynamic.sampler import DynamicBatchSampler, VarLenTokens, pad_collate
 from ds_autoplan.models.tiny_gpt import GPTConfig, TinyGPT, gpt_loss
@@ -69,4 +70,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_errors("train_dynamic.py"):    # a bad DS_AUTOPLAN_* value: one line, exit 2
+        main()

@@ -20,6 +20,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ds_autoplan.errors import one_line_errors
 from ds_autoplan.runtime.megatron import (cpu_shim, get_forward_backward_func, initialize,
                                   split_backward_spec)
 from ds_autoplan.plan import Plan
@@ -115,5 +116,5 @@ def main():
 
 
 if __name__ == "__main__":
-    with cpu_shim():   # Megatron's tensor-parallel RNG tracker etc. on a CPU-only torch build
+    with one_line_errors("train_megatron.py"), cpu_shim():   # cpu_shim: Megatron's RNG tracker etc. on CPU torch
         main()

@@ -373,3 +373,105 @@ def test_deepspeed_runtime_refuses_on_every_rank_before_training():
             assert row["error"] is not None and want in row["error"], (want, row)
             assert "\n" not in row["error"]
         assert rows[-1]["error"] is None
+
+
+# -- loose ends of issue 40: each failed before its fix ---------------------------------------
+def test_launch_checks_the_plan_it_is_given_before_anything_starts(monkeypatch, capsys, tmp_path, script):
+    """``DS_AUTOPLAN_PLAN`` naming a missing plan, or a plan for another world size: refused in
+    one line before DeepSpeed's launcher starts a rank (it used to start them, and each rank
+    found the plan unreadable)."""
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("DS_AUTOPLAN_OUT", str(tmp_path / "out"))
+    monkeypatch.setenv("DS_AUTOPLAN_PLAN", "/nonexistent/plan.json")
+    _one_line_error(capsys, ["launch", "--num_gpus", "1", str(script)],
+                    "cannot read the plan /nonexistent/plan.json", "(named by DS_AUTOPLAN_PLAN)")
+    from ds_autoplan.search import SearchOptions, plan_model
+    two = tmp_path / "two.json"
+    plan_model("gpt-tiny", "cpu-2", 8, options=SearchOptions(pp=2)).save(two)
+    monkeypatch.setenv("DS_AUTOPLAN_PLAN", str(two))
+    _one_line_error(capsys, ["launch", "--num_gpus", "1", str(script)],
+                    f"the plan {two} (DS_AUTOPLAN_PLAN) uses 2 ranks", "the launch has 1")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_plan_line_names_the_detected_cluster(capsys, tmp_path):
+    """The launcher's plan line names the cluster it planned on, not the ClusterSpec's repr
+    of 20 fields (the detected cluster is a ClusterSpec, as this one)."""
+    from ds_autoplan.cli.launch_cmd import _plan_model_now
+    from ds_autoplan.spec.cluster import load_cluster
+    _plan_model_now("gpt-tiny", load_cluster("cpu-2"), 8, 2, None, {"localhost": [0, 1]}, str(tmp_path / "o"))
+    out = capsys.readouterr().out
+    assert "ds-autoplan: gpt-tiny on cpu-2 (2 ranks): pp=2" in out and "ClusterSpec" not in out, out
+
+
+def test_a_second_launch_into_a_running_launchs_folder_is_refused(tmp_path):
+    """Two launches in one working directory: while the first holds its output folder (here a
+    process of its own, as a launcher is), the second is refused by name before it plans or
+    writes anything; once the first has ended, the folder is free."""
+    import subprocess
+    import sys
+
+    from ds_autoplan.cli import UserError
+    from ds_autoplan.cli.launch_cmd import apply_autoplan
+    from types import SimpleNamespace
+    out = tmp_path / "ds_autoplan_out"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from ds_autoplan.outputs import "
+                               f"hold_for_launch; hold_for_launch({str(out)!r}); print('held', flush=True); "
+                               "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        args = SimpleNamespace(no_python=False, module=False, user_script=str(tmp_path / "train.py"), user_args=[])
+        with pytest.raises(UserError, match=re.escape(f"--out {out}: another launch (pid {holder.pid}) is "
+                                                      "using this folder")):
+            apply_autoplan(args, {"localhost": [0, 1]}, {}, model="gpt-tiny", cluster="cpu-2", global_batch=8,
+                           out=str(out))
+        assert sorted(p.name for p in out.iterdir()) == [".ds-autoplan-launch.lock"]
+    finally:
+        holder.communicate("")
+    opts = apply_autoplan(args, {"localhost": [0, 1]}, {}, model="gpt-tiny", cluster="cpu-2", global_batch=8,
+                          out=str(out))
+    assert (out / "plan.json").exists() and opts["out"] == str(out)
+
+
+def test_a_bad_variable_under_plain_deepspeed_is_one_line(tmp_path):
+    """``DS_AUTOPLAN_CHECKPOINT_DELAY=abc`` under a plain run of the example (no --autoplan):
+    the rank prints the one line and exits 2, as the CLI does (was: an EnvError traceback)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ds_autoplan.runtime.launch import free_port
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0",
+               WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               DS_AUTOPLAN_CHECKPOINT_DELAY="abc")
+    r = subprocess.run([sys.executable, str(root / "examples" / "train_deepspeed.py"), "--steps", "1",
+                        "--save", str(tmp_path / "ckpt")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("train_deepspeed.py: error: ")]
+    assert len(lines) == 1 and "DS_AUTOPLAN_CHECKPOINT_DELAY='abc'" in lines[0], r.stderr
+
+
+def test_a_profile_of_other_layers_is_refused(tmp_path):
+    """``--profile`` naming a profile of other layers (or no profile at all): one line naming
+    both layer lists' starts (it would plan another model's times)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+
+    from ds_autoplan.clients.deepspeed_hook import _given_profile
+    from ds_autoplan.clients.module_plan import AutoplanRefused
+    given = Path(__file__).with_name("data") / "alexnet_pipeline_profile.json"
+    model = SimpleNamespace(_layer_specs=[torch.nn.Linear(2, 2), torch.nn.ReLU()])
+    with pytest.raises(AutoplanRefused, match=re.escape(f"--profile {given} profiles 22 layers (0:Conv2d, "
+                                                        "1:ReLU, 2:MaxPool2d, ...), the script's "
+                                                        "PipelineModule has 2 (0:Linear, 1:ReLU, ...)")):
+        _given_profile(str(given), model, {"via": "launch"})
+    bad = tmp_path / "p.json"
+    bad.write_text("{}")
+    with pytest.raises(AutoplanRefused, match=re.escape(f"DS_AUTOPLAN_PROFILE={bad}: not a ds_autoplan profile")):
+        _given_profile(str(bad), model, {})

@@ -504,7 +504,7 @@ def faults(tmp_path_factory):
     mark = uuid.uuid4().hex            # in every process of the launch (test_no_orphans.py)
     (root / "mark").write_text(mark)
     outs = forked.run(root, kills, loads, warm, timeout=600, grace=5, env={"DS_AUTOPLAN_TEST_MARK": mark})
-    assert all(rc == 0 for rc, _ in outs), outs[0][1][-3000:] + outs[1][1][-3000:]
+    assert all(rc == 0 for rc, _ in outs), outs[0][1] + outs[1][1]
     return root, forked.rows(outs)
 
 

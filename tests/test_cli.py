@@ -60,9 +60,13 @@ def test_launch_planning_failure_names_the_detected_cluster(capsys, monkeypatch,
     the cluster by its name (not the spec's repr) and why."""
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     monkeypatch.delenv("DS_AUTOPLAN_CLUSTER", raising=False)
+    before = dict(os.environ)
     rc, out, err = _run(capsys, ["launch", "--model", "gpt-tiny", "--offload", "nvme:opt",
                                  "--out", str(tmp_path / "o"), "--num_gpus", "2",
                                  os.path.join(ROOT, "examples", "train_deepspeed.py")])
+    # an in-process launch leaves the caller's environment as it was (it once set
+    # DS_AUTOPLAN_OUT there, and every later launch of the process wrote its plan into tmp_path)
+    assert dict(os.environ) == before
     line = err.strip().splitlines()[-1]
     assert rc == 2 and "ClusterSpec" not in err, err
     assert re.match(r"ds-autoplan launch: error: planning gpt-tiny on cpu-auto-1x2 failed: "

@@ -38,6 +38,9 @@ CLIENT = (clients_dir() or ROOT.parent / "shared" / "clients") / "deepspeedexamp
     / "training" / "pipeline_parallelism"
 SHIM = Path(__file__).with_name("deepspeedexamples_shim")
 BIN = Path(sys.executable).parent
+# the script's AlexNet layers as a launch of it measured them on a CPU rank (AMD EPYC, 1 thread,
+# torch 2.13.0, micro-batch 8): the unrestricted launches plan from these figures
+PROFILE = Path(__file__).with_name("data") / "alexnet_pipeline_profile.json"
 ARGS = ["--deepspeed_config=ds_config.json", "-p", "2", "--steps=2", "--backend", "gloo"]   # the README's
 ALEXNET = ["Conv2d", "ReLU", "MaxPool2d", "Conv2d", "ReLU", "MaxPool2d", "Conv2d", "ReLU", "Conv2d",
            "ReLU", "Conv2d", "ReLU", "MaxPool2d", "AdaptiveAvgPool2d", "<lambda>", "Dropout", "Linear",
@@ -168,8 +171,8 @@ def launches(client, patched_runner, tmp_path_factory, request):
 @pytest.mark.launches("1f1b")
 def test_plan_is_for_the_scripts_alexnet_and_keeps_its_config(client, launches):
     rc, out, losses = launches.result("1f1b")
-    assert rc == 0, out[-4000:]
-    assert len(losses) == 2, out[-4000:]
+    assert rc == 0, out
+    assert len(losses) == 2, out
     plan = json.loads((client / "ds_autoplan_out" / "plan.json").read_text())
     assert plan["model"] == "train.py:PipelineModule" and plan["pp"] == 2 and plan["schedule"] == "1f1b"
     assert sum(plan["layers_per_stage"]) == 22
@@ -196,10 +199,10 @@ def test_1f1b_losses_equal_deepspeeds_own_engine(client, launches):
     """DeepSpeed's PipelineEngine (TrainSchedule) on the unchanged script, with the merged
     config and the plan's cut (same dropout draws per rank): the same losses."""
     rc, out, ours = launches.result("1f1b")
-    assert rc == 0, out[-4000:]
+    assert rc == 0, out
     plan = json.loads((client / "ds_autoplan_out" / "plan.json").read_text())
     rc, out, ref = launches.result("references")["1f1b"]
-    assert rc == 0, out[-4000:]
+    assert rc == 0, out
     assert len(ref) == len(ours) == 2
     err = max(abs(a - b) / abs(b) for a, b in zip(ours, ref))
     print(json.dumps({"test": "alexnet_1f1b_vs_deepspeed", "ours": ours, "deepspeed": ref, "rel_err": err,
@@ -210,7 +213,7 @@ def test_1f1b_losses_equal_deepspeeds_own_engine(client, launches):
 @pytest.mark.launches("v-zb")
 def test_v_zb_trains_through_ds_autoplan_launch(client, launches):
     rc, out, losses = launches.result("v-zb")
-    assert rc == 0, out[-4000:]
+    assert rc == 0, out
     plan = json.loads((client / "out-vzb" / "plan.json").read_text())
     assert plan["schedule"] == "v-zb" and len(plan["layers_per_stage"]) == 4
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
@@ -223,26 +226,29 @@ def _unrestricted(form: str, world: int, client: Path):
     (``ds-autoplan launch``, flags); global batch 32 keeps the CPU run short.  The cluster is
     the ``cpu-<world>`` preset, whose figures do not move with the machine's load (a measured
     one does: the planner's free choice, which the test checks, would too).  Plan and config
-    under ``out-{form}-{world}``; (rc, output, losses, the /dev/shm files the launch left)."""
+    under ``out-{form}-{world}``; (rc, output, losses, the /dev/shm files the launch left).
+    The layers' times are :data:`PROFILE`'s (``--profile`` / ``DS_AUTOPLAN_PROFILE``), not
+    measured again: a profile taken on two loaded cores once moved the choice to pp=2 (0.409 s
+    against pp=1's 0.423 s), where a quiet one has pp=1 1.5x faster."""
     port, out = free_port(), f"out-{form}-{world}"
     before = set(leftovers())
     if form == "deepspeed":
         argv = [str(BIN / "deepspeed"), "--autoplan", "--num_gpus", str(world), "--master_port", str(port),
                 "train.py", *ARGS]
         res = _run(argv, client, _env(DS_AUTOPLAN_GLOBAL_BATCH="32", DS_AUTOPLAN_OUT=out,
-                                      DS_AUTOPLAN_CLUSTER=f"cpu-{world}"))
+                                      DS_AUTOPLAN_CLUSTER=f"cpu-{world}", DS_AUTOPLAN_PROFILE=str(PROFILE)))
     else:
         argv = [sys.executable, "-m", "ds_autoplan", "launch", "--global-batch", "32", "--out", out,
-                "--cluster", f"cpu-{world}", "--num_gpus", str(world), "--master_port", str(port),
-                "train.py", *ARGS]
+                "--cluster", f"cpu-{world}", "--profile", str(PROFILE), "--num_gpus", str(world),
+                "--master_port", str(port), "train.py", *ARGS]
         res = _run(argv, client, _env())
     return (*res, _own_leftovers(port, before))
 
 
 def _references(client: Path, pipe_run, zero2_run) -> dict:
     """See :func:`launches` ("references")."""
-    assert pipe_run[0] == 0, pipe_run[1][-4000:]
-    assert zero2_run[0] == 0, zero2_run[1][-4000:]
+    assert pipe_run[0] == 0, pipe_run[1]
+    assert zero2_run[0] == 0, zero2_run[1]
     plan = json.loads((client / "ds_autoplan_out" / "plan.json").read_text())
     cuts = [0, plan["layers_per_stage"][0], 22]
     # the unrestricted plan's merged config at ZeRO-1: DeepSpeed's PipelineEngine asserts ZeRO < 2
@@ -273,23 +279,24 @@ def test_unrestricted_plan_trains_the_unchanged_script(client, launches, form, w
     engine takes (1e-6)."""
     out_dir = f"out-{form}-{world}"
     rc, out, ours, left = launches.result((form, world))
-    assert rc == 0, out[-4000:]
-    assert "Traceback" not in out, out[-4000:]
+    assert rc == 0, out
+    assert "Traceback" not in out, out
     # DeepSpeed's CPU allreduce op never unlinks its /dev/shm files (69 MB of RAM per rank and
     # launch); the ranks remove their own at exit
     assert not left, sorted(left)
-    assert len(ours) == 2 and all(math.isfinite(x) for x in ours), out[-4000:]
+    assert len(ours) == 2 and all(math.isfinite(x) for x in ours), out
     plan = json.loads((client / out_dir / "plan.json").read_text())
     assert (plan["pp"], plan["dp"], plan["world_size"]) == (1, world, world), plan
     assert plan["cluster"] == f"cpu-{world}", plan
     assert plan["zero_stage"] >= 2, plan
     assert "in DeepSpeed's engine (no pipeline)" in out
+    assert f"ds-autoplan: profile: the script's 22 layers as {PROFILE} measured them" in out, out
     hint = "--pp 2" if form == "launch" else "DS_AUTOPLAN_PP=2"
     assert f"the script asked for 2 pipeline stages; the plan uses pp=1 (restrict it with {hint})" in out
     if (form, world) != ("deepspeed", 2):
         return
     rc, ref_out, ref = launches.result("references")["zero2"]
-    assert rc == 0, ref_out[-4000:]
+    assert rc == 0, ref_out
     err = max(abs(a - b) / abs(b) for a, b in zip(ours, ref))
     print(json.dumps({"test": "alexnet_zero2_vs_deepspeed", "ours": ours, "deepspeed": ref, "rel_err": err}))
     assert len(ref) == 2 and err <= 1e-6, (ours, ref)
@@ -315,9 +322,9 @@ def test_a_plain_module_script_trains_planned_as_by_hand(client, launches):
     engine (ZeRO stage, micro-batch, accumulation), its config's optimizer kept, and trains with
     the losses of the same script run by hand with the config the planned run wrote."""
     rc, out, _ = launches.result("plain-module")
-    assert rc == 0 and "Traceback" not in out, out[-4000:]
+    assert rc == 0 and "Traceback" not in out, out
     assert re.search(r"ds-autoplan: AlexNet on cpu-auto-1x2: dp=2 ZeRO-\d micro-batch \d+ x \d+ accumulation "
-                     r"steps, activation checkpointing off, in DeepSpeed's engine", out), out[-4000:]
+                     r"steps, activation checkpointing off, in DeepSpeed's engine", out), out
     cfg = json.loads((client / "out-base" / "ds_config.autoplan.json").read_text())
     user = json.loads((client / "ds_config.json").read_text())
     assert cfg["optimizer"] == user["optimizer"] and cfg["train_batch_size"] == user["train_batch_size"]
@@ -325,7 +332,7 @@ def test_a_plain_module_script_trains_planned_as_by_hand(client, launches):
         assert (f"ds-autoplan: ds_config train_micro_batch_size_per_gpu: {user['train_micro_batch_size_per_gpu']}"
                 f" -> {cfg['train_micro_batch_size_per_gpu']}") in out
     rc, ref, _ = launches.result("plain-module-by-hand")
-    assert rc == 0, ref[-4000:]
+    assert rc == 0, ref
     ours, theirs = _micro_losses(out), _micro_losses(ref)
     assert sorted(ours) == [0, 1] and ours == theirs, (ours, theirs)
 

@@ -37,7 +37,7 @@ RULES = [
                       "both (tests/harness/recorded_smi.py), which stand in for them where the page runs"),
     (r"^torchrun --nnodes 2 .* -m ds_autoplan cluster", MULTI_GPU.format(what="2 nodes of 8 GPUs") +
      "tests/test_nodes.py runs `python -m ds_autoplan cluster` in one launch of 2 nodes x 2 CPU ranks"),
-    (r"^ds-autoplan (presets|plan|cost|simulate|profile|cluster)( |$)", RUN),
+    (r"^ds-autoplan (presets|plan|cost|simulate|profile|cluster|calibrate)( |$)", RUN),
     (r"^ds-autoplan patch deepspeed( --revert)?$",
      "edits the installed DeepSpeed: tests/test_runtime_deepspeed_launch.py patches, launches and reverts "
      "in one test"),
@@ -59,7 +59,13 @@ RULES = [
      MULTI_GPU.format(what="8 GPUs, your data and model flags (`...`)") + "its CPU form is the README's, run "
      "by tests/test_megatron_lm_client.py"),
     (r"^deepspeed --num_gpus 2 examples/train_deepspeed\.py |"
-     r"^ds-autoplan launch --model gpt-tiny --num_gpus 2 examples/train_deepspeed\.py$", RUN),
+     r"^ds-autoplan launch --model gpt-tiny --num_gpus 2 examples/train_deepspeed\.py$|"
+     r"^ds-autoplan launch --model gpt-tiny --cluster cluster\.yaml --out run1 --num_gpus 2 "
+     r"examples/train_deepspeed\.py --steps 5$", RUN),
+    (r"^ds-autoplan launch --calibrate 3 --model gpt-tiny --cluster cluster\.yaml --out run --num_gpus 2 "
+     r"examples/train_deepspeed\.py --steps 100$",
+     "100 steps and a restart: tests/test_replan.py runs this loop on the example for 10 steps on a cluster "
+     "file of fixed figures (test_the_example_switches_and_trains_as_the_resumed_run)"),
     (r"^torchrun --nproc_per_node 2 examples/train_megatron\.py ", "tests/test_runtime_megatron.py runs the example"),
     (r"^(DS_ACCELERATOR=cpu )?deepspeed --num_gpus 2 examples/train_dynamic\.py ",
      "tests/test_runtime_dynamic.py runs the example"),
@@ -156,4 +162,4 @@ def test_the_commands_of_a_page_run(page, tmp_path):
         r = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=900)
         out = r.stdout + r.stderr
-        assert r.returncode == 0 and "Traceback" not in out, f"{page.name}:{line}: {cmd}\n{out[-3000:]}"
+        assert r.returncode == 0 and "Traceback" not in out, f"{page.name}:{line}: {cmd}\n{out}"

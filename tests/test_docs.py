@@ -111,4 +111,4 @@ def test_a_new_parallel_field_needs_no_pass_along_edit():
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr

@@ -313,7 +313,7 @@ def test_launch_trains_an_offloaded_plan_of_an_unchanged_script(tmp_path):
                               "--master_port", str(free_port()), worker, "--script"],
                              env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
         text = out.stdout + out.stderr
-        assert out.returncode == 0, text[-4000:]
+        assert out.returncode == 0, text
         assert Plan.load(tmp_path / off / "plan.json").offload == off
         ran = re.search(r"OFFLOAD_RAN (\d) (\S+) (\S+)", text).groups()
         assert ran[1] == "cpu" and ran[2] == str(off.endswith("act")), ran
@@ -327,8 +327,8 @@ def test_launch_trains_an_offloaded_plan_of_an_unchanged_script(tmp_path):
                           "--master_port", str(free_port()), worker, "--script", "--config", "zero1.json"],
                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-4000:]
-    assert re.search(r"OFFLOAD_RAN (\d) (\S+)", text).groups() == ("1", "cpu"), text[-4000:]
+    assert out.returncode == 0, text
+    assert re.search(r"OFFLOAD_RAN (\d) (\S+)", text).groups() == ("1", "cpu"), text
     ref = [float(x) for x in re.findall(r"OFFLOAD_LOSS \d+ (\S+)", text)]
     assert len(ref) == 3 and max(abs(a - b) / abs(b) for a, b in zip(runs["opt"], ref)) <= 1e-6, (runs, ref)
 
@@ -352,8 +352,8 @@ def test_the_example_trains_an_offloaded_plan_made_before_launch(tmp_path):
                           os.path.join(root, "examples", "train_deepspeed.py"), "--steps", "3"],
                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-4000:]
+    assert out.returncode == 0, text
     plan = Plan.load(tmp_path / "o" / "plan.json")
     assert (plan.pp, plan.dp, plan.zero_stage, plan.offload) == (1, 2, 2, "opt"), plan.to_dict()
     losses = [float(x) for x in re.findall(r"step \d+ loss (\S+)", text)]
-    assert len(losses) == 3 and losses[-1] < losses[0], text[-4000:]
+    assert len(losses) == 3 and losses[-1] < losses[0], text

@@ -27,7 +27,7 @@ import pytest
 
 from ds_autoplan import outputs
 from ds_autoplan.cli import main
-from ds_autoplan.outputs import MANIFEST
+from ds_autoplan.outputs import LAUNCH_LOCK, MANIFEST
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ["plan", "--model", "gpt-tiny", "--cluster", "cpu-2", "--global-batch", "8", "--quiet"]
@@ -459,7 +459,8 @@ def test_launch_out_dot_never_writes_the_users_ds_config(tmp_path, monkeypatch):
     assert opts["out"] == str(tmp_path) and env["DS_AUTOPLAN_PLAN"] == str(tmp_path / "plan.json")
     assert {k: v for k, v in _snapshot(tmp_path).items() if k in before} == before
     assert (tmp_path / "ds_config.json").read_text() == user["ds_config.json"]
-    assert set(_snapshot(tmp_path)) - set(before) == {"plan.json", MERGED_CONFIG, MANIFEST}
+    # and the launch's hold on the folder while it runs (outputs.hold_for_launch)
+    assert set(_snapshot(tmp_path)) - set(before) == {"plan.json", MERGED_CONFIG, MANIFEST, LAUNCH_LOCK}
 
 
 def test_launch_leaves_no_out_folder_when_planning_fails(tmp_path):

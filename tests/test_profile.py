@@ -252,7 +252,7 @@ def test_megatron_core_gpt_model_traces_into_its_layers(tmp_path):
     r = subprocess.run([sys.executable, "-W", "ignore", "-m", "ds_autoplan", "profile",
                         "megatron-gpt-tiny", "--out", str(out), "--repeats", "1", "--warmup", "0"],
                        capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 0, r.stderr
     p = Profile.load(str(out))
     assert [u.kind for u in p.units] == ["pre", "block", "block", "post"]
     assert [u.name for u in p.units][1:3] == ["decoder.layers.0", "decoder.layers.1"]

@@ -57,12 +57,12 @@ def test_deepspeed_autoplan_end_to_end(tmp_path):
                               str(ROOT / "examples" / "train_deepspeed.py"), "--steps", "2"],
                              capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
         out = run.stdout + run.stderr
-        assert run.returncode == 0, out[-3000:]
+        assert run.returncode == 0, out
         assert "step 1 loss" in out
         # the launcher and the ranks name the same schedule
         launcher = re.search(r"ds-autoplan: gpt-tiny on cpu-2 \(2 ranks\): .* schedule=(.+) -> ", out)
         ranks = re.search(r"plan: pp=1 dp=2 schedule=(.+) layers=", out)
-        assert launcher and ranks and launcher[1] == ranks[1] == "none (no pipeline, pp=1)", out[-3000:]
+        assert launcher and ranks and launcher[1] == ranks[1] == "none (no pipeline, pp=1)", out
         assert (tmp_path / "ds_autoplan_out" / "ds_config.autoplan.json").exists()
         assert (tmp_path / "ds_autoplan_out" / "plan.json").exists()
     finally:
@@ -83,8 +83,8 @@ def test_example_trains_with_a_pipeline_schedule(world, schedule, lps):
     from ds_autoplan.runtime.launch import spawn
     outs = spawn([str(ROOT / "examples" / "train_deepspeed.py"), "--schedule", schedule,
                   "--steps", "3", "--recompute", "1"], world, timeout=240)
-    assert all(rc == 0 for rc, _ in outs), outs[0][1][-3000:]
-    assert f"layers={sum(lps)} layers_per_stage={lps}" in outs[0][1], outs[0][1][-3000:]
+    assert all(rc == 0 for rc, _ in outs), outs[0][1]
+    assert f"layers={sum(lps)} layers_per_stage={lps}" in outs[0][1], outs[0][1]
     losses = [float(ln.split()[-1]) for ln in outs[0][1].splitlines() if ln.startswith("step ")]
     assert len(losses) == 3 and losses[-1] < losses[0]
 

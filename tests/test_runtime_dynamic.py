@@ -125,6 +125,6 @@ def test_four_stage_pipeline(four_stages):
 def test_example_trains_on_two_ranks():
     script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_dynamic.py"
     outs = spawn([str(script), "--steps", "2", "--global-batch", "12"], 2, timeout=150, **KW)
-    assert all(rc == 0 for rc, _ in outs), outs[0][1][-3000:]
+    assert all(rc == 0 for rc, _ in outs), outs[0][1]
     lines = [ln for ln in outs[0][1].splitlines() if ln.startswith("step ")]
-    assert len(lines) == 2 and all("micro-batches" in ln for ln in lines), outs[0][1][-3000:]
+    assert len(lines) == 2 and all("micro-batches" in ln for ln in lines), outs[0][1]

@@ -276,11 +276,11 @@ def test_example_trains_on_two_ranks():
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=140,
                        env={**os.environ, "PYTHONWARNINGS": "ignore"})
     steps = [ln for ln in p.stdout.splitlines() if ln.startswith("step ")]
-    assert p.returncode == 0 and len(steps) == 3, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.returncode == 0 and len(steps) == 3, p.stdout + p.stderr
     losses = [float(ln.rsplit(" ", 1)[1]) for ln in steps]
     assert losses[-1] < losses[0]
     said = [ln for ln in p.stdout.splitlines() if ln.startswith("ds_autoplan: plan ")]
-    assert len(said) == 1 and "layers per chunk (per pp rank)" in said[0], p.stdout[-2000:]
+    assert len(said) == 1 and "layers per chunk (per pp rank)" in said[0], p.stdout
 
 
 def test_start_line_names_plan_schedule_placement_and_layers_per_chunk():

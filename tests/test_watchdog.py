@@ -42,10 +42,10 @@ def test_stale_lock_run_exits_within_the_watchdog_time_naming_the_lock(tmp_path)
     start = "from ds_autoplan.runtime.deepspeed.dist import init_distributed; init_distributed()"
     outs = spawn(["-c", start], 2, timeout=150, env=env, prebuild=False)
     for rc, out in outs:
-        assert rc == watchdog.EXIT_CODE, out[-3000:]
-        assert f"rm {lock}" in out, out[-3000:]
+        assert rc == watchdog.EXIT_CODE, out
+        assert f"rm {lock}" in out, out
         waited = float(re.search(r"after (\d+) s", out).group(1))
-        assert TIMEOUT <= waited <= TIMEOUT + 2, out[-3000:]
+        assert TIMEOUT <= waited <= TIMEOUT + 2, out
         assert "baton.wait()" in out          # where it waits: torch's lock loop
     assert lock.exists()                      # the watchdog reports, it does not delete
 

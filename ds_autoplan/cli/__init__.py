@@ -45,10 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds-autoplan", description=DESCRIPTION, epilog=_epilog(),
                                 formatter_class=_Help)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from . import (checkpoint_cmd, cluster_cmd, cost_cmd, launch_cmd, patch_cmd, plan_cmd,
-                   presets_cmd, profile_cmd, simulate_cmd)
-    for cmd in (plan_cmd, cost_cmd, cluster_cmd, simulate_cmd, launch_cmd, profile_cmd, presets_cmd,
-                patch_cmd, checkpoint_cmd):
+    from . import (calibrate_cmd, checkpoint_cmd, cluster_cmd, cost_cmd, launch_cmd, patch_cmd,
+                   plan_cmd, presets_cmd, profile_cmd, simulate_cmd)
+    for cmd in (plan_cmd, cost_cmd, cluster_cmd, simulate_cmd, launch_cmd, calibrate_cmd, profile_cmd,
+                presets_cmd, patch_cmd, checkpoint_cmd):
         cmd.add_parser(sub)
     return p
 

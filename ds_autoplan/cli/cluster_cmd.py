@@ -73,25 +73,37 @@ def layout(nodes=None, gpus_per_node=None, world=None) -> tuple[int, int | None]
     return nodes, per
 
 
-def resolve(cluster, nodes=None, gpus_per_node=None, world=None, quiet: bool = False):
+def resolve(cluster, nodes=None, gpus_per_node=None, world=None, quiet: bool = False,
+            folder: str | None = None, remeasure: bool = False):
     """``cluster`` as given, or for ``auto`` the ClusterSpec detected on this machine (known GPU
     kinds: datasheet figures; CPU ranks and unknown devices: measured), with its notes printed
-    on stderr."""
+    on stderr.  ``folder``: a run's output folder, where the measured figures are kept and
+    reused on this machine (profile/persisted.py) unless ``remeasure``."""
     if cluster != AUTO:
         if nodes or gpus_per_node:
             raise UserError("--nodes / --gpus-per-node go with --cluster auto")
         return cluster
-    from ..profile.detect import detect_here
+    from ..profile import persisted
+    from ..profile.detect import detect_here, facts_here
     from ..spec import ClusterSpec, SpecError
     n, per = layout(nodes, gpus_per_node, world)
     try:
-        fields, _, notes, _ = detect_here(per, n, measure=False)
+        mach = persisted.machine(facts_here(per, n))
+        kept = None if persisted.remeasure(remeasure) else persisted.load(folder, mach)
+        if kept is not None:
+            fields, notes = persisted.reused(kept, folder)
+        else:
+            fields, _, notes, _ = detect_here(per, n, measure=False)
+        spec = ClusterSpec.from_dict(fields, "--cluster auto")
     except (SpecError, ValueError) as e:
         raise UserError(f"--cluster auto: {e}") from None
+    if kept is None:
+        persisted.keep(folder, fields, mach, notes)
     if not quiet:
         for note in notes:
             print(f"ds-autoplan: cluster auto: {note}", file=sys.stderr)
-    return ClusterSpec.from_dict(fields, "--cluster auto")
+    return spec
+
 
 
 def _read(path: str, what: str) -> str:

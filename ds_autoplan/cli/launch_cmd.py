@@ -23,7 +23,8 @@ PLAN_ENV = "DS_AUTOPLAN_PLAN"
 BOOTSTRAP = "ds_autoplan.clients.bootstrap"
 
 # what a launch writes under --out (ds_autoplan.outputs.write_folder)
-OUT_FILES = ("plan.json", MERGED_CONFIG, "profile.json")
+OUT_FILES = ("plan.json", MERGED_CONFIG, "profile.json", "measured.json", "cluster.detected.yaml",
+             "replan.json", "cluster.calibrated.yaml")
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOP_GRACE = 40.0     # DeepSpeed's per-node launcher gives its ranks 30 s after SIGTERM
@@ -89,7 +90,8 @@ def _planner_options(env) -> dict:
             "tp": env_int("DS_AUTOPLAN_TP", env=env),
             "schedules": _known_schedules(env_list("DS_AUTOPLAN_SCHEDULES", env=env),
                                           "DS_AUTOPLAN_SCHEDULES"),
-            "offload": _known_offload(env_str("DS_AUTOPLAN_OFFLOAD", env=env), "DS_AUTOPLAN_OFFLOAD")}
+            "offload": _known_offload(env_str("DS_AUTOPLAN_OFFLOAD", env=env), "DS_AUTOPLAN_OFFLOAD"),
+            "profile": env_str("DS_AUTOPLAN_PROFILE", env=env)}
 
 
 def _known_offload(text, where: str):
@@ -116,21 +118,21 @@ def _known_schedules(scheds, where: str):
 
 
 def _plan_model_now(model, cluster, global_batch, pp, schedules, resources, out, offload=None,
-                    tp=None) -> str:
+                    tp=None, remeasure: bool = False, switchable: bool = False) -> str:
     """Plan a model description before launch for the launch's ``resources`` (``{host:
     slots}``; ``--cluster auto``: detected on this node, with the launch's nodes and ranks per
     node); returns plan.json's path."""
     from ..emit.deepspeed import ds_config
-    from ..search import SearchOptions, plan_model
     from ..spec import SpecError
     from .cluster_cmd import resolve
     world = sum(len(v) for v in resources.values())
     if cluster == "auto":
         _devices_here(resources)
-        cluster = resolve(cluster, len(resources), world // len(resources))
+        cluster = resolve(cluster, len(resources), world // len(resources), folder=out, remeasure=remeasure)
+    from ..runtime.replan import plan_request
     try:
-        plan = plan_model(model, cluster, global_batch, options=SearchOptions(
-            pp=pp, tp=tp, schedules=schedules, fix={"offload": offload} if offload else None))
+        plan = plan_request({"model": model, "global_batch": global_batch, "pp": pp, "tp": tp,
+                             "schedules": schedules, "offload": offload}, cluster, switchable)
     except (SpecError, ValueError, KeyError) as e:
         where = getattr(cluster, "name", cluster)       # a detected cluster: its name
         raise UserError(f"planning {model} on {where} failed: {e}") from None
@@ -141,7 +143,7 @@ def _plan_model_now(model, cluster, global_batch, pp, schedules, resources, out,
     write_folder(out, {"plan.json": text(plan.to_json() + "\n"),
                        MERGED_CONFIG: json_text(ds_config(plan))}, complete=False)
     plan_path = os.path.join(out, "plan.json")
-    print(f"ds-autoplan: {model} on {cluster} ({world} ranks): pp={plan.pp} tp={plan.tp} "
+    print(f"ds-autoplan: {model} on {plan.cluster} ({world} ranks): pp={plan.pp} tp={plan.tp} "
           f"dp={plan.dp} schedule={plan.schedule_label} -> {plan_path}", flush=True)
     return plan_path
 
@@ -162,32 +164,83 @@ def _devices_here(resources: dict) -> None:
 
 
 def apply_autoplan(args, resources: dict, env, model=None, cluster=None, global_batch=None,
-                   out=None, pp=None, schedules=None, via: str = "env", offload=None, tp=None) -> dict:
+                   out=None, pp=None, schedules=None, via: str = "env", offload=None, tp=None,
+                   remeasure: bool = False, profile=None, switchable: bool = False) -> dict:
     """Rewrite the parsed launcher ``args`` so every rank runs the script through the
     bootstrap with the planner options (``--ds-autoplan=`` base64 JSON, shell-safe for
     multi-node launchers); with a ``model`` description, plan it now.  ``via``: how the user
     gave the options ("env": ``deepspeed --autoplan`` with DS_AUTOPLAN_* variables, "launch":
     ``ds-autoplan launch`` flags), so refusals name the restriction in that form.  ``resources``:
-    the launch's ``{host: slots}`` (:func:`launch_resources`).  Returns the options."""
+    the launch's ``{host: slots}`` (:func:`launch_resources`); ``switchable``: plan what
+    ``--calibrate`` can switch from (runtime/replan.py).  Returns the options."""
     o = _planner_options(env)
     if getattr(args, "no_python", False):
         raise UserError("--autoplan runs the script in Python ranks; drop --no_python")
-    from ..outputs import check_folder, resolve_folder
+    from ..outputs import check_folder, hold_for_launch, release_launch
     out = out if out is not None else o["out"]
-    check_folder(out, OUT_FILES)         # refused before planning; created when written
-    out = resolve_folder(out, create=False)[0]
+    check_folder(out, OUT_FILES)         # refused before planning
+    # this launch's folder while it runs: a second launch into it is refused by name
+    out = hold_for_launch(out)[0]
+    profile = profile or o["profile"]
     opts = {"cluster": cluster or o["cluster"], "global_batch": global_batch or o["global_batch"],
             "pp": pp or o["pp"], "tp": tp or o["tp"], "schedules": schedules or o["schedules"], "out": out,
-            "offload": offload or o["offload"], "module": bool(args.module), "via": via}
+            "offload": offload or o["offload"], "module": bool(args.module), "via": via,
+            "remeasure": bool(remeasure), "profile": os.path.abspath(profile) if profile else None}
     model = model or o["model"]
-    if model:
-        opts["plan"] = env[PLAN_ENV] = _plan_model_now(
-            model, opts["cluster"] or "auto", opts["global_batch"] or 8, opts["pp"],
-            opts["schedules"], resources, out, opts["offload"], opts["tp"])
-    blob = base64.urlsafe_b64encode(json.dumps(opts).encode()).decode()
-    args.user_args = [f"--ds-autoplan={blob}", args.user_script, *args.user_args]
+    try:
+        if not model and env.get(PLAN_ENV):
+            _check_given_plan(env[PLAN_ENV], sum(len(v) for v in resources.values()))
+        if model:
+            opts["plan"] = env[PLAN_ENV] = _plan_model_now(
+                model, opts["cluster"] or "auto", opts["global_batch"] or 8, opts["pp"],
+                opts["schedules"], resources, out, opts["offload"], opts["tp"], remeasure, switchable)
+    except BaseException:
+        release_launch(out, remove=True)        # nothing of it stays: the lock, an empty folder
+        raise
+    args.user_args = [_blob(opts), args.user_script, *args.user_args]
     args.user_script, args.module = BOOTSTRAP, True
     return opts
+
+
+def _blob(opts: dict) -> str:
+    """The bootstrap's argument carrying the options (urlsafe base64 JSON: shell-safe)."""
+    return "--ds-autoplan=" + base64.urlsafe_b64encode(json.dumps(opts).encode()).decode()
+
+
+def _calibrating(a, own, opts, steps) -> str | None:
+    """``--calibrate N``: the re-plan state (runtime/replan.py) for the plan made before launch,
+    its path handed to every rank in the bootstrap's options; None without it."""
+    if own.calibrate is None:
+        return None
+    from ..runtime import replan
+    from ..profile import persisted
+    cluster = opts["cluster"] or "auto"
+    model = own.model
+    if os.path.exists(model):
+        model = os.path.abspath(model)
+    request = {"model": model, "global_batch": opts["global_batch"] or 8, "pp": opts["pp"], "tp": opts["tp"],
+               "schedules": opts["schedules"], "offload": opts["offload"],
+               "cluster": os.path.join(opts["out"], persisted.FILE) if cluster == "auto"
+               else os.path.abspath(cluster) if os.path.exists(cluster) else cluster}
+    state = replan.start(opts["out"], steps, request)
+    opts["replan"] = {"state": state, "steps": steps}
+    a.user_args[0] = _blob(opts)
+    return state
+
+
+def _check_given_plan(path: str, world: int) -> None:
+    """The plan ``DS_AUTOPLAN_PLAN`` names, read and checked against the launch's ranks before
+    any rank starts (a missing or broken file, or a plan for another world size, used to be
+    found by each rank after DeepSpeed's launcher had started them)."""
+    from ..errors import PlanError
+    from ..plan import Plan
+    try:
+        plan = Plan.load(path)
+    except PlanError as e:
+        raise UserError(f"{e} (named by {PLAN_ENV})") from None
+    if plan.world != world:
+        raise UserError(f"the plan {path} ({PLAN_ENV}) uses {plan.world} ranks (cluster {plan.cluster}) "
+                        f"but the launch has {world}: plan it for this launch, or launch {plan.world} ranks")
 
 
 def autoplan_in_runner(args, world: int, env) -> dict:
@@ -197,6 +250,9 @@ def autoplan_in_runner(args, world: int, env) -> dict:
     From here on, a signal to the runner stops the launch (:func:`stop_launch_on_signals`)."""
     stop_launch_on_signals("ds-autoplan")
     try:
+        if env.get("DS_AUTOPLAN_CALIBRATE"):
+            raise UserError("DS_AUTOPLAN_CALIBRATE: a re-plan restarts the ranks, which DeepSpeed's own "
+                            "launcher cannot do; use ds-autoplan launch --calibrate N (same options)")
         check_launch(args)
         return apply_autoplan(args, launch_resources(args), env)
     except UserError as e:
@@ -274,20 +330,34 @@ def _own_parser():
                         "default: the planner's choice")
     p.add_argument("--out", default=None,
                    help=f"folder for plan.json, {MERGED_CONFIG} (the script's config merged with "
-                        "the plan) and profile.json (default ds_autoplan_out); nothing else in it "
-                        "is touched")
+                        "the plan) and profile.json (default ds_autoplan_out); the run's record "
+                        "(measured.json) and the detected cluster (cluster.detected.yaml) go there "
+                        "too; nothing else in it is touched")
+    p.add_argument("--profile", default=None,
+                   help="the script's PipelineModule layers as this profile.json (one an earlier launch "
+                        "wrote) measured them, instead of profiling them again")
+    p.add_argument("--remeasure", action="store_true",
+                   help="--cluster auto: measure the machine again (default: the figures a launch "
+                        "from this folder measured on this machine, cluster.detected.yaml)")
+    p.add_argument("--calibrate", default=None, metavar="N",
+                   help="measure the plan's first N steps, calibrate the cluster from them, re-plan, and "
+                        "switch (through a checkpoint and a restart of the ranks) when the re-plan is "
+                        "predicted faster beyond the calibration's band; the faster of the two, as "
+                        "measured, is kept (with --model; docs/calibration.md)")
     p.add_argument("-h", "--help", action="store_true", help="show this help (both parts) and exit")
     return p
 
 
 def add_parser(subparsers):
     # every argument is passed through untouched ("+" is no option prefix for deepspeed or us):
-    # ours (--model, --cluster, --global-batch, --pp, --tp, --schedules, --offload, --out) are taken from the
+    # ours (--model, --cluster, --global-batch, --pp, --tp, --schedules, --offload, --out, --profile, --remeasure,
+    # --calibrate) are taken from the
     # part before the script
     p = subparsers.add_parser("launch", prefix_chars="+", add_help=False,
                               help="run the deepspeed launcher with the script's model planned "
                                    "(options: --model --cluster --global-batch --pp --tp --schedules "
-                                   "--offload --out, then deepspeed launcher options, script, script args)",
+                                   "--offload --out --profile --remeasure --calibrate, then deepspeed launcher options, script, "
+                                   "script args)",
                               description=doc_description(__doc__))
     p.add_argument("argv", nargs=argparse.REMAINDER)
     p.set_defaults(func=run)
@@ -319,6 +389,7 @@ def run(args) -> int:
 def _run(args) -> int:
     from deepspeed.launcher import runner
 
+    from ..outputs import release_launch
     from ..runtime.checkpoint_files import fault_settings
     argv = list(args.argv)
     # the script is the first token runner.parse_args leaves as user_script; split there
@@ -341,16 +412,39 @@ def _run(args) -> int:
         if v is not None and v < 1:
             raise UserError(f"{flag} must be at least 1, got {v}")
     check_launch(a)
+    steps = None
+    if own.calibrate is not None:
+        from ..runtime.replan import check_steps
+        steps = check_steps(own.calibrate)          # refused before anything is planned
+        if not own.model:
+            raise UserError("--calibrate re-plans the plan made before launch: give --model (the model "
+                            "description the script builds)")
     cut = len(argv) - len(a.user_args) - 1
     scheds = _known_schedules([x.strip() for x in own.schedules.split(",") if x.strip()]
                               if own.schedules else None, "--schedules")
-    apply_autoplan(a, launch_resources(a), os.environ, own.model, own.cluster, own.global_batch,
-                   own.out, own.pp, scheds, via="launch",
-                   offload=_known_offload(own.offload, "--offload"), tp=own.tp)
+    opts = apply_autoplan(a, launch_resources(a), os.environ, own.model, own.cluster, own.global_batch,
+                          own.out, own.pp, scheds, via="launch",
+                          offload=_known_offload(own.offload, "--offload"), tp=own.tp,
+                          remeasure=own.remeasure, profile=own.profile, switchable=own.calibrate is not None)
     from ..runtime.deepspeed.shm import sweep
     try:
-        runner.main(argv[:cut] + ["--module", a.user_script] + a.user_args)
+        state = _calibrating(a, own, opts, steps)
+        cmd = argv[:cut] + ["--module", a.user_script] + a.user_args
+        runner.main(cmd)
+        if state is not None:
+            from ..runtime import replan
+            while replan.restart_due(state):
+                print("ds-autoplan: restarting the ranks under the switched plan (resumed from "
+                      f"{os.path.join(opts['out'], replan.CHECKPOINT)})", flush=True)
+                sweep(port=a.master_port)
+                runner.main(cmd)
+            error, note = replan.finish(state)
+            if note:
+                print(f"ds-autoplan: {note}", flush=True)
+            if error:
+                raise UserError(error)
     finally:
+        release_launch(opts["out"])
         # the shared-memory files of this launch's ranks that did not exit by themselves (not
         # those of another launch, which may be starting beside this one)
         sweep(port=a.master_port)

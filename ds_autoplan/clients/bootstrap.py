@@ -36,26 +36,29 @@ def split_argv(argv: list[str]) -> tuple[dict, list[str], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     from ..runtime.reaper import die_with_me
     die_with_me(parent=os.getppid())   # first: nothing this rank starts outlives it, nor it its launcher
-    from ..errors import UserError
+    from ..errors import one_line_errors
     from .deepspeed_hook import install
     opts, _, script_argv = split_argv(sys.argv[1:] if argv is None else argv)
+    if opts.get("out"):         # where this rank's run records itself (runtime/common/record.py)
+        os.environ["DS_AUTOPLAN_OUT"] = opts["out"]
+    if opts.get("replan"):      # launch --calibrate N: measure N steps, then decide (runtime/replan.py)
+        from ..runtime.replan import ENV
+        os.environ[ENV] = opts["replan"]["state"]
+        os.environ["DS_AUTOPLAN_MEASURE_STEPS"] = str(opts["replan"]["steps"])
     install(opts)
     from ..runtime.deepspeed.shm import unlink_at_exit
     unlink_at_exit()        # DeepSpeed's CPU allreduce op leaves its shared-memory file otherwise
     sys.argv = script_argv
+    from ..runtime.replan import Restart
     try:
-        if opts.get("module"):
-            runpy.run_module(script_argv[0], run_name="__main__", alter_sys=True)
-        else:
-            sys.path[0] = os.path.dirname(os.path.abspath(script_argv[0]))
-            runpy.run_path(script_argv[0], run_name="__main__")
-    except UserError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"ds-autoplan: error: {e}", file=sys.stderr, flush=True)
-        import torch.distributed as dist
-        if dist.is_initialized():        # a live gloo group aborts the process at exit
-            dist.destroy_process_group()
-        return 2
+        with one_line_errors("ds-autoplan"):         # a refusal: one line, exit status 2
+            if opts.get("module"):
+                runpy.run_module(script_argv[0], run_name="__main__", alter_sys=True)
+            else:
+                sys.path[0] = os.path.dirname(os.path.abspath(script_argv[0]))
+                runpy.run_path(script_argv[0], run_name="__main__")
+    except Restart:         # the ranks stop to switch plans; the launcher starts them again
+        pass
     _tear_down()
     return 0
 

@@ -30,8 +30,8 @@ from ..errors import UserError
 from .module_plan import AutoplanRefused, option, user_config_of
 
 
-# planned: ids of the modules a Trainer/Accelerate hook (clients/hf.py) planned and configured
-_STATE: dict = {"original": None, "options": {}, "planned": set()}
+# planned: {id: plan} of the modules a Trainer/Accelerate hook (clients/hf.py) planned and configured
+_STATE: dict = {"original": None, "options": {}, "planned": {}}
 
 
 def install(options: dict) -> None:
@@ -61,19 +61,21 @@ def autoplan_initialize(args=None, model=None, optimizer=None, model_parameters=
                                   lr_scheduler=lr_scheduler, collate_fn=collate_fn, config=config,
                                   config_params=config_params, **kwargs)
     if not isinstance(model, PipelineModule):
+        _no_switch(type(model).__name__)
         if model is not None and id(model) in _STATE["planned"]:   # the Trainer/Accelerate hook's
-            return _STATE["original"](args=args, model=model, optimizer=optimizer,
-                                      model_parameters=model_parameters, training_data=training_data,
-                                      lr_scheduler=lr_scheduler, collate_fn=collate_fn, config=config,
-                                      config_params=config_params, **kwargs)
+            return _recorded(_STATE["original"](
+                args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn,
+                config=config, config_params=config_params, **kwargs), _STATE["planned"][id(model)])
         if not isinstance(model, torch.nn.Module):
             raise AutoplanRefused(f"the script passes {type(model).__name__} to deepspeed.initialize, "
                                   "not a torch.nn.Module: nothing to plan")
-        cfg = _plan_engine_module(args, model, training_data, collate_fn,
-                                  config if config is not None else config_params)
-        return _STATE["original"](args=_without_config(args), model=model, optimizer=optimizer,
-                                  model_parameters=model_parameters, training_data=training_data,
-                                  lr_scheduler=lr_scheduler, collate_fn=collate_fn, config=cfg, **kwargs)
+        cfg, plan = _plan_engine_module(args, model, training_data, collate_fn,
+                                        config if config is not None else config_params)
+        return _recorded(_STATE["original"](
+            args=_without_config(args), model=model, optimizer=optimizer,
+            model_parameters=model_parameters, training_data=training_data, lr_scheduler=lr_scheduler,
+            collate_fn=collate_fn, config=cfg, **kwargs), plan)
     user = user_config_of(args, config if config is not None else config_params)
     plan = _shared_plan(model, user, training_data, collate_fn)
     from ..emit.deepspeed import user_config
@@ -88,18 +90,38 @@ def autoplan_initialize(args=None, model=None, optimizer=None, model_parameters=
                       module_kwargs=_module_kwargs(model), **kw, **kwargs)
 
 
-def _plan_engine_module(args, model, training_data, collate_fn, config) -> dict:
+def _no_switch(what: str) -> None:
+    """Where DeepSpeed's own engine runs the script's module (Trainer, Accelerate, a plain
+    module): ``launch --calibrate`` cannot switch it (its checkpoint is DeepSpeed's, of one plan)."""
+    from ..runtime.replan import from_env
+    if from_env() is not None:
+        raise AutoplanRefused(f"--calibrate switches plans through ds_autoplan's plan-independent "
+                              f"checkpoint, which DeepSpeed's own engine running {what} does not write: "
+                              "launch without --calibrate (or train a PipelineModule)")
+
+
+def _recorded(initialized: tuple, plan) -> tuple:
+    """``deepspeed.initialize``'s return, its engine recording the run (runtime/deepspeed/measure.py)."""
+    from ..runtime.deepspeed.measure import record_engine
+    record_engine(initialized[0], plan)
+    return initialized
+
+
+def _plan_engine_module(args, model, training_data, collate_fn, config) -> tuple:
     """Plan any module for DeepSpeed's own engine (clients/module_plan.py); the user's config
-    with the plan's ZeRO stage and batch split, every replaced value printed."""
+    with the plan's ZeRO stage and batch split, every replaced value printed, and the plan."""
     from ..emit.deepspeed import ENGINE_KEYS, MERGED_CONFIG, config_precision, user_config
     from ..outputs import json_text
     from ..search.engine_space import recomputes
-    from .module_plan import hf_config, plan_module, say, seq_of, shared_plan, write_outputs
+    from .module_plan import (hf_config, plan_module, say, say_yours, seq_of, shared_plan, write_outputs,
+                              yours_note, yours_of)
     user = user_config_of(args, config)
     options = _STATE["options"]
 
     def make(world, options):
         B = _global_batch(user, world, 1)
+        mbs = user.get("train_micro_batch_size_per_gpu")
+        yours = yours_of(user, mbs, isinstance(mbs, int) and mbs > 0 and B % (mbs * world) == 0)
         sample, seq = None, None
         if training_data is not None and len(training_data):
             if hf_config(model) is None:
@@ -109,18 +131,21 @@ def _plan_engine_module(args, model, training_data, collate_fn, config) -> dict:
         # AutoTP only where DeepSpeed's own loader batches the data (training_data): it gives a
         # tensor-parallel group the same samples; a script's own sampler may not
         return plan_module(model, global_batch=B, world=world, precision=config_precision(user),
-                           options=options, seq=seq, sample=sample, autotp=training_data is not None)
+                           options=options, seq=seq, sample=sample, autotp=training_data is not None,
+                           yours=yours)
     plan = shared_plan(make, options)
     cfg, changes = user_config(plan, user, ENGINE_KEYS, engine=True)
     write_outputs(plan, {MERGED_CONFIG: json_text(cfg)}, options)
     for line in changes:
         say(f"ds_config {line}")
+    say_yours(plan)
     for note in plan.notes:
-        say(f"note: {note}")
+        if note != yours_note(plan):
+            say(f"note: {note}")
     if recomputes(plan):
         model.gradient_checkpointing_enable()
         say("activation checkpointing: called the model's gradient_checkpointing_enable()")
-    return cfg
+    return cfg, plan
 
 
 def _micro(user: dict) -> int:
@@ -191,10 +216,13 @@ def plan_pipeline_module(model, user: dict, training_data, collate_fn, world: in
                               "from; pass training_data=, or plan a model description with "
                               "--model (preset, YAML or Hugging Face config.json)")
     B = _global_batch(user, world, model.num_stages)
-    inputs, labels = _sample(training_data, collate_fn, int(user.get("train_micro_batch_size_per_gpu") or 1))
     name = f"{os.path.basename(sys.argv[0]) or 'script'}:PipelineModule"
-    prof = profile_layer_list(model._layer_specs, inputs, labels, model.loss_fn, name=name)
-    if options.get("out"):
+    if options.get("profile"):
+        prof = _given_profile(options["profile"], model, options)
+    else:
+        inputs, labels = _sample(training_data, collate_fn, int(user.get("train_micro_batch_size_per_gpu") or 1))
+        prof = profile_layer_list(model._layer_specs, inputs, labels, model.loss_fn, name=name)
+    if options.get("out") and not options.get("profile"):
         from ..outputs import json_text, write_folder
         write_folder(options["out"], {"profile.json": json_text(prof.to_dict(), indent=1)},
                      complete=False)
@@ -214,6 +242,29 @@ def plan_pipeline_module(model, user: dict, training_data, collate_fn, world: in
     _check_executable(plan, options)
     plan.notes.append("profiled layers: " + ", ".join(u.name for u in prof.units))
     return plan
+
+
+def _given_profile(path: str, model, options: dict):
+    """The profile the user named (``--profile`` / ``DS_AUTOPLAN_PROFILE``: a profile.json an
+    earlier launch wrote) instead of measuring the layers again: the same plan for the same
+    figures, launch after launch.  Refused in one line when it is not a profile or is of
+    other layers (their count and kinds, in order)."""
+    from ..profile.layers import layer_name
+    from ..profile.profile import Profile, ProfileMismatch
+    try:
+        prof = Profile.load(path)
+    except (OSError, ProfileMismatch) as e:
+        raise AutoplanRefused(f"{option(options, 'profile', path)}: {getattr(e, 'strerror', None) or e}") from None
+    want = [f"{i}:{layer_name(x)}" for i, x in enumerate(model._layer_specs)]
+    got = [u.name for u in prof.units]
+    if got != want:
+        raise AutoplanRefused(f"{option(options, 'profile', path)} profiles {len(got)} layers "
+                              f"({', '.join(got[:3])}, ...), the script's PipelineModule has {len(want)} "
+                              f"({', '.join(want[:3])}, ...): profile this script (launch without it)")
+    from .module_plan import say
+    say(f"profile: the script's {len(got)} layers as {path} measured them "
+        f"(on {prof.device.get('name', '?')}), not measured again")
+    return prof
 
 
 def describe(plan) -> str:
@@ -264,7 +315,7 @@ def _report(plan, cfg: dict, changes: list, model) -> None:
                      complete=False)                 # is a warning, not a crash of rank 0 alone
     except UserError as e:
         print(f"ds-autoplan: warning: {e}; training goes on without writing them", flush=True)
-    from ..runtime.deepspeed.api import runs_plain
+    from ..emit.deepspeed import runs_plain
     engine = "DeepSpeed's engine (no pipeline)" if runs_plain(plan) else "ds_autoplan's pipeline engine"
     print(f"ds-autoplan: {plan.model} on {plan.cluster}: {describe(plan)}, in {engine} -> "
           f"{os.path.abspath(out)}/plan.json, {MERGED_CONFIG}", flush=True)

@@ -39,7 +39,7 @@ import importlib.util
 import os
 import sys
 
-from .module_plan import AutoplanRefused, say
+from .module_plan import AutoplanRefused, say, say_yours, yours_of
 
 _HOOKED: dict = {"active": {}, "seen": set()}
 
@@ -138,9 +138,12 @@ def plan_trainer(model, args, train_dataset) -> None:
     B = options.get("global_batch") or \
         args.per_device_train_batch_size * args.gradient_accumulation_steps * dp
     seq = seq_of(_first(train_dataset))
+    mbs, gas = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    yours = yours_of(filled, mbs, mbs * gas * dp == B, recompute=bool(args.gradient_checkpointing))
     plan = shared_plan(lambda w, opts: plan_module(model, global_batch=int(B), world=w,
                                                    precision=config_precision(filled), options=opts,
-                                                   seq=seq), options)
+                                                   seq=seq, yours=yours), options)
+    say_yours(plan)
     user = user_config_of(None, copy.deepcopy(args.deepspeed))
     cfg = _set_plan_keys(plan, user, "ds_config")
     values = training_args(plan)
@@ -158,7 +161,7 @@ def plan_trainer(model, args, train_dataset) -> None:
     args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
     write_outputs(plan, {MERGED_CONFIG: json_text(cfg), "training_args.json": json_text(values)}, options)
     say(f"by hand: {args_line(plan, os.path.join(out_dir(options), MERGED_CONFIG))}")
-    state["planned"].add(id(model))
+    state["planned"][id(model)] = plan
 
 
 def _first(data):
@@ -235,9 +238,11 @@ def plan_accelerate(acc, objs: list) -> list:
     seq = seq_of(_first(loaders[0].dataset)) if loaders else None
     # no AutoTP: Accelerate's DataLoader preparation is not verified to give a tensor-parallel
     # group the same batches (docs/huggingface.md)
+    yours = yours_of(conf, mbs, mbs * gas * world == B)
     plan = shared_plan(lambda w, opts: plan_module(model, global_batch=int(B), world=w,
                                                    precision=config_precision(conf), options=opts,
-                                                   seq=seq, autotp=False), state["options"])
+                                                   seq=seq, autotp=False, yours=yours), state["options"])
+    say_yours(plan)
     # Accelerate takes a number in the config over its own accumulation ('auto': its own)
     cfg = _set_plan_keys(plan, conf, "ds_config", always=("gradient_accumulation_steps",))
     conf.clear()                # in place: the plugin's HfDeepSpeedConfig holds this dict
@@ -256,7 +261,7 @@ def plan_accelerate(acc, objs: list) -> list:
         say("activation checkpointing: called the model's gradient_checkpointing_enable()")
     write_outputs(plan, {MERGED_CONFIG: json_text(cfg), "training_args.json": json_text(training_args(plan))},
                   state["options"])
-    state["planned"].add(id(model))
+    state["planned"][id(model)] = plan
     return out
 
 

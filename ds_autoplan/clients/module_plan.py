@@ -114,11 +114,19 @@ def autotp_of(model) -> bool:
     return hf_config(model) is not None and getattr(model, "peft_config", None) is None
 
 
+# the plan replaces the user's own setting only when predicted faster by more than this
+# (a tie, or a gain inside the model's rounding, keeps theirs)
+YOURS_MARGIN = 0.005
+
+
 def plan_module(model, *, global_batch: int, world: int, precision: str, options: dict,
-                seq: int | None = None, sample=None, fix: dict | None = None, autotp: bool = True):
+                seq: int | None = None, sample=None, fix: dict | None = None, autotp: bool = True,
+                yours: dict | None = None):
     """The plan of ``model`` in DeepSpeed's engine space (this process plans).  ``autotp``:
     whether the script's data path gives a tensor-parallel group the same batches (tensor
-    degrees are then searched where AutoTP shards the model); ``options["tp"]`` restricts them."""
+    degrees are then searched where AutoTP shards the model); ``options["tp"]`` restricts them.
+    ``yours``: the script's own setting as search restrictions (``mbs``, and ``zero``,
+    ``recompute``, ``tp`` where it gave them), costed as a candidate (:func:`against_yours`)."""
     from ..search.engine_space import search_engine_space
     from ..spec import SpecError, load_cluster
     autotp = autotp and autotp_of(model)
@@ -127,18 +135,88 @@ def plan_module(model, *, global_batch: int, world: int, precision: str, options
     name = f"{type(model).__name__}"
     spec = model_spec(model, seq, sample, name)
     trainable = trainable_of(model, spec)
+    base = {**(fix or {}), **({"tp": options["tp"]} if options.get("tp") else {})}
     try:
         cluster = load_cluster(options["cluster"])
-        res = search_engine_space(spec, cluster, global_batch, checkpointing=checkpointing_of(model),
-                                  precision=precision, world_size=world, trainable=trainable,
-                                  fix={**(fix or {}), **({"tp": options["tp"]} if options.get("tp") else {})},
-                                  autotp=autotp)
+
+        def best(extra):
+            return search_engine_space(spec, cluster, global_batch, checkpointing=checkpointing_of(model),
+                                       precision=precision, world_size=world, trainable=trainable,
+                                       fix={**base, **extra}, autotp=autotp).plan
+        plan = best({})
     except SpecError as e:
         raise AutoplanRefused(f"planning {name} for DeepSpeed's engine failed: {e}") from None
-    plan = res.plan
+    if yours:
+        plan = against_yours(plan, {k: v for k, v in yours.items() if k not in base}, best)
     if spec.config.get("note"):
         plan.notes.append(spec.config["note"])
     return plan
+
+
+def against_yours(plan, yours: dict, best):
+    """The plan, or the script's own setting ``yours`` (restrictions of the engine space,
+    costed by ``best(fix)``) where the plan is not predicted faster by more than
+    :data:`YOURS_MARGIN`: a user's batch split and config are never replaced without a
+    predicted gain.  The verdict is the plan's first note ("kept yours: ..." or "N.NNx faster
+    than yours (predicted): ...")."""
+    from ..spec import SpecError
+    try:
+        try:
+            theirs = best(yours)
+        except SpecError:
+            if "zero" not in yours or plan.dp > 1:
+                raise
+            # one replica: the space has ZeRO-0 only (a ZeRO stage partitions over replicas)
+            yours = {k: v for k, v in yours.items() if k != "zero"}
+            theirs = best(yours)
+    except SpecError as e:
+        plan.notes.insert(0, f"yours ({_setting(yours)}) does not fit: {e}")
+        return plan
+    t_plan, t_yours = plan.predicted.iteration_time_s, theirs.predicted.iteration_time_s
+    if t_plan < t_yours * (1 - YOURS_MARGIN):
+        plan.notes.insert(0, f"{t_yours / t_plan:.2f}x faster than yours (predicted): yours, "
+                             f"{describe_module_plan(theirs)}, {t_yours:.4g} s per iteration")
+        return plan
+    theirs.notes.insert(0, f"kept yours ({_setting(yours)}): the best other plan is not predicted "
+                           f"faster ({t_yours / t_plan:.2f}x)")
+    return theirs
+
+
+def _setting(yours: dict) -> str:
+    names = {"mbs": "micro-batch", "zero": "ZeRO", "recompute": "recompute", "tp": "AutoTP tp"}
+    return ", ".join(f"{names.get(k, k)} {v}" for k, v in yours.items())
+
+
+def yours_note(plan) -> str | None:
+    """The plan's verdict on the user's own setting (:func:`against_yours`), if any."""
+    first = plan.notes[0] if plan.notes else ""
+    return first if first.startswith(("kept yours", "yours (")) or " than yours " in first else None
+
+
+def yours_of(conf: dict, mbs, same_batch: bool, recompute: bool | None = None) -> dict | None:
+    """The script's own setting as the planner's restrictions (:func:`against_yours`):
+    its micro-batch and, where its config gives them as numbers, ZeRO stage and AutoTP degree;
+    None where its split is not one of this global batch (another was asked for)."""
+    from ..emit.deepspeed import config_value
+    if not isinstance(mbs, int) or mbs < 1 or not same_batch:
+        return None
+    out = {"mbs": mbs}
+    zero = config_value(conf, "zero_optimization.stage", None)
+    if isinstance(zero, int) and not isinstance(zero, bool):
+        out["zero"] = zero
+    tp = config_value(conf, "tensor_parallel.autotp_size", None)
+    if isinstance(tp, int) and tp > 1:
+        out["tp"] = tp
+    if recompute is not None:
+        out["recompute"] = "full" if recompute else "none"
+    return out
+
+
+def say_yours(plan) -> None:
+    """Print the plan's verdict on the user's own setting, if it has one."""
+    note = yours_note(plan)
+    if note:
+        say(note)
 
 
 def option(options: dict, name: str, value) -> str:
@@ -193,7 +271,8 @@ def shared_plan(make, options: dict) -> "Plan":
     mine = ""
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
         if not options.get("plan"):     # every rank: its facts (--cluster auto: the detected cluster)
-            options["cluster"] = launch_cluster(options.get("cluster"))
+            options["cluster"] = launch_cluster(options.get("cluster"), out_dir(options),
+                                                options.get("remeasure", False))
         if dist.get_rank() == 0:
             try:
                 mine = json.dumps(make(dist.get_world_size(), options).to_dict())

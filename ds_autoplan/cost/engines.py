@@ -229,10 +229,16 @@ def lockstep_time(f: np.ndarray, b: np.ndarray, x: np.ndarray, m: int) -> float:
     return float(end.max())
 
 
-def error_band(name: str | None) -> dict | None:
-    """The expected error of a prediction under execution model ``name``: the leave-one-source-out
-    band bench/published_runs.py --write stored (data/calibration.json) for that engine, else
-    over all engines; None when no band is stored."""
+def error_band(name: str | None, cluster=None) -> dict | None:
+    """The expected error of a prediction under execution model ``name``: on a cluster that
+    ``ds-autoplan calibrate`` fitted to runs on it, that calibration's largest residual over
+    its runs (``source: calibration``); else the leave-one-source-out band
+    bench/published_runs.py --write stored (data/calibration.json) for that engine, else over
+    all engines; None when no band is stored."""
+    if cluster is not None and getattr(cluster, "calibration_error", None) is not None:
+        e = float(cluster.calibration_error)
+        return {"median_abs": e, "max_abs": e, "rows": int(cluster.calibration_runs or 0),
+                "over": cluster.name, "source": "calibration"}
     from .compute import calibration
     b = calibration().get("bands", {})
     out = b.get(name or "any") or b.get("all")
@@ -243,6 +249,10 @@ def band_text(b: dict | None) -> str:
     """One line: the expected error band ``b`` of a prediction (:func:`error_band`)."""
     if not b:
         return "expected error: unknown (no cross-validated band stored)"
+    if b.get("source") == "calibration":
+        return (f"expected error +-{100 * b['max_abs']:.1f}% (this cluster's calibration: the largest "
+                f"residual over its {b['rows']} run(s) on {b['over']}; a plan unlike those runs can miss "
+                "by more, docs/calibration.md)")
     lean = b.get("median_signed", 0.0)
     side = (f"; the runs took {100 * abs(lean):.0f}% {'longer' if lean > 0 else 'less'} than predicted, median"
             if abs(lean) >= 0.02 else "")

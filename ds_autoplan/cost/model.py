@@ -522,10 +522,11 @@ class CostModel:
                 d = self.gpu.stream(UNFUSED_DISPATCH_BYTES * b * u.shape.s * u.shape.topk * u.shape.h / t)
                 k = k._replace(fwd=k.fwd + d / 3, bwd=k.bwd + 2 * d / 3)
             if k is not None:
-                return k
-            F = b * u.flops / (t * self.gpu.mamf_tflops * self.gpu.sustained * 1e12)
+                return k if self.cluster.compute_scale == 1.0 else \
+                    UnitTimes(*(x / self.cluster.compute_scale for x in k))
+            F = b * u.flops / (t * self.gpu.mamf_tflops * self.gpu.sustained * self.cluster.compute_scale * 1e12)
         else:
-            F = b * u.flops / (t * self.cluster.flops)
+            F = b * u.flops / (t * self.cluster.flops * self.cluster.compute_scale)
         return UnitTimes(F, 2 * F, F, 0.0)
 
     def p2p_time(self, X: float, t: int, q: int, s: Strategy) -> float:

@@ -10,6 +10,12 @@ import copy
 from ..plan import Plan
 
 
+def runs_plain(plan) -> bool:
+    """Whether ``plan`` runs in DeepSpeed's plain engine: ZeRO-2/3 without a pipeline
+    (``PipelineEngine`` asserts ZeRO < 2)."""
+    return plan.pp == 1 and plan.zero_stage > 1
+
+
 def ds_config(plan: Plan, engine: bool = False) -> dict:
     """The DeepSpeed config of ``plan``.  ZeRO 2/3 only without pipeline parallelism
     (PipelineEngine asserts ZeRO < 2).  The plan itself (partition, schedule, per-stage

@@ -83,12 +83,20 @@ def _weight_pass(*held, layer):
     else from the held input and output gradient)."""
     sleep(layer.seconds(layer.tw, held[0].shape))
     s = held[-1] if layer.w_keeps == "all" else (held[1] * held[0]).sum().reshape(1)
-    return [(layer.p, s)]
+    g = _state_grad(layer)
+    return [(layer.p, s)] + ([(layer.q, g)] if g is not None else [])
+
+
+def _state_grad(layer):
+    """The gradient of the layer's parameter-count stand-in ``q`` (zeros): once per step (when
+    it has none), so its optimizer states exist and no backward adds to it."""
+    q = layer.q
+    return torch.zeros_like(q) if q is not None and q.grad is None else None
 
 
 class _SleepFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, p, layer):
+    def forward(ctx, x, p, q, layer):
         sleep(layer.seconds(layer.tf, x.shape))
         saved = (x, x.repeat(1, 1, layer.inner)) if layer.inner else (x,)
         ctx.save_for_backward(*saved)
@@ -107,9 +115,9 @@ class _SleepFn(torch.autograd.Function):
         s = (go * x).sum().reshape(1)
         held = (x, *inner, s) if layer.w_keeps == "all" else (x, go)
         if defer(_weight_pass, *held, layer=layer):
-            return gx, None, None
+            return gx, None, None, None
         sleep(layer.seconds(layer.tw, x.shape))
-        return gx, s, None
+        return gx, s, _state_grad(layer), None
 
 
 class _InputPath(torch.autograd.Function):
@@ -146,13 +154,19 @@ class SleepLayer(torch.nn.Module):
     """``y = p * x``; F, B and W sleep ``tf``, ``tb``, ``tw`` (seconds or ``shape -> s``)."""
 
     def __init__(self, tf: Seconds, tb: Seconds, tw: Seconds = 0.0, *, inner: int = 0,
-                 w_keeps: str = "all", split: str = "defer"):
+                 w_keeps: str = "all", split: str = "defer", params: int = 0):
         super().__init__()
         if w_keeps not in ("all", "grad"):
             raise ValueError("w_keeps must be 'all' or 'grad'")
         if split not in ("defer", "graph") or (split == "graph" and w_keeps != "all"):
             raise ValueError("split must be 'defer' or 'graph' (which keeps everything until W)")
         self.p = torch.nn.Parameter(torch.ones(1))
+        # ``params``: a weight of that many elements that holds the layer's parameter bytes
+        # (its gradient and optimizer states too) and takes no compute: the gradient is zeros,
+        # given once per step (_state_grad); split='defer' only
+        self.q = torch.nn.Parameter(torch.zeros(int(params))) if params else None
+        if params and split != "defer":
+            raise ValueError("params needs split='defer'")
         self.tf, self.tb, self.tw, self.inner, self.w_keeps = tf, tb, tw, int(inner), w_keeps
         self.split = split
 
@@ -162,6 +176,26 @@ class SleepLayer(torch.nn.Module):
 
     def forward(self, x):
         if self.split == "defer":
-            return _SleepFn.apply(x, self.p, self)
+            return _SleepFn.apply(x, self.p, self.q, self)
         internals = x.detach().repeat(1, 1, self.inner) if self.inner else x.new_empty(0)
         return _InputPath.apply(x, self) * _WeightPath.apply(self.p, internals, self, x.shape)
+
+
+def cost_model_layers(model: str, cluster, mbs: int, slower: float = 1.0) -> list:
+    """A model's layers (embedding, blocks, head) as sleep layers that take ``slower`` times
+    the cost model's F, B and W on ``cluster`` at micro-batch ``mbs``, hold the layer's
+    parameters (as one weight: its gradient and optimizer states follow) and keep for backward
+    the activation bytes the cost model gives it (copies of the input): a machine of the
+    cluster's compute, whatever the cores running it (bench/calibration.py, tests/test_replan.py)."""
+    from ..cost.model import CostModel, Strategy
+    from ..spec.model import load_model
+    spec = load_model(model)
+    cm = CostModel(spec, cluster, precision="fp32")
+    t = cm.tables([Strategy(1, 1)], mbs)
+    x_bytes = mbs * spec.seq_len * spec.hidden * 4
+
+    def layer(u):
+        f, b, w = (float(x[u, 0]) * slower for x in (t.fwd, t.bwd_ns - t.wgrad, t.wgrad))
+        return SleepLayer(f, b, w, inner=max(0, round(float(t.f1[u, 0]) / x_bytes) - 1),
+                          params=int(cm.unit_params[u][0]))
+    return [layer(0), *(layer(int(k)) for k in cm.block_types), layer(1)]

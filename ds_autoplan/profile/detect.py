@@ -79,6 +79,22 @@ def measure_device(device: torch.device, quick: bool = True) -> dict:
     return {"peak_tflops": round(best, 5), "hbm_GBps": round(hbm, 1)}
 
 
+def device_measured(device: torch.device, quick: bool, known: bool) -> dict:
+    """What the micro-benchmarks give a cluster of ``device``: the matmul rate (the peak of a
+    CPU or unknown kind, else shown beside a known kind's MAMF), the host link, a GPU's
+    memory bandwidth and a CPU's fixed cost of one action (its sustained rate is the peak, so
+    without it every micro-batch split would cost the same and MFU reach 1)."""
+    from .hardware import action_seconds
+    m = measure_device(device, quick)
+    out = {"host_link_GBps": host_link(device, quick),
+           ("matmul_tflops" if known else "peak_tflops"): m["peak_tflops"]}
+    if device.type == "cuda":
+        out["hbm_GBps"] = m["hbm_GBps"]
+    else:
+        out["action_overhead_us"] = round(action_seconds(device, 20 if quick else 100) * 1e6, 1)
+    return out
+
+
 def allreduce_busbw(group, device: torch.device, sizes=SIZES[True], repeats: int = 3) -> dict:
     """Bus bandwidth (GB/s) and latency (us) of an all-reduce over ``group`` (every member calls
     it): ``t = alpha + bytes * 2(n-1)/n / busbw`` fitted over ``sizes``; the slowest member's
@@ -154,6 +170,8 @@ def cpu_cluster(num_nodes: int, per_node: int, host: dict, measured: dict,
               "intra_latency_us": measured.get("intra_latency_us", 50.0),
               "inter_latency_us": measured.get("inter_latency_us", measured.get("intra_latency_us", 100.0)),
               "overlap_slowdown": 1.3}
+    if measured.get("action_overhead_us"):
+        fields["action_overhead_us"] = measured["action_overhead_us"]
     if measured.get("nic_GBps"):
         fields["nic_GBps"] = measured["nic_GBps"]
     fields.update(host_fields(host, measured.get("host_link_GBps"),
@@ -194,12 +212,9 @@ def with_matmul(facts, measured, name):
     return fields, figures, notes
 
 
-def detect_here(gpus_per_node: int | None = None, num_nodes: int = 1, quick: bool = True,
-                measure: bool = True, name: str | None = None):
-    """This machine alone, no launch: its visible GPUs (or ``gpus_per_node`` CPU ranks),
-    repeated over ``num_nodes`` identical nodes.  Measured (spawned local processes for the
-    all-reduce) what no datasheet gives, and everything else too with ``measure``.
-    ``(fields, figures, notes, facts)``."""
+def facts_here(gpus_per_node: int | None = None, num_nodes: int = 1) -> list[dict]:
+    """The ranks' facts of this machine alone: its visible GPUs (or ``gpus_per_node`` CPU ranks),
+    repeated over ``num_nodes`` identical nodes (:func:`rank_facts`' keys)."""
     host = host_facts()
     cuda = torch.cuda.is_available()
     count = torch.cuda.device_count() if cuda else 0
@@ -209,17 +224,22 @@ def detect_here(gpus_per_node: int | None = None, num_nodes: int = 1, quick: boo
     devs = [device_facts(i) if cuda else {"device": None, "memory_gib": None} for i in range(per_node)]
     if cuda:
         same_devices([Device(d["device"], d["memory_gib"]) for d in devs], "this machine")
-    facts = [{"node": n, "rank": n * per_node + i, "local_rank": i, **host, **d}
-             for n in range(num_nodes) for i, d in enumerate(devs)]
-    known = cuda and kind_of(devs[0]["device"], devs[0]["memory_gib"]) is not None
+    return [{"node": n, "rank": n * per_node + i, "local_rank": i, **host, **d}
+            for n in range(num_nodes) for i, d in enumerate(devs)]
+
+
+def detect_here(gpus_per_node: int | None = None, num_nodes: int = 1, quick: bool = True,
+                measure: bool = True, name: str | None = None):
+    """This machine alone, no launch: its visible GPUs (or ``gpus_per_node`` CPU ranks),
+    repeated over ``num_nodes`` identical nodes.  Measured (spawned local processes for the
+    all-reduce) what no datasheet gives, and everything else too with ``measure``.
+    ``(fields, figures, notes, facts)``."""
+    facts = facts_here(gpus_per_node, num_nodes)
+    cuda, per_node, first = torch.cuda.is_available(), len(facts) // num_nodes, facts[0]
+    known = cuda and kind_of(first["device"], first["memory_gib"]) is not None
     measured: dict = {}
     if measure or not known:
-        dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
-        m = measure_device(dev, quick)
-        measured.update(host_link_GBps=host_link(dev, quick),
-                        **{("matmul_tflops" if known else "peak_tflops"): m["peak_tflops"]})
-        if cuda:
-            measured["hbm_GBps"] = m["hbm_GBps"]
+        measured.update(device_measured(torch.device("cuda", 0) if cuda else torch.device("cpu"), quick, known))
         if per_node > 1:
             from .hardware import collective_bandwidth
             ar = collective_bandwidth(per_node, sizes=SIZES[quick], repeats=3 if quick else 10)["all_reduce"]

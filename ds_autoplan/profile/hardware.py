@@ -47,6 +47,16 @@ def matmul_flops(n: int = 512, device: str | torch.device = "cpu", dtype=torch.f
     return 2.0 * n ** 3 / median_seconds(lambda: a @ b, device, repeats)
 
 
+def action_seconds(device: str | torch.device = "cpu", repeats: int = 50) -> float:
+    """Fixed cost of one compute action: half a forward + backward of a 16 x 16 linear layer on
+    one row (the autograd, dispatch and launch work every F and B pays whatever its size;
+    median of ``repeats``).  The cost model's ``action_overhead_us``."""
+    g = torch.Generator(device=device).manual_seed(0)
+    w = torch.randn(16, 16, device=device, generator=g, requires_grad=True)
+    x = torch.randn(1, 16, device=device, generator=g)
+    return median_seconds(lambda: (x @ w).sum().backward(), device, repeats) / 2
+
+
 def host_link_GBps(device: str | torch.device = "cpu", nbytes: int = 1 << 24,
                    repeats: int = 5) -> dict:
     """Swap link bandwidth (docs/dawnpiper.md §7.2 ``BW_pcie``, D2H and H2D separately):

@@ -37,22 +37,39 @@ def launch_nodes() -> list[list[dict]]:
         raise UserError(str(e)) from None
 
 
-def launch_cluster(cluster=None):
+def launch_cluster(cluster=None, folder: str | None = None, remeasure: bool = False):
     """Collective: the cluster a plan made in this launch is for.  ``cluster`` None or
     ``"auto"``: detected from the ranks' facts (a known GPU kind: its datasheet figures; CPU
     ranks and unknown devices: measured here, links among the ranks included), as a
-    ClusterSpec; otherwise returned as given, after the launch's nodes were checked."""
+    ClusterSpec, its figures kept in the run's output ``folder`` and reused by the next launch
+    from it on the same machine unless ``remeasure`` (profile/persisted.py: rank 0 reads the
+    file, every rank gets its answer); otherwise returned as given, after the launch's nodes
+    were checked."""
     nodes = launch_nodes()
     if cluster not in (None, "auto"):
         return cluster
+    import torch.distributed as dist
+
+    from ..profile import persisted
     from ..spec import ClusterSpec, SpecError
+    from .common.collectives import broadcast_text
+    facts = launch_facts()
+    mach = persisted.machine(facts)
+    kept = None
+    if dist.get_rank() == 0 and not persisted.remeasure(remeasure):
+        kept = persisted.load(folder, mach)
+    kept = json.loads(broadcast_text(json.dumps(kept)))
     try:
-        fields, _, notes, _ = detect(launch_facts(), nodes)
+        if kept is not None:
+            fields, notes = persisted.reused(kept, folder)
+        else:
+            fields, _, notes, _ = detect(facts, nodes)
         spec = ClusterSpec.from_dict(fields, "--cluster auto")
     except SpecError as e:
         raise UserError(f"--cluster auto: {e}") from None
-    import torch.distributed as dist
     if dist.get_rank() == 0:
+        if kept is None:
+            persisted.keep(folder, fields, mach, notes)
         for note in notes:
             print(f"ds-autoplan: cluster auto: {note}", flush=True)
     return spec
@@ -66,21 +83,14 @@ def detect(facts: list[dict], nodes: list[list[dict]], quick: bool = True, measu
     The same ``(fields, figures, notes, facts)`` on every rank."""
     import torch.distributed as dist
 
-    from ..profile.detect import (host_link, kind_of, launch_layout, local_device, measure_device,
-                                  measure_links, with_matmul)
+    from ..profile.detect import device_measured, kind_of, launch_layout, local_device, measure_links, with_matmul
     from .common.collectives import broadcast_text
     f = facts[0]
     known = bool(f.get("device")) and kind_of(f["device"], float(f["memory_gib"])) is not None
     measured: dict = {}
     if measure_all or not known:
         dev = local_device(launch_layout())
-        mine = {}
-        if dist.get_rank() == 0:
-            m = measure_device(dev, quick)
-            mine = {"host_link_GBps": host_link(dev, quick),
-                    ("matmul_tflops" if known else "peak_tflops"): m["peak_tflops"]}
-            if dev.type == "cuda":
-                mine["hbm_GBps"] = m["hbm_GBps"]
+        mine = device_measured(dev, quick, known) if dist.get_rank() == 0 else {}
         measured.update(json.loads(broadcast_text(json.dumps(mine))))
         measured.update(measure_links(nodes, dev, quick))
     return (*with_matmul(facts, measured, name), facts)

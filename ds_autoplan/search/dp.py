@@ -10,6 +10,7 @@ from functools import cached_property
 import numpy as np
 
 from ..cost.model import CostModel, LayerTables
+from ..spec.cluster import GB
 
 INF = float("inf")
 
@@ -321,14 +322,18 @@ class Context:
     def _stage_costs(self, parts: tuple, plan: list):
         A = self.layer_arrays(plan)
         C, Cns, Mem = [], [], []
+        cl = self.cm.cluster
+        # the calibrated fixed costs (spec/cluster.py): an F and a B per stage and micro-batch,
+        # the iteration's own, device memory above the model
+        act, step, mem = 2 * cl.action_overhead_us * 1e-6, cl.step_overhead_ms * 1e-3, cl.memory_overhead_gb * GB
         for i, (lo, hi) in enumerate(self.bounds(parts)):
             p2p = 2 * A["p2p"][hi - 1] if i < len(parts) - 1 else 0.0
-            C.append(A["c"][lo:hi].sum() + p2p)
-            Cns.append(A["cns"][lo:hi].sum() + p2p)
+            C.append(A["c"][lo:hi].sum() + p2p + act + step)
+            Cns.append(A["cns"][lo:hi].sum() + p2p + act)
             f1, ob = A["f1"][lo:hi], A["ob"][lo:hi]
             out = A["kept"][hi - 1] if i < len(parts) - 1 else 0.0     # the stage output kept
             Mem.append((self.K(i) - 1) * f1.sum() + np.max(np.cumsum(f1) + ob) + A["ms"][lo:hi].sum()
-                       + self.K(i) * out)
+                       + self.K(i) * out + mem)
         return np.array(C), np.array(Cns), np.array(Mem)
 
     def pipeline_time(self, parts: tuple, plan: list) -> float:

@@ -97,6 +97,9 @@ def stage_figures(ctx: Context, parts: tuple, plan_nock: list, plan_ck: list):
     dicts), memoised in ``ctx`` per stage (its units and whether it sends on): the splits
     that rank balancing and the schedules try share most of their stages."""
     memo = ctx._figs_memo.setdefault((tuple(plan_nock), tuple(plan_ck)), {})
+    # the cluster's calibrated fixed cost of every F and B of a stage and micro-batch
+    # (spec/cluster.py; a split W's in simulate_plan)
+    act_ovh = ctx.cm.cluster.action_overhead_us * 1e-6
     A0 = A1 = ck = None
     out = []
     for i, (lo, hi) in enumerate(ctx.bounds(parts)):
@@ -110,7 +113,8 @@ def stage_figures(ctx: Context, parts: tuple, plan_nock: list, plan_ck: list):
             d_mem = (A0["f1"][sl] - A1["f1"][sl])[ck[sl]]
             d_time = (A1["bwd_ns"][sl] - A0["bwd_ns"][sl])[ck[sl]]
             memo[key] = dict(
-                f=A0["fwd"][sl].sum() + A0["R"][sl].sum(), bw=A0["bwd_ns"][sl].sum(), w=A0["wgrad"][sl].sum(),
+                f=A0["fwd"][sl].sum() + A0["R"][sl].sum() + act_ovh, bw=A0["bwd_ns"][sl].sum() + act_ovh,
+                w=A0["wgrad"][sl].sum(),
                 # stash per micro-batch: the stage's activations and the output the engine keeps
                 act=A0["f1"][sl].sum() + (A0["kept"][hi - 1] if key[2] else 0.0),
                 ms=A0["ms"][sl].sum(), sync=A0["sync"][sl].sum(),
@@ -132,16 +136,17 @@ def simulate_plan(ctx: Context, name: str, parts: tuple, rec: list, figs: list, 
     S = len(parts)
     f, bw, w, act = _stage_arrays(figs, rec)
     p2p = float(max(g["p2p"] for g in figs))
+    w_split = w + ctx.cm.cluster.action_overhead_us * 1e-6     # a split W is an action of its own
 
     def run(n):
         sched = _build(name, P, n, opts)
         c = None if keep_sim else fastsim.compiled(name, P, n, opts)
         if c is not None:          # the simulator's figures without its event loop
             b_ = bw - w if c.split else bw
-            return sched, None, fastsim.run(c, f, b_, w if c.split else np.zeros(S), act,
+            return sched, None, fastsim.run(c, f, b_, w_split if c.split else np.zeros(S), act,
                                             np.zeros(S), -act, p2p)
         split = any(a.kind.name == "W" for r in sched.ranks for a in r)
-        costs = Costs.per_stage(S, n, f=f, b=bw - w if split else bw, w=w if split else np.zeros(S),
+        costs = Costs.per_stage(S, n, f=f, b=bw - w if split else bw, w=w_split if split else np.zeros(S),
                                 mem_f=act, mem_b=np.zeros(S), mem_w=-act, p2p=p2p, num_ranks=P)
         return sched, costs, simulate(sched, costs, check=False)  # builders are validated by their tests
 
@@ -166,7 +171,7 @@ def simulate_plan(ctx: Context, name: str, parts: tuple, rec: list, figs: list, 
         peak_act = np.array(res.peak_memory)
         busy = np.array(res.busy) * m / n2
         bub = max(0.0, 1.0 - float(busy.mean()) / makespan)
-    static, tail = _static_and_tail(figs, rec, sched.placement, P)
+    static, tail = _static_and_tail(figs, rec, sched.placement, P, ctx.cm.cluster)
     peak = static + peak_act
     T = makespan + float(tail.max())
     return T, peak, bub, ((sched, costs, res) if keep_sim else None)
@@ -187,10 +192,13 @@ def _stage_arrays(figs: list, rec) -> tuple:
     return f, bw, w, act
 
 
-def _static_and_tail(figs: list, rec, place, P: int) -> tuple:
+def _static_and_tail(figs: list, rec, place, P: int, cluster=None) -> tuple:
     """Per rank: model states (+ the recompute transient where a stage recomputes) and the
-    step's gradient synchronisation after the flush."""
-    static, tail = np.zeros(P), np.zeros(P)
+    step's gradient synchronisation after the flush; with the cluster, its calibrated
+    per-device memory and per-iteration time overheads (spec/cluster.py)."""
+    from ..spec.cluster import GB
+    static = np.full(P, cluster.memory_overhead_gb * GB if cluster is not None else 0.0)
+    tail = np.full(P, cluster.step_overhead_ms * 1e-3 if cluster is not None else 0.0)
     for s, g in enumerate(figs):
         static[place[s]] += g["ms"] + (g["ob"] if rec[s] else 0.0)
         tail[place[s]] += g["sync"]
@@ -204,7 +212,7 @@ def time_floor(ctx: Context, place: tuple, figs: list, rec) -> float:
     f, bw, _, _ = _stage_arrays(figs, rec)
     work = np.zeros(ctx.pp)
     np.add.at(work, list(place), ctx.m * (f + bw))
-    return float(work.max() + _static_and_tail(figs, rec, place, ctx.pp)[1].max())
+    return float(work.max() + _static_and_tail(figs, rec, place, ctx.pp, ctx.cm.cluster)[1].max())
 
 
 def plan_peaks(ctx: Context, name: str, parts: tuple, rec, figs: list) -> np.ndarray | None:
@@ -220,7 +228,7 @@ def plan_peaks(ctx: Context, name: str, parts: tuple, rec, figs: list) -> np.nda
     _, _, _, act = _stage_arrays(figs, rec)
     S = len(parts)
     place = _build(name, P, n, opts).placement
-    return _static_and_tail(figs, rec, place, P)[0] + fastsim.peaks(c, act, np.zeros(S), -act)
+    return _static_and_tail(figs, rec, place, P, ctx.cm.cluster)[0] + fastsim.peaks(c, act, np.zeros(S), -act)
 
 
 def _evaluate(ctx: Context, name: str, parts: tuple, rec, figs: list, keep_sim=False) -> Eval:

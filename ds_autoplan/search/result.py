@@ -63,11 +63,11 @@ def to_plan(c: Candidate, pl: Evaluator, bl: dict, wd: dict, dt: float,
     pred = Prediction(
         iteration_time_s=c.time, throughput_tokens_per_s=tok, samples_per_s=B / c.time,
         mfu=flops / (cluster.world_size * cluster.peak_tflops * 1e12),
-        peak_memory_gb_per_stage=[round(x / GB, 3) for x in c.peak],
+        peak_memory_gb_per_stage=[round(x / GB, 6) for x in c.peak],
         memory_budget_gb=round(pl.E / GB, 3), memory_headroom_gb=round(pl.headroom_gb, 3),
         memory_runtime=pl.cm.runtime, offload=offload_summary(c, pl),
         trainable=None if pl.cm.trainable.full else pl.trainable_summary(c.par), execution=pl.cm.execution.label(),
-        error_band=error_band(pl.cm.execution.name), search_time_s=dt,
+        error_band=error_band(pl.cm.execution.name, cluster), search_time_s=dt,
         baselines={k: (v.summary(B, seq) if v is not None else None) for k, v in bl.items()},
         wide=wd, candidates_evaluated=pl.evaluated,
         ratio_vs_best_baseline=tok / best_bl if best_bl else None,
@@ -76,7 +76,8 @@ def to_plan(c: Candidate, pl: Evaluator, bl: dict, wd: dict, dt: float,
                           "fits": e.fits, "layers_per_stage": list(e.parts),
                           "recompute_layers": list(e.recompute),
                           "peak_memory_gb": [round(x / GB, 3) for x in e.peak]} for e in c.alts],
-        search_phases_s={k: round(v, 3) for k, v in phases.items()} if phases is not None else None)
+        search_phases_s={k: round(v, 3) for k, v in phases.items()} if phases is not None else None,
+        components=predicted_components(c))
     return Plan(c.par, precision=pl.options.precision, schedule=c.schedule,
                 schedule_options=schedule_options(c.schedule, len(nblk) // c.pp), layers_per_stage=nblk,
                 recompute_per_stage=[round(x, 6) for x in rec], model=model.name, cluster=cluster.name,
@@ -84,6 +85,35 @@ def to_plan(c: Candidate, pl: Evaluator, bl: dict, wd: dict, dt: float,
                 gpus_per_node=cluster.gpus_per_node,
                 selective_recompute=c.selective, partitioner=c.partitioner,
                 layer_strategies=layer_labels(c), predicted=pred, notes=[c.note] if c.note else [])
+
+
+def predicted_components(c: Candidate) -> dict | None:
+    """Per pipeline rank, the predicted seconds per iteration of each cost-model component
+    (cost/components.py) of candidate ``c``, from the stage figures it was costed with; None
+    where the candidate was not costed stage by stage (the closed form)."""
+    from ..cost.components import pipeline_components
+    from .pipeline import _build, _stage_arrays, _static_and_tail, options_of, stage_figures
+    ctx = c.ctx
+    if ctx is None or not c.parts or not c.ok:
+        return None
+    e = next((a for a in c.alts if a.schedule == c.schedule and tuple(a.parts) == tuple(c.parts)), None)
+    if e is not None and e.figs is not None:
+        figs, rec = e.figs, list(e.recompute)
+    elif c.pp == 1 and c.plan is not None:
+        figs, rec = stage_figures(ctx, tuple(c.parts), list(c.plan), list(c.plan)), [0]
+    else:
+        return None
+    P, m = c.pp, c.num_microbatches
+    if P == 1:              # one stage, unpipelined
+        place, split = (0,), False
+    else:
+        sched = _build(c.schedule, P, min(m, 2 * P), options_of(c.schedule, tuple(c.parts), P))
+        place, split = sched.placement, any(a.kind.name == "W" for r in sched.ranks for a in r)
+    f, bw, w, _ = _stage_arrays(figs, rec)
+    r = np.array(rec, dtype=float) * np.array([g["d_time"] for g in figs])
+    _, tail = _static_and_tail(figs, rec, place, P, ctx.cm.cluster)
+    return pipeline_components(place, m, f, bw - w if split else bw, w, r, split, tail,
+                               c.time - float(tail.max()), ctx.cm.cluster.action_overhead_us * 1e-6)
 
 
 def offload_summary(c: Candidate, pl: Evaluator) -> dict:

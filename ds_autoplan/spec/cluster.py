@@ -70,6 +70,14 @@ class ClusterSpec:
     host_link_shared_by: int = 1
     nvme_GBps: float | None = None
     nvme_gb: float | None = None
+    # -- fitted by `ds-autoplan calibrate` from the runs' records (cost/calibrate.py); the
+    # defaults change nothing --
+    compute_scale: float = 1.0          # achieved / modelled compute rate (a GPU kind's sustained factor)
+    action_overhead_us: float = 0.0     # fixed cost of every F, B (and W) action: launch, hooks, small GEMMs
+    step_overhead_ms: float = 0.0       # fixed cost of every iteration: the engine's per-step work
+    memory_overhead_gb: float = 0.0     # per device, above (below: < 0) the modelled states and activations
+    calibration_error: float | None = None   # the calibration's largest relative residual (its runs)
+    calibration_runs: int | None = None      # how many runs it was fitted to
 
     @property
     def world_size(self) -> int:
@@ -139,13 +147,21 @@ class ClusterSpec:
                 host_link_GBps=_opt(d, "host_link_GBps", float, src),
                 host_link_shared_by=_opt(d, "host_link_shared_by", int, src) or 1,
                 nvme_GBps=_opt(d, "nvme_GBps", float, src),
-                nvme_gb=_opt(d, "nvme_gb", float, src))
+                nvme_gb=_opt(d, "nvme_gb", float, src),
+                compute_scale=_opt(d, "compute_scale", float, src) or 1.0,
+                action_overhead_us=_nonneg(d, "action_overhead_us", src),
+                step_overhead_ms=_nonneg(d, "step_overhead_ms", src),
+                memory_overhead_gb=float(d.get("memory_overhead_gb") or 0.0),
+                calibration_error=_nonneg(d, "calibration_error", src) if d.get("calibration_error") is not None else None,
+                calibration_runs=_opt(d, "calibration_runs", int, src))
         odd = {k: v for k, v in vars(c).items() if isinstance(v, float) and not math.isfinite(v)}
         if odd:
             raise SpecError(f"{src}: " + ", ".join(f"{k} {v}" for k, v in odd.items())
                             + ": every figure must be a finite number")
         if c.reserve_gb < 0 or c.reserve_gb >= c.memory_gb:
             raise SpecError(f"{src}: reserve_gb must lie in [0, memory_gb)")
+        if not abs(c.memory_overhead_gb) < c.memory_gb:
+            raise SpecError(f"{src}: memory_overhead_gb must lie within +-memory_gb")
         if not 0 < c.compute_efficiency <= 1:
             raise SpecError(f"{src}: compute_efficiency must lie in (0, 1]")
         if c.gpu:
@@ -164,6 +180,20 @@ def _opt(d: dict, key: str, typ, src: str):
         raise SpecError(f"{src}: {key} must be a number, got {v!r}") from None
     if isinstance(v, bool) or not x > 0 or (typ is int and x != v):
         raise SpecError(f"{src}: {key} must be a positive {'integer' if typ is int else 'number'}, got {v!r}")
+    return x
+
+
+def _nonneg(d: dict, key: str, src: str) -> float:
+    """An optional non-negative figure (0 where absent or null)."""
+    v = d.get(key)
+    if v is None:
+        return 0.0
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise SpecError(f"{src}: {key} must be a number, got {v!r}") from None
+    if isinstance(v, bool) or not (math.isfinite(x) and x >= 0):
+        raise SpecError(f"{src}: {key} must be a non-negative number, got {v!r}")
     return x
 
 

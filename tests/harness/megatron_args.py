@@ -30,5 +30,5 @@ def argcheck(tmp_path, flag_lists: list, world: int, config: bool = False) -> li
                        input=json.dumps(flag_lists), capture_output=True, text=True, env=env,
                        timeout=600)
     out = [json.loads(x.split(" ", 1)[1]) for x in r.stdout.splitlines() if x.startswith("ARGCHECK ")]
-    assert len(out) == len(flag_lists), r.stderr[-3000:]
+    assert len(out) == len(flag_lists), r.stderr
     return out

@@ -22,18 +22,21 @@ class ActionMemory:
     """(delta, rise) of tracked bytes per (kind, stage, mb) of the last step; with
     ``DS_AUTOPLAN_TRACE`` set, also each action's start and end (:mod:`.trace`)."""
 
-    def __init__(self, tracker=None):
+    def __init__(self, tracker=None, recorder=None):
         self.tracker = tracker
         self.by_action: dict = {}
         self.timeline = trace.from_env()
+        self.recorder = recorder          # runtime.common.record.Recorder: the run's record
 
     def measured(self, table: dict) -> dict:
         """``table`` (kind -> handler taking the action) with every compute kind's handler
-        recording its action (:meth:`begin` ... :meth:`end`); ``table`` itself when nothing is
-        tracked or traced.  Plain calls, no context manager: this runs around every action."""
-        if self.tracker is None and self.timeline is None:
+        recording its action (:meth:`begin` ... :meth:`end`), and with a recorder every
+        kind's; ``table`` itself when nothing is tracked, traced or recorded.  Plain calls, no
+        context manager: this runs around every action."""
+        if self.tracker is None and self.timeline is None and self.recorder is None:
             return dict(table)
         begin, end = self.begin, self.end
+        every = self.recorder is not None
 
         def wrap(kind, fn):
             def run(a):
@@ -43,28 +46,41 @@ class ActionMemory:
                 finally:
                     end(token, kind, a.stage, a.mb)
             return run
-        return {k: wrap(k, fn) if k.is_compute else fn for k, fn in table.items()}
+        return {k: wrap(k, fn) if every or k.is_compute else fn for k, fn in table.items()}
 
     def begin(self):
-        """Start measuring one compute action; :meth:`end` with the returned token records it."""
-        tr = self.tracker
-        t0 = trace.clock() if self.timeline is not None else None
+        """Start measuring one action; :meth:`end` with the returned token records it."""
+        tr, rec = self.tracker, self.recorder
+        t0 = trace.clock() if self.timeline is not None or rec is not None else None
+        w0 = rec.wait if rec is not None else 0.0
         if tr is None:
-            return None, None, t0
+            return None, None, t0, w0
         m0, peak0 = tr.current, tr.peak
         tr.peak = m0
-        return m0, peak0, t0
+        return m0, peak0, t0, w0
 
     def end(self, token, kind: Kind, stage: int, mb: int) -> None:
-        """Record the action :meth:`begin` started: its (delta, rise) of tracked bytes and,
-        when tracing, its start and end."""
-        m0, peak0, t0 = token
+        """Record the action :meth:`begin` started: its (delta, rise) of tracked bytes (a
+        compute action's), when tracing its start and end, when recording its own time."""
+        m0, peak0, t0, w0 = token
         tr = self.tracker
         if tr is not None:
-            self.by_action[(Kind(kind), stage, mb)] = (tr.current - m0, tr.peak - m0)
+            if kind.is_compute:
+                self.by_action[(Kind(kind), stage, mb)] = (tr.current - m0, tr.peak - m0)
             tr.peak = max(peak0, tr.peak)
         if t0 is not None:
-            self.timeline.record(kind, stage, mb, t0, trace.clock())
+            t1 = trace.clock()
+            if self.timeline is not None and kind.is_compute:
+                self.timeline.record(kind, stage, mb, t0, t1)
+            rec = self.recorder
+            if rec is not None:
+                rec.action(kind, t1 - t0, rec.wait - w0)
+
+    def waited(self, t0: float) -> None:
+        """A wait for a peer that began at ``t0`` (``trace.clock()``) ended now: the record's
+        idle time, excluded from the action it happened in."""
+        if self.recorder is not None:
+            self.recorder.waited(trace.clock() - t0)
 
     def new_step(self) -> None:
         """Forget the last step's measurements (a new step begins)."""

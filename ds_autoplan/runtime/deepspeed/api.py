@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from ...emit.deepspeed import runs_plain  # noqa: F401  (ds_autoplan.runtime.deepspeed.api.runs_plain)
 from ...errors import PlanError
 from ...schedule import Schedule, ScheduleError, build
 from ...schedule.passes import plan_schedule
@@ -70,12 +71,6 @@ def _layers_of(model_or_layers):
     if isinstance(model_or_layers, torch.nn.Sequential):
         return list(model_or_layers), None
     return list(model_or_layers), None
-
-
-def runs_plain(plan) -> bool:
-    """Whether ``plan`` runs in DeepSpeed's plain engine: ZeRO-2/3 without a pipeline
-    (``PipelineEngine`` asserts ZeRO < 2)."""
-    return plan.pp == 1 and plan.zero_stage > 1
 
 
 @contextlib.contextmanager
@@ -210,6 +205,11 @@ def initialize(model_or_layers, plan=None, *, schedule: Schedule | str | None = 
         ds_kwargs.setdefault("model_parameters", [p for p in module.parameters() if p.requires_grad])
         with _engine_installed(plain), _batch_explained(plan, pipe):
             out = deepspeed.initialize(model=module, config=cfg, **ds_kwargs)
+        if plain:               # the run's record (the pipeline engine keeps its own)
+            from .measure import record_engine
+            record_engine(out[0], plan)
+    from ..replan import attach
+    attach(out[0])          # launch --calibrate: resume from its switch, decide after the record
     if swap:
         out[0].set_swap_policy(swap)
     elif plan.parallel.offload.activations and not plain:     # every layer's saved tensors

@@ -41,14 +41,26 @@ MASTER = "fp32"      # key of the fp32 master weight in a parameter's saved stat
 
 
 def _zero_optimizer(engine):
-    """DeepSpeed's ZeRO-1/2 optimizer, or None for a plain torch optimizer (ZeRO-0, fp32)."""
+    """DeepSpeed's ZeRO-1/2 optimizer or its BF16_Optimizer (bf16 under ZeRO-0/1: fp32 masters
+    kept as flat partitions, linked to the parameters like ZeRO's), or None for a plain torch
+    optimizer (ZeRO-0, fp32)."""
     opt = engine.optimizer
     if isinstance(opt, torch.optim.Optimizer):
         return None
-    if hasattr(opt, "single_partition_of_fp32_groups") and hasattr(opt, "bit16_groups"):
+    if _flat_masters(opt) is not None:
         return opt
     raise CheckpointError(f"optimizer {type(opt).__name__} is not supported by ds_autoplan "
-                          "checkpoints yet (fp32 with ZeRO 0/1/2 is)")
+                          "checkpoints yet (fp32 with ZeRO 0/1/2 and bf16 with ZeRO 0/1 are)")
+
+
+def _flat_masters(opt):
+    """The flat fp32 master partitions, one per parameter group: ZeRO-1/2's
+    ``single_partition_of_fp32_groups``, BF16_Optimizer's ``fp32_groups_flat_partition``."""
+    if hasattr(opt, "single_partition_of_fp32_groups") and hasattr(opt, "bit16_groups"):
+        return opt.single_partition_of_fp32_groups
+    if hasattr(opt, "fp32_groups_flat_partition") and hasattr(opt, "bf16_groups"):
+        return opt.fp32_groups_flat_partition
+    return None
 
 
 def _params(engine):
@@ -129,7 +141,7 @@ def _restore_zero(zero, saved, params, with_state: bool) -> None:
     if with_state:
         keys = [k for k, v in sample.items() if k != MASTER and torch.is_tensor(v) and v.dim() > 0]
         scalars = {k: v for k, v in sample.items() if k != MASTER and k not in keys}
-        for flat in zero.single_partition_of_fp32_groups:
+        for flat in _flat_masters(zero):
             st = zero.optimizer.state[flat]
             st.update({k: torch.zeros_like(flat) for k in keys})
             st.update(_copied(scalars))

@@ -41,8 +41,11 @@ from ...schedule import Kind, Schedule
 from .. import splitgrad
 from ..common import (Slots, StepState, accept, dispatch_table, posting_order, recomputed,
                      waits_for)
+from ..common import record
 from ..common.memory import ActionMemory
+from ..common.trace import clock
 from ..memtrack import MemTracker, hold
+from ...plan import Plan
 from ..rng import RngState
 from ..watchdog import PG_MARGIN, StepWatchdog, step_timeout
 from .checkpoint import engine_load, engine_save
@@ -177,8 +180,16 @@ class AutoplanEngine(PipelineEngine):
         self.memtracker = MemTracker(exclude=list(mod.parameters()) + list(mod.buffers())) \
             if mod.track_memory else None
         self.ap_mem_trace: list = []      # (action, bytes after it) of the last batch, if tracked
-        self.ap_memory = ActionMemory(self.memtracker)   # (delta, rise) per compute action
-        predicted = ((self._config.pipeline or {}).get("autoplan") or {}).get("predicted", {})
+        planned = (self._config.pipeline or {}).get("autoplan") or {}
+        # the run's record of itself (runtime/common/record.py): measured.json beside plan.json
+        P = self.num_stages
+        self.ap_recorder = record.from_env(
+            Plan.from_dict(planned) if planned else None, self.stage_id, "deepspeed-pipeline",
+            state_bytes=lambda: record.model_state_bytes(self.module, self.optimizer),
+            peers=(self._ap_globals[self.stage_id - 1] if self.stage_id > 0 else None,
+                   self._ap_globals[self.stage_id + 1] if self.stage_id + 1 < P else None))
+        self.ap_memory = ActionMemory(self.memtracker, self.ap_recorder)   # (delta, rise), times
+        predicted = planned.get("predicted") or {}
         # the step watchdog (runtime/watchdog.py) bounds a step and names what it waits for;
         # a p2p wait gives up (PipelineRankError) only after it, unless set shorter
         self.ap_watchdog = StepWatchdog(step_timeout(predicted.get("iteration_time_s")),
@@ -268,9 +279,15 @@ class AutoplanEngine(PipelineEngine):
             return super().eval_batch(*args, **kwargs)
 
     def train_batch(self, data_iter=None):
+        rec = self.ap_recorder
+        if rec is not None:
+            rec.step_begin()
         try:
             with self.ap_watchdog.step():
-                return super().train_batch(data_iter)
+                out = super().train_batch(data_iter)
+            if rec is not None:
+                rec.step_end(self.memtracker.peak if self.memtracker is not None else 0.0)
+            return out
         finally:
             if self._step_state is not None:      # set_step's state lasts one step
                 self._step_state = self.ap_shape_plan = self.ap_loss_factors = None
@@ -511,6 +528,7 @@ class AutoplanEngine(PipelineEngine):
         return self._world.recv([t], self._ap_globals[peer], 0)
 
     def _wait(self, work, what, peer):
+        t0 = clock() if self.ap_recorder is not None else None
         try:
             ok = work.wait(self._p2p_timeout)
         except Exception as e:  # gloo raises on closed connections and timeouts
@@ -520,6 +538,8 @@ class AutoplanEngine(PipelineEngine):
         if ok is False:
             raise PipelineRankError(f"pipeline rank {self.stage_id}: {what} with pipeline rank "
                                     f"{peer} timed out after {self._p2p_timeout}")
+        if t0 is not None:
+            self.ap_memory.waited(t0)
 
     def _send_meta(self, tensors, is_tensor, peer):
         meta = [int(is_tensor), len(tensors)]
@@ -556,6 +576,9 @@ class AutoplanEngine(PipelineEngine):
         for t in tensors:
             self._sends.append((self._isend(t, peer), f"activation of stage {stage}", peer))
         self._prune_sends()
+        rec = self.ap_recorder
+        if rec is not None and rec.counting:
+            rec.boundary = max(rec.boundary, sum(t.numel() * t.element_size() for t in tensors))
 
     def _recv_activation(self, a):
         mb, stage, peer = a.mb, a.stage, a.peer

@@ -57,7 +57,9 @@ from ...schedule import Costs, Kind, Schedule, ScheduleError, lower
 from ...schedule.passes import plan_schedule, stage_recompute
 from ..common import (RULES, Slots, StepState, accept, dispatch_table, posting_order, recomputed,
                       waits_for)
+from ..common import record
 from ..common.memory import ActionMemory
+from ..common.trace import clock
 from ..memtrack import hold
 from ..rng import RngState
 from ..splitgrad import WeightGradStore
@@ -168,6 +170,8 @@ class ScheduleRunner:
         self.schedule = None if schedule is None else lower(schedule, costs)
         self.tracker = tracker          # optional runtime.memtrack.MemTracker
         self.memory = ActionMemory(tracker)   # bytes per compute action; DS_AUTOPLAN_TRACE times
+        self.recorder = None            # the run's record (runtime/common/record.py), first step
+        self._recording = plan is not None
         self.peak_bytes = 0             # peak tracked saved-activation bytes of the last call
         self._next: StepState | None = None
         self.__signature__ = SIGNATURE
@@ -324,8 +328,25 @@ class _Step:
                 for b, L in given]
 
     # -- the step ------------------------------------------------------------------------
+    def _recorder(self):
+        """The runner's record of the run, made at its first training step (the model and
+        the pipeline rank are known then), or None."""
+        r = self.runner
+        if r._recording and r.recorder is None:
+            r._recording = False
+            model = self.model
+            r.recorder = record.from_env(
+                r.plan, self.rank, "megatron",
+                state_bytes=lambda: sum(record.model_state_bytes(c) for c in model),
+                peak_complete=False)       # Megatron's optimizer (its states) is not ours to see
+            r.memory.recorder = r.recorder
+        return r.recorder
+
     def run(self):
         r, tracker = self.runner, self.runner.tracker
+        rec = None if self.forward_only else self._recorder()
+        if rec is not None:
+            rec.step_begin()
         r.memory.new_step()
         base = tracker.current if tracker is not None else 0
         if tracker is not None:
@@ -345,7 +366,9 @@ class _Step:
                 sync.disable()
         doing("completing the step's sends")
         if self.p2p is not None:
+            t0 = clock()
             self.p2p.finish()
+            r.memory.waited(t0)             # the record's idle time
         if tracker is not None:
             r.peak_bytes = tracker.peak - base
         self.slots.check_done(f"Megatron adapter, pp rank {self.rank}")
@@ -353,6 +376,8 @@ class _Step:
         if not self.forward_only:
             doing("the gradient synchronisation (data-parallel collectives)")
             self._finalize()
+        if rec is not None:
+            rec.step_end(r.peak_bytes if tracker is not None else 0.0)
         return [self.losses[m] for m in sorted(self.losses)]
 
     def _final_backwards(self) -> set:
@@ -403,13 +428,19 @@ class _Step:
             self.losses[m] = store[-1]
         return out, ntok
 
-    @staticmethod
-    def _incoming(slot, handed: str, recv: str):
+    def _incoming(self, slot, handed: str, recv: str):
         """What a slot gets from its neighbour stage: handed over on this rank, or received."""
         field = handed if getattr(slot, handed) is not None else recv
         x = getattr(slot, field)
         setattr(slot, field, None)
-        return x if field == handed else _wait(x)
+        return x if field == handed else self._received(x)
+
+    def _received(self, entry):
+        """A posted receive's tensor, waited for (the wait is the record's idle time)."""
+        t0 = clock()
+        x = _wait(entry)
+        self.runner.memory.waited(t0)
+        return x
 
     def forward(self, a):
         s, m = a.stage, a.mb

@@ -1,0 +1,339 @@
+"""``ds-autoplan launch --calibrate N``: the launch measures its plan, re-plans on what it
+measured and carries on under the faster plan (docs/calibration.md, "The loop in one command").
+
+The launcher plans before launch (``--model``) and writes ``replan.json`` (:data:`STATE`) into
+the run's output folder: the planning request (model, cluster, batch, restrictions), N, and
+the decisions so far.  Every rank reads it (``DS_AUTOPLAN_REPLAN``, set by the bootstrap):
+
+1. After N steps (the record's, ``DS_AUTOPLAN_MEASURE_STEPS=N``: the first is warm-up) the run's
+   record is written; rank 0 then :func:`decide`\\ s: calibrate the cluster from the record
+   (``cluster.calibrated.yaml`` in the folder), re-plan on it, re-cost the running plan on it.
+   The re-plan is taken only if predicted faster by more than the calibration's own residual
+   band (at least :data:`MIN_BAND`); every rank learns the decision from rank 0.
+2. Taken: every rank saves ds_autoplan's plan-independent checkpoint
+   (``replan_checkpoint/<tag>``, the data position is the engine's step and sample counters)
+   and the script finishes its step; as the next begins, rank 0 writes the new plan as
+   ``plan.json`` and ``replan.json`` says where to resume, the ranks end the script
+   (:class:`Restart`, caught by the bootstrap) and the launcher starts them again: the engine loads the checkpoint in ``initialize`` and the script's loop goes on
+   from ``engine.global_steps``.
+3. The new plan's record (N steps after the resume) is compared with the old one's measured
+   time: faster, it is kept; slower, the run switches back the same way.  One switch per
+   launch; ``measured.json`` holds every decision under ``"replans"``.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ..errors import UserError
+
+STATE = "replan.json"
+ENV = "DS_AUTOPLAN_REPLAN"
+CHECKPOINT = "replan_checkpoint"
+CALIBRATED = "cluster.calibrated.yaml"
+MIN_BAND = 0.03          # a re-plan predicted faster by less is within any calibration's error
+FORMAT = 1
+
+
+class Restart(SystemExit):
+    """Raised on every rank after the switch's checkpoint: the script ends here, the bootstrap
+    tears the process group down and exits 0, and the launcher starts the ranks again."""
+
+    def __init__(self):
+        super().__init__(0)
+
+
+def label(plan) -> str:
+    """A plan as ``plan`` prints it."""
+    return (f"pp={plan.pp} tp={plan.tp} dp={plan.dp} ZeRO-{plan.zero_stage} micro-batch "
+            f"{plan.micro_batch_size} x {plan.num_microbatches} schedule={plan.schedule_label}")
+
+
+def check_steps(n) -> int:
+    """``--calibrate N``: an integer of at least 2 (the record's first step is warm-up)."""
+    try:
+        v = int(n)
+        if str(v) != str(n).strip():
+            raise ValueError
+    except (TypeError, ValueError):
+        raise UserError(f"--calibrate {n}: give the number of steps to measure (an integer, at least 2)") from None
+    if v < 2:
+        raise UserError(f"--calibrate {v}: at least 2 steps (the first is warm-up, not measured)")
+    if v > 64:
+        raise UserError(f"--calibrate {v}: at most 64 steps are recorded")
+    return v
+
+
+# -- the state file -------------------------------------------------------------------------------
+def read_state(path: str) -> dict:
+    with open(path) as fh:
+        state = json.load(fh)
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise UserError(f"{path}: not a ds-autoplan re-plan state")
+    return state
+
+
+def write_state(folder: str, state: dict) -> str:
+    from ..outputs import json_text, write_folder
+    write_folder(folder, {STATE: json_text(state)}, complete=False, what="the run's output folder")
+    return os.path.join(folder, STATE)
+
+
+def start(folder: str, steps: int, request: dict) -> str:
+    """The launcher's: the state of a launch that will measure ``steps`` steps of the plan
+    ``request`` made (:func:`plan_request`; model, cluster, global_batch, pp, tp, schedules,
+    offload), switchable by construction."""
+    return write_state(folder, {"format": FORMAT, "steps": steps, "request": request, "phase": "measure",
+                                "resume": None, "restart": False, "replans": [], "before": None})
+
+
+def restart_due(path: str) -> bool:
+    """The launcher's, after the ranks ended: whether they stopped to switch (and clear it)."""
+    if not os.path.exists(path):
+        return False
+    state = read_state(path)
+    if not state.get("restart"):
+        return False
+    state["restart"] = False
+    write_state(os.path.dirname(path), state)
+    return True
+
+
+def finish(path: str) -> tuple[str | None, str | None]:
+    """The launcher's, once the ranks ended for good: ``(error, note)``.  The error: the run
+    ended before its N steps were measured (nothing re-planned).  The note: a switch was decided
+    at the run's last step, so the run ended on the plan it had (the record says which:
+    ``ended_on`` of the last decision, the plan ``plan.json`` holds)."""
+    from ..plan import Plan
+    folder = os.path.dirname(path)
+    state = read_state(path)
+    if state["phase"] == "measure":
+        return (f"--calibrate {state['steps']}: the run ended before {state['steps']} steps were "
+                "measured; nothing re-planned (give fewer steps, or train longer)"), None
+    if not state["replans"]:
+        return None, None
+    ran = label(Plan.load(os.path.join(folder, "plan.json")))
+    state["replans"][-1]["ended_on"] = ran
+    note = None
+    if state.pop("next", None) is not None:
+        note = f"the run ended before the switch it had decided; it ended on {ran} (plan.json)"
+        state["phase"] = "done"
+    try:
+        _with_replans(folder, state["replans"])
+    except OSError:
+        pass                    # the last run wrote no record: the state still says it
+    write_state(folder, state)
+    return None, note
+
+
+# -- rank 0's decision ----------------------------------------------------------------------------
+def switchable_plan(best, base: dict):
+    """``best(fix)``'s plan among those a switch resumes (ds_autoplan's plan-independent
+    checkpoint, written by the pipeline engine): ZeRO-2/3 without a pipeline runs in DeepSpeed's
+    plain engine, so there ZeRO-1 instead, said in the plan's notes."""
+    from ..emit.deepspeed import runs_plain
+    p = best(base)
+    if runs_plain(p):
+        p = best({**base, "zero": 1})
+        p.notes.append("ZeRO-1 (--calibrate): ZeRO-2/3 without a pipeline runs in DeepSpeed's plain "
+                       "engine, whose checkpoint a switch of plans does not resume")
+    return p
+
+
+def plan_request(request: dict, cluster, switchable: bool = True):
+    """The plan ``request`` (model, global_batch, pp, tp, schedules, offload) asks for on
+    ``cluster`` (a file or a Cluster): the launcher's before launch, rank 0's re-plan after the
+    record; ``switchable``: among the plans a switch resumes (:func:`switchable_plan`)."""
+    from ..search import SearchOptions, plan_model
+
+    def best(fix):
+        return plan_model(request["model"], cluster, request["global_batch"], options=SearchOptions(
+            pp=request.get("pp"), tp=request.get("tp"), schedules=request.get("schedules"), fix=fix or None))
+    base = {"offload": request["offload"]} if request.get("offload") else {}
+    return switchable_plan(best, base) if switchable else best(base)
+
+
+def _replan(request: dict, cluster):
+    from ..spec import SpecError
+    try:
+        return plan_request(request, cluster), None
+    except (SpecError, ValueError, KeyError, UserError) as e:
+        return None, str(e)
+
+
+def _moved(res) -> str:
+    return ", ".join(f"{f} {float(b):.3g} -> {float(a):.3g}" for f, b, a, _ in res.moved) or "nothing moved"
+
+
+def _with_replans(folder: str, replans: list) -> None:
+    """``measured.json`` of the run now (rank 0) with the decisions so far."""
+    from ..outputs import json_text, write_folder
+    from .common.record import FILE
+    path = os.path.join(folder, FILE)
+    with open(path) as fh:
+        rec = json.load(fh)
+    rec["replans"] = replans
+    write_folder(folder, {FILE: json_text(rec)}, complete=False, what="the run's output folder")
+
+
+def decide(path: str, step: int) -> dict:
+    """Rank 0, after the run's record is written at ``step``: ``{"switch": bool, "line": str,
+    "tag": checkpoint tag}`` (module docstring); the state and the record updated."""
+    from .calibration import calibrated_yaml, fit_folders, recost
+    from ..outputs import text, write_folder
+    from ..plan import Plan
+    from .common.record import FILE
+    from ..spec.cluster import load_cluster
+    folder = os.path.dirname(path)
+    state = read_state(path)
+    with open(os.path.join(folder, FILE)) as fh:
+        measured = float(json.load(fh)["iteration_time_s"]["measured"])
+    now = Plan.load(os.path.join(folder, "plan.json"))
+    phase, out = state["phase"], {"switch": False, "line": None, "tag": None}
+    if phase == "measure":
+        req = state["request"]
+        try:
+            cl0 = load_cluster(req["cluster"])
+            res, runs, _ = fit_folders([folder], cl0, req["model"])
+        except (UserError, OSError, ValueError) as e:
+            out["line"] = f"keeping the plan: the run's record does not calibrate ({e})"
+            state["phase"] = "done"
+        else:
+            write_folder(folder, {CALIBRATED: text(calibrated_yaml(res, runs, req["cluster"], cl0, CALIBRATED))},
+                         complete=False, what="the run's output folder")
+            band = max(MIN_BAND, max((abs(x) for x in res.residuals), default=0.0))
+            mine = recost(now, res.cluster, req["model"]).predicted.iteration_time_s
+            new, why = _replan(req, res.cluster)
+            head = (f"measured {measured:.4g} s/it vs predicted {now.predicted.iteration_time_s:.4g} s "
+                    f"(calibrated: {_moved(res)})")
+            entry = {"step": step, "from": label(now), "to": label(now), "predicted_s": mine,
+                     "measured_before_s": measured, "measured_after_s": None, "kept": True}
+            if new is None:
+                out["line"] = f"{head}; keeping the plan: the re-plan does not fit ({why})"
+            elif label(new) == label(now) or new.predicted.iteration_time_s >= mine * (1 - band):
+                out["line"] = (f"{head}; keeping the plan: the re-plan ({label(new)}: predicted "
+                               f"{new.predicted.iteration_time_s:.4g} s vs {mine:.4g} s) is within the band "
+                               f"(+-{100 * band:.1f}%)")
+                entry["re_planned"] = label(new)
+            else:
+                out.update(switch=True, tag=f"step{step}-to-replan",
+                           line=f"{head}; re-planned {label(new)}: predicted {new.predicted.iteration_time_s:.4g} s "
+                                f"(the plan: {mine:.4g} s); switching at step {step}")
+                entry.update(to=label(new), predicted_s=new.predicted.iteration_time_s, kept=None)
+                state.update(phase="after", next=new.to_dict(),
+                             before={"plan": now.to_dict(), "measured_s": measured, "step": step})
+            state["replans"].append(entry)
+            if not out["switch"]:
+                state["phase"] = "done"
+    elif phase == "after":
+        entry, before = state["replans"][-1], state["before"]
+        entry["measured_after_s"] = measured
+        if measured < before["measured_s"]:
+            entry["kept"] = True
+            out["line"] = (f"the re-plan measured {measured:.4g} s/it vs {before['measured_s']:.4g} s before: "
+                           "keeping it")
+            state["phase"] = "done"
+        else:
+            entry["kept"] = False
+            out.update(switch=True, tag=f"step{step}-back",
+                       line=f"the re-plan measured {measured:.4g} s/it, not faster than {before['measured_s']:.4g} s "
+                            f"before: switching back to {entry['from']} at step {step}")
+            state.update(phase="back", next=before["plan"])
+    elif phase == "back":
+        state["phase"] = "done"
+    _with_replans(folder, state["replans"])
+    write_state(folder, state)
+    return out
+
+
+def switch_files(path: str, tag: str) -> None:
+    """Rank 0, after every rank saved the checkpoint ``tag``: the next plan becomes ``plan.json``
+    (and its DeepSpeed config) and the state says to restart from the checkpoint."""
+    from ..emit.deepspeed import MERGED_CONFIG, ds_config
+    from ..outputs import json_text, text, write_folder
+    from ..plan import Plan
+    folder = os.path.dirname(path)
+    state = read_state(path)
+    nxt = Plan.from_dict(state.pop("next"))
+    write_folder(folder, {"plan.json": text(nxt.to_json() + "\n"), MERGED_CONFIG: json_text(ds_config(nxt))},
+                 complete=False, what="the run's output folder")
+    state.update(resume={"dir": os.path.join(folder, CHECKPOINT), "tag": tag}, restart=True)
+    write_state(folder, state)
+
+
+def abandon(path: str, why: str) -> None:
+    """Rank 0: the switch decided did not happen; the running plan stays, the record says why."""
+    folder = os.path.dirname(path)
+    state = read_state(path)
+    state.pop("next", None)
+    entry = state["replans"][-1]
+    entry.update(kept=False, not_switched=why)
+    state["phase"] = "done"
+    _with_replans(folder, state["replans"])
+    write_state(folder, state)
+
+
+# -- every rank -----------------------------------------------------------------------------------
+def from_env():
+    """This rank's re-plan state file (``DS_AUTOPLAN_REPLAN``), or None."""
+    from ..env import env_str
+    return env_str(ENV)
+
+
+def attach(engine) -> None:
+    """In ``initialize`` (every rank): resume from the switch's checkpoint when the state names
+    one, and decide after the run's record (:func:`decide`) when its steps are in."""
+    path = from_env()
+    rec = getattr(engine, "ap_recorder", None)
+    if path is None:
+        return
+    state = read_state(path)
+    if state.get("resume"):
+        r = state["resume"]
+        engine.load_checkpoint(r["dir"], tag=r["tag"])
+    if rec is not None and state["phase"] != "done":
+        rec.on_record = lambda: _at_record(engine, path)
+
+
+def _at_record(engine, path: str) -> None:
+    import torch.distributed as dist
+
+    from .common.collectives import broadcast_text
+    me = dist.get_rank()
+    text_ = ""
+    if me == 0:
+        try:
+            text_ = json.dumps(decide(path, int(engine.global_steps)))
+        except (UserError, OSError) as e:
+            text_ = json.dumps({"switch": False, "line": f"keeping the plan: the re-plan failed ({e})"})
+    d = json.loads(broadcast_text(text_))
+    if me == 0 and d.get("line"):
+        print(f"ds-autoplan: {d['line']}", flush=True)
+    if not d["switch"]:
+        return
+    try:
+        engine.save_checkpoint(os.path.join(os.path.dirname(path), CHECKPOINT), tag=d["tag"],
+                               client_state={"replan": d["tag"]})
+        ok = 1
+    except (OSError, UserError) as e:
+        if me == 0:
+            print(f"ds-autoplan: keeping the plan: the switch's checkpoint cannot be written ({e})", flush=True)
+        ok = 0
+    import torch
+    flag = torch.tensor([ok], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if not flag.item():
+        if me == 0:
+            abandon(path, "its checkpoint could not be written")
+        return
+    # the script finishes this step (its loss printed, its own bookkeeping done); the ranks
+    # stop as the next one begins
+    engine.ap_recorder.on_step = lambda: _restart(path, d["tag"])
+
+
+def _restart(path: str, tag: str) -> None:
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        switch_files(path, tag)
+    dist.barrier()
+    raise Restart()
