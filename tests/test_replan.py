@@ -12,6 +12,7 @@ calibrated sleeps of the ``TRUTH`` cluster's compute: pp=2 V-ZB measured 0.38 s 
 test asserts what holds whichever way the measurement goes."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -109,6 +110,19 @@ def test_a_bad_calibrate_is_one_line_before_anything_runs(tmp_path, capsys, monk
     assert not (tmp_path / "ds_autoplan_out").exists()
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["--calibrate", "3", "--calibrate-rounds", "0"], "--calibrate-rounds 0: 1 to 8"),
+    (["--calibrate", "3", "--calibrate-rounds", "9"], "--calibrate-rounds 9: 1 to 8"),
+    (["--calibrate", "3", "--calibrate-rounds", "two"], "--calibrate-rounds two: give the number of re-plans"),
+    (["--calibrate-rounds", "2"], "--calibrate-rounds counts the re-plans of --calibrate N: give --calibrate")])
+def test_a_bad_calibrate_rounds_is_one_line_before_anything_runs(tmp_path, capsys, monkeypatch, argv, needle):
+    monkeypatch.chdir(tmp_path)
+    rc = main(["launch", *argv, "--model", "gpt-tiny", "--cluster", "cpu-2", "--num_gpus", "2", SCRIPT])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "ds_autoplan_out").exists()
+
+
 def test_calibrate_needs_the_plan_made_before_launch(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rc = main(["launch", "--calibrate", "3", "--num_gpus", "2", SCRIPT])
@@ -144,6 +158,31 @@ def test_wrong_links_switch_to_the_measured_faster_plan_with_the_losses_of_a_res
     assert [k for k, _ in steps] == list(range(10)), out              # no step trained twice or skipped
     after = {k: v for k, v in steps if k >= 3}
     assert after == _by_hand(tmp_path, run, SLEEP, *truth)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+def test_a_second_round_re_plans_on_both_plans_records(tmp_path):
+    """``--calibrate-rounds 2``: the kept switch of round 1 (pp=2 -> dp=2, as above) starts
+    round 2 at once, its calibration fitted to both plans' records (kept under
+    ``replan_runs/``); its decision is the record's second entry, from the plan round 1 kept.
+    Every step is trained once, whatever round 2 decides."""
+    truth = ["--truth", _cluster(tmp_path, TRUTH)]
+    rc, out = _launch(tmp_path, "--calibrate", "3", "--calibrate-rounds", "2", "--model", "gpt-tiny",
+                      "--cluster", _cluster(tmp_path, SLOW_SLEEP), "--out", "run", script=SLEEP, args=truth)
+    assert "ds-autoplan: round 1/2: measured " in out and "; switching at step 3" in out, out
+    assert "ds-autoplan: round 1/2: the re-plan measured " in out and "before: keeping it" in out, out
+    assert "ds-autoplan: round 2/2: measured " in out and "(calibrated on 2 runs: " in out, out
+    run = tmp_path / "run"
+    first, second = _record(run)["replans"]
+    assert first["kept"] is True and first["measured_after_s"] < first["measured_before_s"], first
+    assert second["step"] == 6 and second["from"] == first["to"], (first, second)
+    assert second["measured_before_s"] == first["measured_after_s"], (first, second)
+    doc = yaml.safe_load((run / "cluster.calibrated.yaml").read_text())
+    assert [r["plan"].split()[0] for r in doc["calibrated"]["runs"]] == ["pp=2", "pp=1"], doc["calibrated"]
+    assert sorted(os.listdir(run / "replan_runs")) == ["step3", "step6"] + (["step9"] if second["kept"] is None
+                                                                            or second["to"] != second["from"] else [])
+    assert [k for k, _ in _steps(out)] == list(range(10)), out
 
 
 @pytest.mark.multiproc
@@ -222,6 +261,61 @@ def test_a_rank_killed_during_the_switch_leaves_the_plan_and_record_of_the_first
     assert not (run / "replan_checkpoint" / "latest").exists()
     state = json.loads((run / "replan.json").read_text())
     assert state["resume"] is None and not state["restart"], state
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+def test_ctrl_c_during_the_switch_ends_every_rank(tmp_path):
+    """SIGINT to the launcher while the ranks write the switch's checkpoint (every save point
+    delayed 2 s, DS_AUTOPLAN_CHECKPOINT_DELAY): the launch ends in one line with exit 130, no
+    process of it is left, and the run folder is the first plan's (plan.json, its record, no
+    ``latest`` of the unfinished save, no restart due)."""
+    import signal
+    import threading
+    import time
+
+    import psutil
+    env = _env(DS_AUTOPLAN_CHECKPOINT_DELAY="2")
+    p = subprocess.Popen([sys.executable, "-m", "ds_autoplan", "launch", "--calibrate", "3", "--model", "gpt-tiny",
+                          "--cluster", _cluster(tmp_path, SLOW_SLEEP), "--out", "run", "--num_gpus", "2",
+                          "--master_port", _port(), SLEEP, "--steps", "6", "--truth", _cluster(tmp_path, TRUTH)],
+                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines, switching = [], threading.Event()
+
+    def read():
+        for ln in p.stdout:
+            lines.append(ln)
+            if "; switching at step 3" in ln:
+                switching.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    tree = []
+    try:
+        assert switching.wait(600), "".join(lines)
+        tree = psutil.Process(p.pid).children(recursive=True)
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=120) == 130, "".join(lines)
+        reader.join(30)
+        out = "".join(lines)
+        # the launcher raised nothing; a rank may say its peer went first (DeepSpeed's per-node
+        # launcher ends the ranks one after the other: gloo's "Connection reset by peer")
+        assert all(ln.startswith("[rank") for ln in out.splitlines() if "Traceback" in ln), out
+        assert out.strip().splitlines()[-1].startswith("ds-autoplan launch: interrupted (SIGINT): stopped the launch"), out
+        assert "restarting the ranks" not in out, out
+        time.sleep(1)
+        left = [q for q in tree if q.is_running() and q.status() != psutil.STATUS_ZOMBIE]
+        assert left == [], (left, out)
+        run = tmp_path / "run"
+        assert json.loads((run / "plan.json").read_text())["pp"] == 2 and _record(run)["plan"]["pp"] == 2
+        assert not (run / "replan_checkpoint" / "latest").exists()
+        assert not json.loads((run / "replan.json").read_text())["restart"]
+    finally:                 # nothing of the test's left running, whatever failed
+        for q in tree:
+            with contextlib.suppress(psutil.Error):
+                q.kill()
+        p.kill()
+        p.wait()
 
 
 @pytest.mark.multiproc

@@ -207,7 +207,7 @@ def _blob(opts: dict) -> str:
     return "--ds-autoplan=" + base64.urlsafe_b64encode(json.dumps(opts).encode()).decode()
 
 
-def _calibrating(a, own, opts, steps) -> str | None:
+def _calibrating(a, own, opts, steps, rounds) -> str | None:
     """``--calibrate N``: the re-plan state (runtime/replan.py) for the plan made before launch,
     its path handed to every rank in the bootstrap's options; None without it."""
     if own.calibrate is None:
@@ -222,7 +222,7 @@ def _calibrating(a, own, opts, steps) -> str | None:
                "schedules": opts["schedules"], "offload": opts["offload"],
                "cluster": os.path.join(opts["out"], persisted.FILE) if cluster == "auto"
                else os.path.abspath(cluster) if os.path.exists(cluster) else cluster}
-    state = replan.start(opts["out"], steps, request)
+    state = replan.start(opts["out"], steps, request, rounds)
     opts["replan"] = {"state": state, "steps": steps}
     a.user_args[0] = _blob(opts)
     return state
@@ -344,6 +344,9 @@ def _own_parser():
                         "switch (through a checkpoint and a restart of the ranks) when the re-plan is "
                         "predicted faster beyond the calibration's band; the faster of the two, as "
                         "measured, is kept (with --model; docs/calibration.md)")
+    p.add_argument("--calibrate-rounds", default=None, metavar="K",
+                   help="--calibrate: up to K switches (default 1); a kept switch re-plans again at once, "
+                        "calibrated on every plan measured so far")
     p.add_argument("-h", "--help", action="store_true", help="show this help (both parts) and exit")
     return p
 
@@ -351,13 +354,12 @@ def _own_parser():
 def add_parser(subparsers):
     # every argument is passed through untouched ("+" is no option prefix for deepspeed or us):
     # ours (--model, --cluster, --global-batch, --pp, --tp, --schedules, --offload, --out, --profile, --remeasure,
-    # --calibrate) are taken from the
-    # part before the script
+    # --calibrate, --calibrate-rounds) are taken from the part before the script
     p = subparsers.add_parser("launch", prefix_chars="+", add_help=False,
                               help="run the deepspeed launcher with the script's model planned "
                                    "(options: --model --cluster --global-batch --pp --tp --schedules "
-                                   "--offload --out --profile --remeasure --calibrate, then deepspeed launcher options, script, "
-                                   "script args)",
+                                   "--offload --out --profile --remeasure --calibrate --calibrate-rounds, "
+                                   "then deepspeed launcher options, script, script args)",
                               description=doc_description(__doc__))
     p.add_argument("argv", nargs=argparse.REMAINDER)
     p.set_defaults(func=run)
@@ -412,10 +414,14 @@ def _run(args) -> int:
         if v is not None and v < 1:
             raise UserError(f"{flag} must be at least 1, got {v}")
     check_launch(a)
-    steps = None
+    steps, rounds = None, 1
+    if own.calibrate_rounds is not None and own.calibrate is None:
+        raise UserError("--calibrate-rounds counts the re-plans of --calibrate N: give --calibrate too")
     if own.calibrate is not None:
-        from ..runtime.replan import check_steps
+        from ..runtime.replan import check_rounds, check_steps
         steps = check_steps(own.calibrate)          # refused before anything is planned
+        if own.calibrate_rounds is not None:
+            rounds = check_rounds(own.calibrate_rounds)
         if not own.model:
             raise UserError("--calibrate re-plans the plan made before launch: give --model (the model "
                             "description the script builds)")
@@ -428,7 +434,7 @@ def _run(args) -> int:
                           remeasure=own.remeasure, profile=own.profile, switchable=own.calibrate is not None)
     from ..runtime.deepspeed.shm import sweep
     try:
-        state = _calibrating(a, own, opts, steps)
+        state = _calibrating(a, own, opts, steps, rounds)
         cmd = argv[:cut] + ["--module", a.user_script] + a.user_args
         runner.main(cmd)
         if state is not None:

@@ -14,11 +14,15 @@ the decisions so far.  Every rank reads it (``DS_AUTOPLAN_REPLAN``, set by the b
    (``replan_checkpoint/<tag>``, the data position is the engine's step and sample counters)
    and the script finishes its step; as the next begins, rank 0 writes the new plan as
    ``plan.json`` and ``replan.json`` says where to resume, the ranks end the script
-   (:class:`Restart`, caught by the bootstrap) and the launcher starts them again: the engine loads the checkpoint in ``initialize`` and the script's loop goes on
-   from ``engine.global_steps``.
+   (:class:`Restart`, caught by the bootstrap) and the launcher starts them again: the engine
+   loads the checkpoint in ``initialize`` and the script's loop goes on from
+   ``engine.global_steps``.
 3. The new plan's record (N steps after the resume) is compared with the old one's measured
    time: faster, it is kept; slower, the run switches back the same way.  One switch per
-   launch; ``measured.json`` holds every decision under ``"replans"``.
+   launch, or up to K with ``--calibrate-rounds K``: a kept switch starts the next round at
+   once, calibrated on every plan measured so far (their records kept under
+   ``replan_runs/step<K>/``); a round that keeps its plan, or a switch back, ends the loop.
+   ``measured.json`` holds every decision under ``"replans"``.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ STATE = "replan.json"
 ENV = "DS_AUTOPLAN_REPLAN"
 CHECKPOINT = "replan_checkpoint"
 CALIBRATED = "cluster.calibrated.yaml"
+RUNS = "replan_runs"     # each measured plan's plan.json and record, the fits' input
 MIN_BAND = 0.03          # a re-plan predicted faster by less is within any calibration's error
 FORMAT = 1
 
@@ -49,18 +54,31 @@ def label(plan) -> str:
             f"{plan.micro_batch_size} x {plan.num_microbatches} schedule={plan.schedule_label}")
 
 
-def check_steps(n) -> int:
-    """``--calibrate N``: an integer of at least 2 (the record's first step is warm-up)."""
+def _integer(flag: str, n, what: str) -> int:
     try:
         v = int(n)
         if str(v) != str(n).strip():
             raise ValueError
     except (TypeError, ValueError):
-        raise UserError(f"--calibrate {n}: give the number of steps to measure (an integer, at least 2)") from None
+        raise UserError(f"{flag} {n}: give {what}") from None
+    return v
+
+
+def check_steps(n) -> int:
+    """``--calibrate N``: an integer of at least 2 (the record's first step is warm-up)."""
+    v = _integer("--calibrate", n, "the number of steps to measure (an integer, at least 2)")
     if v < 2:
         raise UserError(f"--calibrate {v}: at least 2 steps (the first is warm-up, not measured)")
     if v > 64:
         raise UserError(f"--calibrate {v}: at most 64 steps are recorded")
+    return v
+
+
+def check_rounds(k) -> int:
+    """``--calibrate-rounds K``: how many switches the launch may make, 1 to 8."""
+    v = _integer("--calibrate-rounds", k, "the number of re-plans (an integer, 1 to 8)")
+    if not 1 <= v <= 8:
+        raise UserError(f"--calibrate-rounds {v}: 1 to 8 (each switch is a checkpoint and a restart)")
     return v
 
 
@@ -79,12 +97,13 @@ def write_state(folder: str, state: dict) -> str:
     return os.path.join(folder, STATE)
 
 
-def start(folder: str, steps: int, request: dict) -> str:
+def start(folder: str, steps: int, request: dict, rounds: int = 1) -> str:
     """The launcher's: the state of a launch that will measure ``steps`` steps of the plan
     ``request`` made (:func:`plan_request`; model, cluster, global_batch, pp, tp, schedules,
-    offload), switchable by construction."""
-    return write_state(folder, {"format": FORMAT, "steps": steps, "request": request, "phase": "measure",
-                                "resume": None, "restart": False, "replans": [], "before": None})
+    offload), switchable by construction, and switch at most ``rounds`` times."""
+    return write_state(folder, {"format": FORMAT, "steps": steps, "rounds": rounds, "request": request,
+                                "phase": "measure", "resume": None, "restart": False, "replans": [],
+                                "before": None, "records": []})
 
 
 def restart_due(path: str) -> bool:
@@ -176,68 +195,101 @@ def _with_replans(folder: str, replans: list) -> None:
     write_folder(folder, {FILE: json_text(rec)}, complete=False, what="the run's output folder")
 
 
-def decide(path: str, step: int) -> dict:
-    """Rank 0, after the run's record is written at ``step``: ``{"switch": bool, "line": str,
-    "tag": checkpoint tag}`` (module docstring); the state and the record updated."""
+def _keep_record(folder: str, state: dict, step: int) -> None:
+    """The running plan's plan.json and record, kept as ``replan_runs/step<step>/`` for the
+    fits of this launch's later rounds (``state["records"]``: this launch's, none older)."""
+    from ..outputs import text, write_folder
+    from .common.record import FILE
+    name = os.path.join(RUNS, f"step{step}")
+    files = {}
+    for f in ("plan.json", FILE):           # as they are: the record names its plan's digest
+        with open(os.path.join(folder, f), encoding="utf-8", newline="") as fh:
+            files[f] = text(fh.read())
+    write_folder(os.path.join(folder, name), files, complete=False, what="the run's output folder")
+    if name not in state["records"]:
+        state["records"].append(name)
+
+
+def _in_round(state: dict, k: int, line: str) -> str:
+    """A decision's line, with its round where the launch has several (--calibrate-rounds)."""
+    return f"round {k}/{state['rounds']}: {line}" if state.get("rounds", 1) > 1 else line
+
+
+def _round(state: dict, folder: str, step: int, now, measured: float, out: dict) -> None:
+    """A re-plan of the running plan ``now`` (measured ``measured`` s/it): calibrate on every
+    record of this launch, re-plan, switch or keep (``out``; ``state`` updated)."""
     from .calibration import calibrated_yaml, fit_folders, recost
     from ..outputs import text, write_folder
+    from ..spec.cluster import load_cluster
+    req = state["request"]
+
+    def say(line):
+        return _in_round(state, len(state["replans"]) + 1, line)
+    state["phase"] = "done"
+    try:
+        cl0 = load_cluster(req["cluster"])
+        res, runs, _ = fit_folders([os.path.join(folder, r) for r in state["records"]], cl0, req["model"])
+    except (UserError, OSError, ValueError) as e:
+        out["lines"].append(say(f"keeping the plan: the run's record does not calibrate ({e})"))
+        return
+    write_folder(folder, {CALIBRATED: text(calibrated_yaml(res, runs, req["cluster"], cl0, CALIBRATED))},
+                 complete=False, what="the run's output folder")
+    band = max(MIN_BAND, max((abs(x) for x in res.residuals), default=0.0))
+    mine = recost(now, res.cluster, req["model"]).predicted.iteration_time_s
+    new, why = _replan(req, res.cluster)
+    head = (f"measured {measured:.4g} s/it vs predicted {now.predicted.iteration_time_s:.4g} s "
+            f"(calibrated{f' on {len(runs)} runs' if len(runs) > 1 else ''}: {_moved(res)})")
+    entry = {"step": step, "from": label(now), "to": label(now), "predicted_s": mine,
+             "measured_before_s": measured, "measured_after_s": None, "kept": True}
+    if new is None:
+        out["lines"].append(say(f"{head}; keeping the plan: the re-plan does not fit ({why})"))
+    elif label(new) == label(now) or new.predicted.iteration_time_s >= mine * (1 - band):
+        out["lines"].append(say(f"{head}; keeping the plan: the re-plan ({label(new)}: predicted "
+                                f"{new.predicted.iteration_time_s:.4g} s vs {mine:.4g} s) is within the band "
+                                f"(+-{100 * band:.1f}%)"))
+        entry["re_planned"] = label(new)
+    else:
+        out.update(switch=True, tag=f"step{step}-to-replan")
+        out["lines"].append(say(f"{head}; re-planned {label(new)}: predicted {new.predicted.iteration_time_s:.4g} s "
+                                f"(the plan: {mine:.4g} s); switching at step {step}"))
+        entry.update(to=label(new), predicted_s=new.predicted.iteration_time_s, kept=None)
+        state.update(phase="after", next=new.to_dict(),
+                     before={"plan": now.to_dict(), "measured_s": measured, "step": step})
+    state["replans"].append(entry)
+
+
+def decide(path: str, step: int) -> dict:
+    """Rank 0, after the run's record is written at ``step``: ``{"switch": bool, "lines":
+    [str], "tag": checkpoint tag}`` (module docstring); the state and the record updated."""
     from ..plan import Plan
     from .common.record import FILE
-    from ..spec.cluster import load_cluster
     folder = os.path.dirname(path)
     state = read_state(path)
+    state.setdefault("records", [])
     with open(os.path.join(folder, FILE)) as fh:
         measured = float(json.load(fh)["iteration_time_s"]["measured"])
     now = Plan.load(os.path.join(folder, "plan.json"))
-    phase, out = state["phase"], {"switch": False, "line": None, "tag": None}
+    phase, out = state["phase"], {"switch": False, "lines": [], "tag": None}
+    if phase in ("measure", "after"):
+        _keep_record(folder, state, step)
     if phase == "measure":
-        req = state["request"]
-        try:
-            cl0 = load_cluster(req["cluster"])
-            res, runs, _ = fit_folders([folder], cl0, req["model"])
-        except (UserError, OSError, ValueError) as e:
-            out["line"] = f"keeping the plan: the run's record does not calibrate ({e})"
-            state["phase"] = "done"
-        else:
-            write_folder(folder, {CALIBRATED: text(calibrated_yaml(res, runs, req["cluster"], cl0, CALIBRATED))},
-                         complete=False, what="the run's output folder")
-            band = max(MIN_BAND, max((abs(x) for x in res.residuals), default=0.0))
-            mine = recost(now, res.cluster, req["model"]).predicted.iteration_time_s
-            new, why = _replan(req, res.cluster)
-            head = (f"measured {measured:.4g} s/it vs predicted {now.predicted.iteration_time_s:.4g} s "
-                    f"(calibrated: {_moved(res)})")
-            entry = {"step": step, "from": label(now), "to": label(now), "predicted_s": mine,
-                     "measured_before_s": measured, "measured_after_s": None, "kept": True}
-            if new is None:
-                out["line"] = f"{head}; keeping the plan: the re-plan does not fit ({why})"
-            elif label(new) == label(now) or new.predicted.iteration_time_s >= mine * (1 - band):
-                out["line"] = (f"{head}; keeping the plan: the re-plan ({label(new)}: predicted "
-                               f"{new.predicted.iteration_time_s:.4g} s vs {mine:.4g} s) is within the band "
-                               f"(+-{100 * band:.1f}%)")
-                entry["re_planned"] = label(new)
-            else:
-                out.update(switch=True, tag=f"step{step}-to-replan",
-                           line=f"{head}; re-planned {label(new)}: predicted {new.predicted.iteration_time_s:.4g} s "
-                                f"(the plan: {mine:.4g} s); switching at step {step}")
-                entry.update(to=label(new), predicted_s=new.predicted.iteration_time_s, kept=None)
-                state.update(phase="after", next=new.to_dict(),
-                             before={"plan": now.to_dict(), "measured_s": measured, "step": step})
-            state["replans"].append(entry)
-            if not out["switch"]:
-                state["phase"] = "done"
+        _round(state, folder, step, now, measured, out)
     elif phase == "after":
         entry, before = state["replans"][-1], state["before"]
         entry["measured_after_s"] = measured
         if measured < before["measured_s"]:
             entry["kept"] = True
-            out["line"] = (f"the re-plan measured {measured:.4g} s/it vs {before['measured_s']:.4g} s before: "
-                           "keeping it")
+            out["lines"].append(_in_round(state, len(state["replans"]), (
+                f"the re-plan measured {measured:.4g} s/it vs {before['measured_s']:.4g} s before: keeping it")))
             state["phase"] = "done"
+            if len(state["replans"]) < state.get("rounds", 1):
+                _round(state, folder, step, now, measured, out)      # the next round, at once
         else:
             entry["kept"] = False
-            out.update(switch=True, tag=f"step{step}-back",
-                       line=f"the re-plan measured {measured:.4g} s/it, not faster than {before['measured_s']:.4g} s "
-                            f"before: switching back to {entry['from']} at step {step}")
+            out.update(switch=True, tag=f"step{step}-back")
+            out["lines"].append(_in_round(state, len(state["replans"]), (
+                f"the re-plan measured {measured:.4g} s/it, not faster than {before['measured_s']:.4g} s "
+                f"before: switching back to {entry['from']} at step {step}")))
             state.update(phase="back", next=before["plan"])
     elif phase == "back":
         state["phase"] = "done"
@@ -305,10 +357,11 @@ def _at_record(engine, path: str) -> None:
         try:
             text_ = json.dumps(decide(path, int(engine.global_steps)))
         except (UserError, OSError) as e:
-            text_ = json.dumps({"switch": False, "line": f"keeping the plan: the re-plan failed ({e})"})
+            text_ = json.dumps({"switch": False, "lines": [f"keeping the plan: the re-plan failed ({e})"]})
     d = json.loads(broadcast_text(text_))
-    if me == 0 and d.get("line"):
-        print(f"ds-autoplan: {d['line']}", flush=True)
+    if me == 0:
+        for line in d["lines"]:
+            print(f"ds-autoplan: {line}", flush=True)
     if not d["switch"]:
         return
     try:
