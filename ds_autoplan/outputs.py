@@ -349,15 +349,17 @@ def hold_for_launch(path, what: str = "--out") -> tuple[str, bool]:
     return folder, created
 
 
-def release_launch(folder: str, remove: bool = False) -> None:
-    """Give the launch lock of ``folder`` back; ``remove``: also delete the lock file and the
-    folder if nothing else is in it (a launch refused before it wrote anything)."""
+def release_launch(folder: str, remove: bool = False, created: bool = False) -> None:
+    """Give the launch lock of ``folder`` back; ``remove``: also delete the lock file, and the
+    folder where the launch ``created`` it and nothing else is in it (a launch refused before
+    it wrote anything; a folder the user made stays)."""
     fd = _HELD.pop(folder, None)
     if fd is None:
         return
     if remove:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(folder, LAUNCH_LOCK))
+    if remove and created:
         with contextlib.suppress(OSError):
             os.rmdir(folder)                     # only when empty
     os.close(fd)

@@ -475,3 +475,19 @@ def test_a_profile_of_other_layers_is_refused(tmp_path):
     bad.write_text("{}")
     with pytest.raises(AutoplanRefused, match=re.escape(f"DS_AUTOPLAN_PROFILE={bad}: not a ds_autoplan profile")):
         _given_profile(str(bad), model, {})
+
+
+def test_a_refused_launch_leaves_the_users_empty_out_folder(tmp_path, capsys):
+    """A launch refused after it took its --out folder (the plan cannot be made) removes its
+    lock, and the folder only where it made it: an empty folder the user made stays."""
+    import os
+    from pathlib import Path
+    script = str(Path(__file__).resolve().parents[1] / "examples" / "train_deepspeed.py")
+    for out, made in ((tmp_path / "mine", True), (tmp_path / "new", False)):
+        if made:
+            out.mkdir()
+        rc = main(["launch", "--model", "gpt-tiny", "--cluster", "no-such-cluster", "--out", str(out),
+                   "--num_gpus", "2", script])
+        err = capsys.readouterr().err
+        assert rc == 2 and "no-such-cluster" in err, err
+        assert out.exists() is made and (not made or os.listdir(out) == []), out

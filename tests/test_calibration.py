@@ -7,10 +7,8 @@ cluster (exact, no chance involved), and against real runs (sleep-layer compute,
 links, AdamW) of bench/calibration.py's two plans on 2 CPU ranks."""
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
-import os
 import pathlib
 
 import pytest
@@ -295,3 +293,14 @@ def test_plain_engine_records_itself_and_calibrates(tmp_path, capsys):
     meas = rec["iteration_time_s"]["measured"]
     assert abs(after.iteration_time_s - meas) / meas <= 0.03, (after.iteration_time_s, meas)
     assert abs(after.peak_memory_gb_per_stage[0] - peak) / peak <= 0.02, (after.peak_memory_gb_per_stage, peak)
+
+
+def test_an_action_before_the_first_step_is_not_counted(tmp_path):
+    """An action outside any step (``eval_batch`` before the first ``train_batch`` runs the same
+    action table) neither fails nor enters the record's sums."""
+    from ds_autoplan.runtime.common.record import NAMES, Recorder
+    from ds_autoplan.schedule.ir import Kind
+    r = Recorder(str(tmp_path), _plan(ClusterSpec.from_dict(WRONG), tmp_path), 0, "modelled", 3)
+    r.action(Kind.F, 0.5, 0.0)
+    r.step_begin()
+    assert r._own_step == [0.0] * len(NAMES) and r.own == [0.0] * len(NAMES)

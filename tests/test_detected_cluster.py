@@ -63,8 +63,8 @@ def test_another_machine_or_a_foreign_file_is_measured_again(monkeypatch, tmp_pa
     # another layout of ranks on the same host is another machine
     resolve("auto", 1, 4, folder=str(out))
     assert len(calls) == 2
-    # the file changed by hand: not ours any more (the folder's manifest), measured again,
-    # and not replaced (a file the user wrote stays): a warning
+    # the file's machine changed by hand: another machine, measured again, and the file not
+    # replaced (it is not ours any more: the folder's manifest)
     d["machine"]["hosts"] = ["elsewhere"]
     path.write_text(yaml.safe_dump(d))
     assert persisted.load(str(out), persisted.machine(detect.facts_here(2, 1))) is None
@@ -74,3 +74,19 @@ def test_another_machine_or_a_foreign_file_is_measured_again(monkeypatch, tmp_pa
     for junk in ("{not: [yaml", "- a list", ""):
         path.write_text(junk)
         assert persisted.load(str(out), persisted.machine(detect.facts_here(2, 1))) is None
+
+
+def test_a_kept_file_whose_figures_make_no_cluster_is_measured_again(monkeypatch, tmp_path):
+    """Same machine, but a figure a cluster cannot hold (an older format, an edit): the launch
+    measures again instead of stopping on the file."""
+    calls = _fake_detection(monkeypatch)
+    out = tmp_path / "run"
+    resolve("auto", 1, 2, folder=str(out))
+    path = out / persisted.FILE
+    d = yaml.safe_load(path.read_text())
+    mach = d["machine"]
+    d["cluster"]["peak_tflops"] = "fast"
+    path.write_text(yaml.safe_dump(d))
+    assert persisted.load(str(out), mach) is None
+    assert resolve("auto", 1, 2, folder=str(out)).peak_tflops == 0.05
+    assert len(calls) == 2

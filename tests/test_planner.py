@@ -466,3 +466,20 @@ def test_cannot_fit_message_never_says_short_by_a_negative_amount():
     msg = str(e.value)
     assert "\n" not in msg and "short by" not in msg, msg
     assert "cannot fit" in msg and "60.0 GB budget" in msg
+
+
+def test_the_per_iteration_overhead_is_charged_once_however_many_stages(bert8):
+    """A calibrated ``step_overhead_ms`` is the iteration's own (spec/cluster.py): eq. 9's
+    time grows by it once, not once per pipeline stage."""
+    import dataclasses
+    m, c, _ = bert8
+    S = strategies(2)
+    times = []
+    for step_ms in (0.0, 5.0):
+        cm = CostModel(m, dataclasses.replace(c, step_overhead_ms=step_ms), "fp16", "deepspeed",
+                       overlap_grad_reduce=True)
+        ctx = Context(cm, S, 4, 8, 8, c.budget_bytes)
+        parts = (8, 8, 8, 8)
+        _, plan = ctx.search(parts)
+        times.append(ctx.pipeline_time(parts, plan))
+    assert times[1] - times[0] == pytest.approx(5e-3, rel=1e-9)

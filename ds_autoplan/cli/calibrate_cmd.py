@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _table(runs, before, after, predict, cl0, cl1) -> list[dict]:
+def _table(runs, predict, cl0, cl1) -> list[dict]:
     from ..cost.components import NAMES
     rows = []
     for r in runs:
@@ -68,7 +68,9 @@ def run(args) -> int:
         raise UserError(f"--cluster {args.cluster}: {e}") from None
     res, runs, predict = fit_folders(args.runs, cl0, args.model)
     cl1 = res.cluster
-    rows = _table(runs, cl0, cl1, predict, cl0, cl1)
+    if not all(math.isfinite(x) for x in res.residuals):     # before anything is printed or written
+        raise UserError("the fit did not converge")
+    rows = _table(runs, predict, cl0, cl1)
     report = {"rows": rows, "moved": [list(m) for m in res.moved], "unchanged": [list(u) for u in res.unchanged],
               "disagree": [[n, r] for n, r in res.disagree], "residuals": res.residuals, "out": args.out}
     if args.json:
@@ -102,5 +104,3 @@ def _print(rows, res) -> None:
     worst = max(abs(x) for x in res.residuals)
     print(f"residual after calibration: up to {100 * worst:.2f}% of the measured iteration time "
           f"over {len(res.residuals)} run(s)")
-    if not math.isfinite(worst):
-        raise UserError("the fit did not converge")

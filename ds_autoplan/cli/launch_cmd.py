@@ -180,7 +180,7 @@ def apply_autoplan(args, resources: dict, env, model=None, cluster=None, global_
     out = out if out is not None else o["out"]
     check_folder(out, OUT_FILES)         # refused before planning
     # this launch's folder while it runs: a second launch into it is refused by name
-    out = hold_for_launch(out)[0]
+    out, created = hold_for_launch(out)
     profile = profile or o["profile"]
     opts = {"cluster": cluster or o["cluster"], "global_batch": global_batch or o["global_batch"],
             "pp": pp or o["pp"], "tp": tp or o["tp"], "schedules": schedules or o["schedules"], "out": out,
@@ -195,7 +195,7 @@ def apply_autoplan(args, resources: dict, env, model=None, cluster=None, global_
                 model, opts["cluster"] or "auto", opts["global_batch"] or 8, opts["pp"],
                 opts["schedules"], resources, out, opts["offload"], opts["tp"], remeasure, switchable)
     except BaseException:
-        release_launch(out, remove=True)        # nothing of it stays: the lock, an empty folder
+        release_launch(out, remove=True, created=created)   # nothing of it stays: the lock, a folder it made
         raise
     args.user_args = [_blob(opts), args.user_script, *args.user_args]
     args.user_script, args.module = BOOTSTRAP, True

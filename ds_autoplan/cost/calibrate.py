@@ -210,8 +210,9 @@ def fit(recs: list, cluster: ClusterSpec, predict) -> Fit:
     base_step = cl.step_overhead_ms
     probes = [(l_["bytes"], l_["one_way_s"], l_["latency_s"]) for r in recs for l_ in r.get("links") or []
               if l_.get("bytes") and l_.get("one_way_s")]
-    lo_e, hi_e = error(with_links(cl, 1e-2)), error(with_links(cl, 1e2))
-    exercised = bool(np.any(np.abs(hi_e - lo_e) > 0.01))
+    def exercised(c_) -> bool:          # whether any run's time moves with the links
+        return bool(np.any(np.abs(error(with_links(c_, 1e2)) - error(with_links(c_, 1e-2))) > 0.01))
+
     if probes:
         lat = float(np.median([p[2] for p in probes]))
         per_byte = float(np.median([max(p[1] - p[2], 0.0) / p[0] for p in probes]))
@@ -220,7 +221,7 @@ def fit(recs: list, cluster: ClusterSpec, predict) -> Fit:
                        f"latency, {probes[0][1] * 1e6:.0f} us for {int(probes[0][0])} bytes")
                       for f in LINK_FIELDS + LATENCY_FIELDS if getattr(cl, f) != getattr(cl2, f)]
         cl = cl2
-    elif exercised:
+    elif exercised(cl):
         k = _bisect(lambda x: float(np.median(error(with_links(cl, x)))), 1e-3, 1e3)
         cl2 = with_links(cl, k)
         out.moved += [(f, getattr(cl, f), getattr(cl2, f), f"the runs' iteration times: links "

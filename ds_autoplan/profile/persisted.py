@@ -34,7 +34,8 @@ def remeasure(asked: bool = False) -> bool:
 
 def load(folder: str | None, mach: dict) -> tuple[dict, list] | None:
     """The kept ``(cluster fields, notes)`` for ``mach`` in ``folder``, or None (no file, another
-    machine, or a file that is not one of ours: measured again and replaced)."""
+    machine, a file that is not one of ours, or one whose figures make no cluster: measured
+    again)."""
     if not folder:
         return None
     import yaml
@@ -45,6 +46,11 @@ def load(folder: str | None, mach: dict) -> tuple[dict, list] | None:
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
     if not isinstance(d, dict) or d.get("machine") != mach or not isinstance(d.get("cluster"), dict):
+        return None
+    from ..spec import ClusterSpec, SpecError
+    try:                        # figures a cluster cannot hold (an older or edited file): measured again
+        ClusterSpec.from_dict(d["cluster"], path)
+    except (SpecError, ValueError, TypeError):
         return None
     notes = d.get("notes") if isinstance(d.get("notes"), list) else []
     return d["cluster"], [str(n) for n in notes]

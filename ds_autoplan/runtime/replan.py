@@ -69,8 +69,9 @@ def check_steps(n) -> int:
     v = _integer("--calibrate", n, "the number of steps to measure (an integer, at least 2)")
     if v < 2:
         raise UserError(f"--calibrate {v}: at least 2 steps (the first is warm-up, not measured)")
-    if v > 64:
-        raise UserError(f"--calibrate {v}: at most 64 steps are recorded")
+    from .common.record import MAX_STEPS
+    if v > MAX_STEPS:
+        raise UserError(f"--calibrate {v}: at most {MAX_STEPS} steps are recorded")
     return v
 
 
@@ -325,6 +326,18 @@ def abandon(path: str, why: str) -> None:
     write_state(folder, state)
 
 
+def _failed(path: str, why: str) -> None:
+    """Rank 0: the decision itself failed (a file it reads or writes): the run keeps its plan
+    and the launch ends as one that decided, not as one never measured (the state unchanged by
+    the failed :func:`decide`, which writes it last)."""
+    try:
+        state = read_state(path)
+        state.update(phase="done", failed=why)
+        write_state(os.path.dirname(path), state)
+    except (OSError, UserError):
+        pass                    # the state cannot be written either: finish says what it holds
+
+
 # -- every rank -----------------------------------------------------------------------------------
 def from_env():
     """This rank's re-plan state file (``DS_AUTOPLAN_REPLAN``), or None."""
@@ -358,6 +371,7 @@ def _at_record(engine, path: str) -> None:
             text_ = json.dumps(decide(path, int(engine.global_steps)))
         except (UserError, OSError) as e:
             text_ = json.dumps({"switch": False, "lines": [f"keeping the plan: the re-plan failed ({e})"]})
+            _failed(path, str(e))
     d = json.loads(broadcast_text(text_))
     if me == 0:
         for line in d["lines"]:
@@ -373,7 +387,9 @@ def _at_record(engine, path: str) -> None:
             print(f"ds-autoplan: keeping the plan: the switch's checkpoint cannot be written ({e})", flush=True)
         ok = 0
     import torch
-    flag = torch.tensor([ok], dtype=torch.int64)
+
+    from .common.collectives import device
+    flag = torch.tensor([ok], dtype=torch.int64, device=device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if not flag.item():
         if me == 0:

@@ -324,11 +324,11 @@ class Context:
         C, Cns, Mem = [], [], []
         cl = self.cm.cluster
         # the calibrated fixed costs (spec/cluster.py): an F and a B per stage and micro-batch,
-        # the iteration's own, device memory above the model
-        act, step, mem = 2 * cl.action_overhead_us * 1e-6, cl.step_overhead_ms * 1e-3, cl.memory_overhead_gb * GB
+        # device memory above the model (the iteration's own: once, in pipeline_time)
+        act, mem = 2 * cl.action_overhead_us * 1e-6, cl.memory_overhead_gb * GB
         for i, (lo, hi) in enumerate(self.bounds(parts)):
             p2p = 2 * A["p2p"][hi - 1] if i < len(parts) - 1 else 0.0
-            C.append(A["c"][lo:hi].sum() + p2p + act + step)
+            C.append(A["c"][lo:hi].sum() + p2p + act)
             Cns.append(A["cns"][lo:hi].sum() + p2p + act)
             f1, ob = A["f1"][lo:hi], A["ob"][lo:hi]
             out = A["kept"][hi - 1] if i < len(parts) - 1 else 0.0     # the stage output kept
@@ -337,9 +337,10 @@ class Context:
         return np.array(C), np.array(Cns), np.array(Mem)
 
     def pipeline_time(self, parts: tuple, plan: list) -> float:
-        """Eq. 9: T = (m-1) max_i C_ns(M_i) + sum_i C(M_i)."""
+        """Eq. 9: T = (m-1) max_i C_ns(M_i) + sum_i C(M_i), plus the calibrated per-iteration
+        overhead once (spec/cluster.py)."""
         C, Cns, _ = self.stage_costs(parts, plan)
-        return float((self.m - 1) * Cns.max() + C.sum())
+        return float((self.m - 1) * Cns.max() + C.sum()) + self.cm.cluster.step_overhead_ms * 1e-3
 
 
 def _min_first(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:

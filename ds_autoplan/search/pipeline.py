@@ -10,6 +10,7 @@ import numpy as np
 
 from ..schedule import fastsim
 from ..schedule.fastsim import cached_build as _build
+from ..spec.cluster import GB
 from .dp import INF, Context
 from .partition import even_partition, minmax_partition, stage_matrices
 
@@ -192,13 +193,12 @@ def _stage_arrays(figs: list, rec) -> tuple:
     return f, bw, w, act
 
 
-def _static_and_tail(figs: list, rec, place, P: int, cluster=None) -> tuple:
+def _static_and_tail(figs: list, rec, place, P: int, cluster) -> tuple:
     """Per rank: model states (+ the recompute transient where a stage recomputes) and the
-    step's gradient synchronisation after the flush; with the cluster, its calibrated
-    per-device memory and per-iteration time overheads (spec/cluster.py)."""
-    from ..spec.cluster import GB
-    static = np.full(P, cluster.memory_overhead_gb * GB if cluster is not None else 0.0)
-    tail = np.full(P, cluster.step_overhead_ms * 1e-3 if cluster is not None else 0.0)
+    step's gradient synchronisation after the flush, with the cluster's calibrated per-device
+    memory and per-iteration time overheads (spec/cluster.py)."""
+    static = np.full(P, cluster.memory_overhead_gb * GB)
+    tail = np.full(P, cluster.step_overhead_ms * 1e-3)
     for s, g in enumerate(figs):
         static[place[s]] += g["ms"] + (g["ob"] if rec[s] else 0.0)
         tail[place[s]] += g["sync"]

@@ -78,6 +78,7 @@ class Recorder:
         self.count = [0] * _C
         self.step_s = 0.0
         self.step = -1                          # steps begun
+        self._own_step, self._count_step = [0.0] * _C, [0] * _C     # actions before a step (eval_batch)
         self.t0 = None
         self.wait = 0.0                         # this step's waits so far
         self.done = False
@@ -164,13 +165,16 @@ class Recorder:
 
         import torch
         import torch.distributed as dist
+        from .collectives import device
         prev, nxt = self.peers
         nbytes = max(int(self.boundary), PROBE_BYTES)
+        dev = device()          # the process group's (NCCL takes no CPU tensor)
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
         for phase in (0, 1):
             for leader, peer in ((True, nxt), (False, prev)):
                 if peer is None or (self.pipe - (0 if leader else 1)) % 2 != phase:
                     continue
-                size = torch.zeros(1, dtype=torch.float64)
+                size = torch.zeros(1, dtype=torch.float64, device=dev)
                 if leader:                       # agree on the size: the sender's
                     size[0] = nbytes
                     dist.send(size, peer)
@@ -178,7 +182,7 @@ class Recorder:
                     dist.recv(size, peer)
                 times = []
                 for n in (max(1, int(size[0]) // 4), 1):
-                    buf, one = torch.zeros(n, dtype=torch.float32), []
+                    buf, one = torch.zeros(n, dtype=torch.float32, device=dev), []
                     for _ in range(PROBES + 1):
                         t0 = time.perf_counter()
                         if leader:
@@ -187,6 +191,7 @@ class Recorder:
                         else:
                             dist.recv(buf, peer)
                             dist.send(buf, peer)
+                        sync()
                         one.append((time.perf_counter() - t0) / 2)
                     times.append(statistics.median(one[1:]))
                 if leader:
@@ -197,9 +202,10 @@ class Recorder:
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized() and any(p is not None for p in self.peers):
             self._probe()
-        row = torch.tensor(self._row(), dtype=torch.float64)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            rows = [torch.zeros(_ROW, dtype=torch.float64) for _ in range(dist.get_world_size())]
+        from .collectives import device, world
+        row = torch.tensor(self._row(), dtype=torch.float64, device=device() if world() > 1 else "cpu")
+        if world() > 1:
+            rows = [torch.zeros(_ROW, dtype=torch.float64, device=row.device) for _ in range(dist.get_world_size())]
             dist.all_gather(rows, row)
             me = dist.get_rank()
         else:
