@@ -19,16 +19,15 @@ class PlanError(UserError, ValueError):
 def one_line_errors(prog: str):
     """A training script's run: a :class:`UserError` inside it (a bad ``DS_AUTOPLAN_*`` value, a
     plan that cannot run) ends the process as the CLI does, with ``prog: error: ...`` on rank
-    0's stderr and exit status 2, not a traceback; the process group is torn down first (a
-    live gloo group aborts the process at exit)."""
+    0's stderr and exit status 2, not a traceback; the process group is torn down and the rank
+    ends as :func:`ds_autoplan.runtime.ending.finish` ends it."""
     try:
         yield
     except UserError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        from .runtime.ending import finish
+        finish(2, barrier=False)        # (runtime/ending.py: not the interpreter's teardown)
         raise SystemExit(2) from None
 
 

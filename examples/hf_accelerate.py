@@ -17,6 +17,7 @@ from accelerate.utils import DeepSpeedPlugin
 from torch.utils.data import DataLoader
 
 from ds_autoplan.errors import one_line_errors
+from ds_autoplan.runtime.ending import finish
 from ds_autoplan.models.tiny_hf import tiny_llama, token_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -53,12 +54,14 @@ def main():
             losses = []
             if step == args.steps:
                 break
-    # Every rank past its last collective before the group goes: gloo's worker threads release a
-    # collective's tensors after the caller's wait returns, and one still doing so when the
-    # interpreter exits aborts the process ("terminate called without an active exception", seen
-    # on rank 1 of this script, which exits while rank 0 prints). end_training destroys the group.
+    # Every rank past its last collective before the group goes (end_training destroys it), and
+    # the rank ended without the interpreter's finalization: gloo's worker threads release a
+    # collective's tensors after the caller's wait returns, and one still doing so as the
+    # interpreter finalizes aborts the process ("terminate called without an active exception",
+    # seen on rank 1 of this script, which exits while rank 0 prints; ds_autoplan/runtime/ending.py)
     acc.wait_for_everyone()
     acc.end_training()
+    finish()
 
 
 if __name__ == "__main__":

@@ -13,10 +13,10 @@ import os
 import sys
 from dataclasses import dataclass
 
-import torch.distributed as dist
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 from ds_autoplan.errors import one_line_errors
+from ds_autoplan.runtime.ending import finish
 from ds_autoplan.models.tiny_hf import tiny_llama, token_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,9 +42,7 @@ def main():
         for h in trainer.state.log_history:
             if "loss" in h:
                 print(f"LOSS {h['step']} {h['loss']!r}", flush=True)
-    if dist.is_initialized():    # as examples/hf_accelerate.py: a barrier, then the group goes
-        dist.barrier()
-        dist.destroy_process_group()
+    finish()        # every rank done: the group torn down, the rank ended (ds_autoplan/runtime/ending.py)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from ds_autoplan.models.tiny_gpt import GPTConfig, TinyGPT, gpt_loss
 from ds_autoplan.plan import Plan
 from ds_autoplan.runtime.deepspeed import as_plan, initialize
 from ds_autoplan.runtime.deepspeed.dist import init_distributed
+from ds_autoplan.runtime.ending import finish
 from ds_autoplan.schedule import build
 from ds_autoplan.search.pipeline import schedule_options
 
@@ -91,8 +92,7 @@ def main():
     except PlanError as e:
         if rank == 0:
             print(f"train_deepspeed.py: error: {e}", file=sys.stderr, flush=True)
-        torch.distributed.destroy_process_group()
-        sys.exit(2)
+        finish(2, barrier=False)
     cfg = GPTConfig(vocab_size=args.vocab, hidden=args.hidden, num_layers=plan.num_layers or args.layers or 4,
                     num_heads=4, seq_len=plan.seq_len or args.seq)
     torch.manual_seed(0)
@@ -119,8 +119,7 @@ def main():
             print(f"step {step} loss {float(loss):.6f}\n  next lr {engine.get_lr()[0]:.6g}", flush=True)
     if args.save:
         engine.save_checkpoint(args.save, client_state={"schedule": plan.schedule})
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    finish()        # every rank done: the group torn down, the rank ended (ds_autoplan/runtime/ending.py)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from ds_autoplan.dynamic.sampler import DynamicBatchSampler, VarLenTokens, pad_c
 from ds_autoplan.models.tiny_gpt import GPTConfig, TinyGPT, gpt_loss
 from ds_autoplan.runtime.deepspeed import initialize
 from ds_autoplan.runtime.deepspeed.dist import init_distributed
+from ds_autoplan.runtime.ending import finish
 from ds_autoplan.runtime.deepspeed.dynamic import static_plan, steps, train_batch
 
 
@@ -65,8 +66,7 @@ def main():
                   f"planning {1e3 * plan.plan_seconds:.1f} ms", flush=True)
     if rank == 0:
         print(f"{args.steps} steps in {time.perf_counter() - t0:.2f} s", flush=True)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    finish()        # every rank done: the group torn down, the rank ended (ds_autoplan/runtime/ending.py)
 
 
 if __name__ == "__main__":

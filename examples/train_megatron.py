@@ -21,6 +21,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ds_autoplan.errors import one_line_errors
+from ds_autoplan.runtime.ending import finish
 from ds_autoplan.runtime.megatron import (cpu_shim, get_forward_backward_func, initialize,
                                   split_backward_spec)
 from ds_autoplan.plan import Plan
@@ -111,8 +112,7 @@ def main():
             mean = sum(float(x["loss"]) for x in losses) / len(losses)
             print(f"step {step} schedule {plan.schedule} pp-rank {setup.pp_rank} loss {mean:.4f}",
                   flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()        # every rank done: the group torn down, the rank ended (ds_autoplan/runtime/ending.py)
 
 
 if __name__ == "__main__":

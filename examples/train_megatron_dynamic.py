@@ -23,6 +23,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ds_autoplan.errors import one_line_errors
+from ds_autoplan.runtime.ending import finish
 from ds_autoplan.dynamic import CostModel, IterationPlanner, LengthSampler
 from ds_autoplan.dynamic.sampler import DynamicBatchSampler, pad_collate
 from ds_autoplan.runtime.megatron import ScheduleRunner, cpu_shim, initialize, loss_weights, step_kwargs
@@ -115,8 +116,7 @@ def main():
             shapes = " ".join(f"{b}x{L}" for b, L in plan.shapes)
             print(f"step {step} micro-batches {plan.num_microbatches} [{shapes}] loss {loss:.4f}",
                   flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()        # every rank done: the group torn down, the rank ended (ds_autoplan/runtime/ending.py)
 
 
 if __name__ == "__main__":

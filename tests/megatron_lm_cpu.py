@@ -8,7 +8,8 @@ shim: lets ``initialize_megatron`` start without CUDA; stubs the CUDA-only calls
 (streams, ``Tensor.cuda``, memory statistics, CUDA RNG state) and rewrites ``device="cuda"``
 tensor factories to the CPU (``ds_autoplan.runtime.megatron.cpu_shim``); skips
 ``_compile_dependencies`` (the wheel ships the dataset helpers; the fused CUDA kernels are off);
-stands in for two GPU-only or missing imports (triton kernels, ``megatron.rl``).
+stands in for two GPU-only or missing imports (triton kernels, ``megatron.rl``) and gives
+dist_checkpointing's writer a queue whose process does not import them again.
 
 Test-only extras, switched by environment variables:
 
@@ -20,6 +21,9 @@ Test-only extras, switched by environment variables:
 * ``MLM_CPU_REPORT=path``: each rank appends its model chunks' layers and pre/post_process.
 * ``MLM_CPU_LOSSES=path``: the last rank appends each step's logged ``lm loss`` (full
   precision) to ``path`` as JSON lines.
+* ``MLM_CPU_SLEEP=s``: every transformer layer also sleeps ``s`` seconds per sample of its
+  micro-batch in its forward and twice that in its backward (calibrated-sleep layers: a step's
+  time then shows the schedule, not two ranks contending for two cores).
 
 When the script is done the rank ends at once (:func:`harness.forked.exit_now`), without the
 interpreter's teardown of the modules megatron-core imports.
@@ -180,9 +184,50 @@ def _report(model, fb, path: str) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
+def _sleep_layers(model, per_sample: float) -> None:
+    """``MLM_CPU_SLEEP`` (module docstring): hooks on every TransformerLayer."""
+    import time
+
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    def backward_sleep(n):
+        def hook(grad):
+            time.sleep(2 * per_sample * n)
+            return grad
+        return hook
+
+    def after_forward(module, inputs, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        n = hidden.shape[1]                     # [sequence, batch, hidden]
+        time.sleep(per_sample * n)
+        if hidden.requires_grad:
+            hidden.register_hook(backward_sleep(n))
+    for chunk in model:
+        for m in chunk.modules():
+            if isinstance(m, TransformerLayer):
+                m.register_forward_hook(after_forward)
+
+
+def _fork_write_queue() -> None:
+    """dist_checkpointing's writer gets its results queue from a ``spawn`` Manager, whose
+    process re-runs the script's imports (``pretrain_gpt.py``: triton, missing here, which
+    :func:`_stub_triton_kernels` stubs in this process only); here it comes from a ``fork``ed
+    one."""
+    import multiprocessing as mp
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    def queue():        # its server is shut down at exit (multiprocessing's finalizer, via atexit)
+        if fa._results_queue is None:
+            fa._results_queue = mp.get_context("fork").Manager().Queue()
+        return fa._results_queue
+    fa._get_write_results_queue = queue
+
+
 def _install_hooks() -> None:
     _stub_triton_kernels()
     _stub_rl_utils()
+    _fork_write_queue()
     import megatron.training.initialize as mi
     import megatron.training.training as mt
 
@@ -197,6 +242,8 @@ def _install_hooks() -> None:
             _init_by_name(model)
         if os.environ.get("MLM_CPU_SERIAL_P2P"):
             _serial_p2p(model)
+        if os.environ.get("MLM_CPU_SLEEP"):
+            _sleep_layers(model, float(os.environ["MLM_CPU_SLEEP"]))
         return model
     mt.get_model = get_model_on_cpu
     if os.environ.get("MLM_CPU_REPORT"):

@@ -4,7 +4,8 @@ which plans the model the unchanged script builds when it calls ``deepspeed.init
 (docs/runtimes.md §1.8) and merges the plan into the script's own DeepSpeed config.  With
 ``--model`` (a preset, YAML or HF config.json) the plan is made here, before launch, and
 ``DS_AUTOPLAN_PLAN`` points every rank to it.  ``deepspeed --autoplan`` (after ``ds-autoplan
-patch deepspeed``) calls :func:`apply_autoplan`.
+patch deepspeed``) calls :func:`apply_autoplan`.  ``ds-autoplan launch --model M ... -- torchrun
+... pretrain_gpt.py ...`` runs a torchrun command with the plan instead (cli/launch_command.py).
 """
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def _known_schedules(scheds, where: str):
 
 
 def _plan_model_now(model, cluster, global_batch, pp, schedules, resources, out, offload=None,
-                    tp=None, remeasure: bool = False, switchable: bool = False) -> str:
+                    tp=None, remeasure: bool = False, switchable: bool = False, precision=None) -> str:
     """Plan a model description before launch for the launch's ``resources`` (``{host:
     slots}``; ``--cluster auto``: detected on this node, with the launch's nodes and ranks per
     node); returns plan.json's path."""
@@ -132,7 +133,8 @@ def _plan_model_now(model, cluster, global_batch, pp, schedules, resources, out,
     from ..runtime.replan import plan_request
     try:
         plan = plan_request({"model": model, "global_batch": global_batch, "pp": pp, "tp": tp,
-                             "schedules": schedules, "offload": offload}, cluster, switchable)
+                             "schedules": schedules, "offload": offload, "precision": precision},
+                            cluster, switchable)
     except (SpecError, ValueError, KeyError) as e:
         where = getattr(cluster, "name", cluster)       # a detected cluster: its name
         raise UserError(f"planning {model} on {where} failed: {e}") from None
@@ -213,19 +215,24 @@ def _calibrating(a, own, opts, steps, rounds) -> str | None:
     if own.calibrate is None:
         return None
     from ..runtime import replan
-    from ..profile import persisted
-    cluster = opts["cluster"] or "auto"
-    model = own.model
-    if os.path.exists(model):
-        model = os.path.abspath(model)
-    request = {"model": model, "global_batch": opts["global_batch"] or 8, "pp": opts["pp"], "tp": opts["tp"],
-               "schedules": opts["schedules"], "offload": opts["offload"],
-               "cluster": os.path.join(opts["out"], persisted.FILE) if cluster == "auto"
-               else os.path.abspath(cluster) if os.path.exists(cluster) else cluster}
-    state = replan.start(opts["out"], steps, request, rounds)
+    state = replan.start(opts["out"], steps, replan_request(own.model, opts), rounds)
     opts["replan"] = {"state": state, "steps": steps}
     a.user_args[0] = _blob(opts)
     return state
+
+
+def replan_request(model: str, opts: dict) -> dict:
+    """The planning request rank 0 re-plans with (runtime/replan.py ``plan_request``): the
+    launch's model and restrictions, files as absolute paths; ``--cluster auto``: the cluster
+    file the launch keeps in its folder."""
+    from ..profile import persisted
+    cluster = opts["cluster"] or "auto"
+    if os.path.exists(model):
+        model = os.path.abspath(model)
+    return {"model": model, "global_batch": opts["global_batch"] or 8, "pp": opts["pp"], "tp": opts["tp"],
+            "schedules": opts["schedules"], "offload": opts["offload"], "precision": opts.get("precision"),
+            "cluster": os.path.join(opts["out"], persisted.FILE) if cluster == "auto"
+            else os.path.abspath(cluster) if os.path.exists(cluster) else cluster}
 
 
 def _check_given_plan(path: str, world: int) -> None:
@@ -308,7 +315,8 @@ def _own_parser():
     p = argparse.ArgumentParser(
         prog="ds-autoplan launch", add_help=False,
         usage="ds-autoplan launch [ds-autoplan options] [deepspeed launcher options] "
-              "train.py [script args]",
+              "train.py [script args]\n       ds-autoplan launch --model M [ds-autoplan options] -- "
+              "torchrun [torchrun options] pretrain_gpt.py [flags]",
         description="Plan the model the unchanged script builds and run DeepSpeed's own launcher "
                     "with the plan merged into the script's DeepSpeed config (docs/runtimes.md "
                     "§1.8). ds-autoplan's options come first, then DeepSpeed's, then the script.")
@@ -394,13 +402,22 @@ def _run(args) -> int:
     from ..outputs import release_launch
     from ..runtime.checkpoint_files import fault_settings
     argv = list(args.argv)
+    command = None
+    if "--" in argv:            # -- torchrun ...: a command run as given (cli/launch_command.py)
+        argv, command = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     # the script is the first token runner.parse_args leaves as user_script; split there
-    own, rest = _own_parser().parse_known_args(_before_script(argv) if _has_script(argv) else argv)
+    own, rest = _own_parser().parse_known_args(
+        argv if command is not None or not _has_script(argv) else _before_script(argv))
     if own.help:
         print_help()
         return 0
     _planner_options(os.environ)          # a bad DS_AUTOPLAN_* value: refused before anything runs
     fault_settings(os.environ)
+    if command is not None:
+        if rest:
+            raise UserError(f"before --, only ds-autoplan's options (the launcher's go after it): {' '.join(rest)}")
+        from .launch_command import run_command
+        return run_command(own, command, _checked_options(own))
     if not argv:
         raise UserError("give the training script, e.g. ds-autoplan launch --num_gpus 2 train.py")
     argv = rest + argv[len(_before_script(argv)):]
@@ -410,27 +427,11 @@ def _run(args) -> int:
         raise UserError("could not parse the deepspeed launcher arguments") from None
     if not a.module and not os.path.exists(a.user_script):
         raise UserError(f"training script not found: {a.user_script}")
-    for flag, v in (("--global-batch", own.global_batch), ("--pp", own.pp), ("--tp", own.tp)):
-        if v is not None and v < 1:
-            raise UserError(f"{flag} must be at least 1, got {v}")
     check_launch(a)
-    steps, rounds = None, 1
-    if own.calibrate_rounds is not None and own.calibrate is None:
-        raise UserError("--calibrate-rounds counts the re-plans of --calibrate N: give --calibrate too")
-    if own.calibrate is not None:
-        from ..runtime.replan import check_rounds, check_steps
-        steps = check_steps(own.calibrate)          # refused before anything is planned
-        if own.calibrate_rounds is not None:
-            rounds = check_rounds(own.calibrate_rounds)
-        if not own.model:
-            raise UserError("--calibrate re-plans the plan made before launch: give --model (the model "
-                            "description the script builds)")
+    steps, rounds, scheds, offload = _checked_options(own)
     cut = len(argv) - len(a.user_args) - 1
-    scheds = _known_schedules([x.strip() for x in own.schedules.split(",") if x.strip()]
-                              if own.schedules else None, "--schedules")
     opts = apply_autoplan(a, launch_resources(a), os.environ, own.model, own.cluster, own.global_batch,
-                          own.out, own.pp, scheds, via="launch",
-                          offload=_known_offload(own.offload, "--offload"), tp=own.tp,
+                          own.out, own.pp, scheds, via="launch", offload=offload, tp=own.tp,
                           remeasure=own.remeasure, profile=own.profile, switchable=own.calibrate is not None)
     from ..runtime.deepspeed.shm import sweep
     try:
@@ -455,6 +456,28 @@ def _run(args) -> int:
         # those of another launch, which may be starting beside this one)
         sweep(port=a.master_port)
     return 0
+
+
+def _checked_options(own) -> tuple:
+    """ds-autoplan's own options, each refused in one line before anything is planned:
+    ``(calibrate steps or None, rounds, schedules, offload)``."""
+    for flag, v in (("--global-batch", own.global_batch), ("--pp", own.pp), ("--tp", own.tp)):
+        if v is not None and v < 1:
+            raise UserError(f"{flag} must be at least 1, got {v}")
+    steps, rounds = None, 1
+    if own.calibrate_rounds is not None and own.calibrate is None:
+        raise UserError("--calibrate-rounds counts the re-plans of --calibrate N: give --calibrate too")
+    if own.calibrate is not None:
+        from ..runtime.replan import check_rounds, check_steps
+        steps = check_steps(own.calibrate)
+        if own.calibrate_rounds is not None:
+            rounds = check_rounds(own.calibrate_rounds)
+        if not own.model:
+            raise UserError("--calibrate re-plans the plan made before launch: give --model (the model "
+                            "description the script builds)")
+    scheds = _known_schedules([x.strip() for x in own.schedules.split(",") if x.strip()]
+                              if own.schedules else None, "--schedules")
+    return steps, rounds, scheds, _known_offload(own.offload, "--offload")
 
 
 def _has_script(argv) -> bool:

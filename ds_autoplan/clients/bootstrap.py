@@ -59,19 +59,12 @@ def main(argv: list[str] | None = None) -> int:
                 runpy.run_path(script_argv[0], run_name="__main__")
     except Restart:         # the ranks stop to switch plans; the launcher starts them again
         pass
-    _tear_down()
+    # the script's process group torn down once every rank has finished the script, and the
+    # rank left without the interpreter's finalization, where a gloo thread of a group the
+    # script's libraries still hold can abort the process (runtime/ending.py)
+    from ..runtime.ending import finish
+    finish(0)
     return 0
-
-
-def _tear_down() -> None:
-    """The script's process group, torn down once every rank has finished the script: left to
-    the interpreter's exit, gloo's threads can be destroyed while joinable ("terminate called
-    without an active exception", SIGABRT, exit status 250 at the end of a Trainer run that had
-    trained on 2 CPU ranks; the script's own losses printed)."""
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

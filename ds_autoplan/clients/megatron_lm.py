@@ -30,6 +30,7 @@ four points, all reached through Megatron's own code path (``pretrain`` -> ``val
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -59,12 +60,116 @@ def install_from_env() -> None:
         plan = Plan.load(path)
     except (OSError, ValueError, KeyError) as e:
         _refuse(f"cannot read the plan {path} (${ENV}): {e}")
-    install_megatron_lm(plan)
+    from ..runtime import replan
+    state = replan.from_env()           # ds-autoplan launch --calibrate N (runtime/replan.py)
+    install_megatron_lm(plan, measured=state is not None)
+    if state is not None:
+        _hook_replan(state)
 
 
-def install_megatron_lm(plan) -> Schedule | None:
+# the flags a plan decides (emit.megatron.megatron_args): ``ds-autoplan launch -- torchrun ...``
+# gives the script the plan's, whatever its command line says, and keeps every other flag
+PLAN_FLAGS = frozenset((
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
+    "--pipeline-model-parallel-layout", "--num-virtual-stages-per-pipeline-rank",
+    "--num-layers-per-virtual-pipeline-stage", "--virtual-pipeline-model-parallel-size",
+    "--microbatch-group-size-per-virtual-pipeline-stage", "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers", "--sequence-parallel", "--context-parallel-size",
+    "--cp-comm-type", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+    "--moe-token-dispatcher-type", "--use-distributed-optimizer", "--optimizer-cpu-offload",
+    "--optimizer-offload-fraction", "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    "--recompute-granularity", "--recompute-method", "--recompute-num-layers"))
+
+
+def with_plan_flags(argv: list[str], plan) -> list[str]:
+    """The script's arguments ``argv`` with every flag of :data:`PLAN_FLAGS` (and its values)
+    taken out and ``plan``'s own appended.  Flags the plan does not decide (the model, data,
+    optimizer, the global batch) stay as the user wrote them and are checked against the
+    plan at start-up as always."""
+    kept, i = [], 0
+    while i < len(argv):
+        tok = argv[i]
+        i += 1
+        if tok.split("=", 1)[0] not in PLAN_FLAGS:
+            kept.append(tok)
+            continue
+        while "=" not in tok and i < len(argv) and not argv[i].startswith("--"):
+            i += 1              # the flag's values
+    return kept + plan_flags(plan)
+
+
+def plan_flags(plan) -> list[str]:
+    """The flags of :data:`PLAN_FLAGS` for ``plan`` (emit.megatron.megatron_args), as tokens."""
+    from ..emit.megatron import megatron_args
+    return [tok for flag in megatron_args(plan) if flag.split(" ", 1)[0] in PLAN_FLAGS
+            for tok in flag.split(" ")]
+
+
+def _hook_replan(path: str) -> None:
+    """``launch --calibrate N`` (runtime/replan.py) in Megatron-LM's loop: a start after a
+    switch loads the switch's checkpoint (ds_autoplan's plan-independent one) when Megatron-LM
+    has built the model and optimizer, and goes on from its step (the data loaders skip the
+    samples of the steps done, as on Megatron's own resume); after the record, rank 0 decides,
+    and on a switch every rank saves the checkpoint as the next step begins (after the
+    optimizer step of the last) and ends the script, the process group torn down."""
+    import megatron.training.training as mt
+    from megatron.training import get_args
+
+    from ..runtime import replan
+    from ..runtime.megatron.checkpoint import load_checkpoint, save_checkpoint
+    held, deciding = {}, replan.read_state(path)["phase"] != "done"
+    setup = mt.setup_model_and_optimizer
+
+    def setup_resumed(*a, **k):
+        model, optimizer, scheduler = setup(*a, **k)
+        held.update(model=model, optimizer=optimizer, scheduler=scheduler)
+        r = replan.read_state(path).get("resume")
+        if r:
+            meta = load_checkpoint(model, optimizer, os.path.join(r["dir"], r["tag"]), scheduler=scheduler)
+            args = get_args()
+            args.iteration, args.consumed_train_samples = int(meta["step"]), 0   # Megatron counts them again
+        return model, optimizer, scheduler
+    mt.setup_model_and_optimizer = setup_resumed
+
+    def save(step):
+        def write(folder, tag):
+            from ..plan import Plan
+            save_checkpoint(held["model"], held["optimizer"], os.path.join(folder, tag),
+                            plan=Plan.load(os.environ[ENV]), step=step, scheduler=held["scheduler"],
+                            client_state={"replan": tag})
+        return write
+
+    def at_record(rec):
+        step = get_args().curr_iteration + 1       # this step's optimizer step is still to come
+        d = replan.decided(path, step)
+        if d["switch"]:
+            def at_next_step():
+                rec.on_step = None
+                if replan.saved(path, d["tag"], save(step)):
+                    replan.restart(path, d["tag"])
+            rec.on_step = at_next_step
+    if deciding:
+        _watch_records.append(at_record)
+
+    train = mt.train
+
+    def train_until_restart(*a, **k):
+        try:
+            return train(*a, **k)
+        except replan.Restart:
+            from ..runtime.ending import finish
+            finish(0)                   # the group torn down, the rank ended (runtime/ending.py)
+            raise
+    mt.train = train_until_restart
+
+
+_watch_records: list = []       # _hook_replan's: called with the run's Recorder once it exists
+
+
+def install_megatron_lm(plan, measured: bool = False) -> Schedule | None:
     """Hook Megatron-LM's training loop (see the module docstring); returns the schedule
-    (None for a plan without pipeline parallelism, which needs no hook)."""
+    (None for a plan without pipeline parallelism, which needs no hook, unless ``measured``:
+    ``launch --calibrate`` times its steps in our function, pp=1 too)."""
     from ..runtime.megatron.setup import context_parallel_problem
     problem = context_parallel_problem(plan.cp)
     if problem:
@@ -77,7 +182,7 @@ def install_megatron_lm(plan) -> Schedule | None:
     from ..runtime.megatron.shim import moe_without_te
 
     moe_without_te()
-    if plan.pp < 2:
+    if plan.pp < 2 and not measured:
         return None     # no pipeline: Megatron's own no-pipelining function (and flags) run it
     sched = plan_schedule(plan)
     validate = mi.validate_args
@@ -235,6 +340,9 @@ class _LossesToLastRank:
     def __call__(self, **kwargs):
         from megatron.core import parallel_state
         losses = self.fb(**kwargs)
+        rec = getattr(self.fb, "recorder", None)
+        while rec is not None and _watch_records:       # the record's steps are still to come
+            rec.on_record = functools.partial(_watch_records.pop(), rec)
         group = parallel_state.get_pipeline_model_parallel_group()
         last = group.size() - 1
         if self.loss_rank == last:

@@ -161,14 +161,17 @@ def switchable_plan(best, base: dict):
 
 
 def plan_request(request: dict, cluster, switchable: bool = True):
-    """The plan ``request`` (model, global_batch, pp, tp, schedules, offload) asks for on
+    """The plan ``request`` (model, global_batch, pp, tp, schedules, offload, precision) asks for on
     ``cluster`` (a file or a Cluster): the launcher's before launch, rank 0's re-plan after the
     record; ``switchable``: among the plans a switch resumes (:func:`switchable_plan`)."""
     from ..search import SearchOptions, plan_model
 
+    extra = {"precision": request["precision"]} if request.get("precision") else {}
+
     def best(fix):
         return plan_model(request["model"], cluster, request["global_batch"], options=SearchOptions(
-            pp=request.get("pp"), tp=request.get("tp"), schedules=request.get("schedules"), fix=fix or None))
+            pp=request.get("pp"), tp=request.get("tp"), schedules=request.get("schedules"), fix=fix or None,
+            **extra))
     base = {"offload": request["offload"]} if request.get("offload") else {}
     return switchable_plan(best, base) if switchable else best(base)
 
@@ -361,6 +364,18 @@ def attach(engine) -> None:
 
 
 def _at_record(engine, path: str) -> None:
+    d = decided(path, int(engine.global_steps))
+    if d["switch"] and saved(path, d["tag"], lambda folder, tag: engine.save_checkpoint(
+            folder, tag=tag, client_state={"replan": tag})):
+        # the script finishes this step (its loss printed, its own bookkeeping done); the ranks
+        # stop as the next one begins
+        engine.ap_recorder.on_step = lambda: restart(path, d["tag"])
+
+
+def decided(path: str, step: int) -> dict:
+    """Every rank, once the run's record is written after ``step`` steps: rank 0 decides
+    (:func:`decide`) and prints the decision's lines, every rank learns it (``{"switch",
+    "lines", "tag"}``)."""
     import torch.distributed as dist
 
     from .common.collectives import broadcast_text
@@ -368,7 +383,7 @@ def _at_record(engine, path: str) -> None:
     text_ = ""
     if me == 0:
         try:
-            text_ = json.dumps(decide(path, int(engine.global_steps)))
+            text_ = json.dumps(decide(path, step))
         except (UserError, OSError) as e:
             text_ = json.dumps({"switch": False, "lines": [f"keeping the plan: the re-plan failed ({e})"]})
             _failed(path, str(e))
@@ -376,31 +391,35 @@ def _at_record(engine, path: str) -> None:
     if me == 0:
         for line in d["lines"]:
             print(f"ds-autoplan: {line}", flush=True)
-    if not d["switch"]:
-        return
+    return d
+
+
+def saved(path: str, tag: str, save) -> bool:
+    """Every rank: ``save(folder, tag)`` writes this rank's part of the switch's checkpoint
+    (``replan_checkpoint/<tag>``); True when every rank's part is written, else the switch is
+    abandoned (the record says why) and the running plan goes on."""
+    import torch
+    import torch.distributed as dist
+
+    from .common.collectives import device
+    me = dist.get_rank()
     try:
-        engine.save_checkpoint(os.path.join(os.path.dirname(path), CHECKPOINT), tag=d["tag"],
-                               client_state={"replan": d["tag"]})
+        save(os.path.join(os.path.dirname(path), CHECKPOINT), tag)
         ok = 1
     except (OSError, UserError) as e:
         if me == 0:
             print(f"ds-autoplan: keeping the plan: the switch's checkpoint cannot be written ({e})", flush=True)
         ok = 0
-    import torch
-
-    from .common.collectives import device
     flag = torch.tensor([ok], dtype=torch.int64, device=device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    if not flag.item():
-        if me == 0:
-            abandon(path, "its checkpoint could not be written")
-        return
-    # the script finishes this step (its loss printed, its own bookkeeping done); the ranks
-    # stop as the next one begins
-    engine.ap_recorder.on_step = lambda: _restart(path, d["tag"])
+    if not flag.item() and me == 0:
+        abandon(path, "its checkpoint could not be written")
+    return bool(flag.item())
 
 
-def _restart(path: str, tag: str) -> None:
+def restart(path: str, tag: str) -> None:
+    """Every rank, after the switch's checkpoint: rank 0 makes the next plan ``plan.json``
+    (:func:`switch_files`), then every rank ends the script (:class:`Restart`)."""
     import torch.distributed as dist
     if dist.get_rank() == 0:
         switch_files(path, tag)

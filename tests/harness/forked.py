@@ -42,21 +42,13 @@ CHILD_TIMEOUT = 300.0     # a forked case's children end in seconds; past this t
 
 
 def exit_now(code: int) -> None:
-    """End this rank now that its script is done: run the atexit handlers (e.g. the removal of
-    the rank's /dev/shm file, multiprocessing's end of data-loader workers), flush, and skip the
-    interpreter's teardown of the imported module graph (megatron-core and DeepSpeed's ZeRO path
-    import torch._inductor, sympy, ...: about 1 s of CPU per rank and launch, measured).  While
-    a non-daemon thread still runs, return instead: the caller exits normally, waiting for it
-    as it would for a user."""
-    import atexit
-    import threading
-    if any(t.is_alive() and not t.daemon for t in threading.enumerate()
-           if t is not threading.main_thread()):
-        return
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """End this rank now that its script is done (:func:`ds_autoplan.runtime.ending.leave`: the
+    atexit handlers, e.g. the removal of the rank's /dev/shm file, multiprocessing's end of
+    data-loader workers, then a flush and no interpreter teardown; that also skips the teardown
+    of the imported module graph, about 1 s of CPU per rank and launch, measured).  While a
+    non-daemon thread still runs, return instead."""
+    from ds_autoplan.runtime.ending import leave
+    leave(code)
 
 
 def fork_wait(child, out: str, timeout: float, hurry=None, grace: float = 5.0) -> int:

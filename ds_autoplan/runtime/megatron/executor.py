@@ -335,9 +335,12 @@ class _Step:
         if r._recording and r.recorder is None:
             r._recording = False
             model = self.model
+            ranks = torch.distributed.get_process_group_ranks(self.pp_group)
+            me = self.pp_group.rank()
             r.recorder = record.from_env(
                 r.plan, self.rank, "megatron",
                 state_bytes=lambda: sum(record.model_state_bytes(c) for c in model),
+                peers=(ranks[me - 1] if me > 0 else None, ranks[me + 1] if me + 1 < len(ranks) else None),
                 peak_complete=False)       # Megatron's optimizer (its states) is not ours to see
             r.memory.recorder = r.recorder
         return r.recorder
@@ -545,6 +548,9 @@ class _Step:
         if self.state.shapes is not None:
             _check_shape(o, self.shapes[m], "output", s, m)
         self.p2p.send(a.peer, o)
+        rec = self.runner.recorder
+        if rec is not None and rec.counting:        # the link probe's size (runtime/common/record.py)
+            rec.boundary = max(rec.boundary, o.numel() * o.element_size())
         if self.forward_only:
             slot.out = None
         else:
