@@ -66,6 +66,10 @@ RULES = [
      r"examples/train_deepspeed\.py --steps 100$",
      "100 steps and a restart: tests/test_replan.py runs this loop on the example for 10 steps on a cluster "
      "file of fixed figures (test_the_example_switches_and_trains_as_the_resumed_run)"),
+    (r"^ds-autoplan launch --calibrate 3 --model gpt-tiny --cluster cluster\.yaml --out run -- torchrun "
+     r"--nproc_per_node 2 pretrain_gpt\.py ",
+     "Megatron-LM's patched checkout (../shared/clients) and a restart: tests/test_megatron_replan.py runs this "
+     "loop with the CPU shim before the script, 10 steps, on cluster files of fixed figures"),
     (r"^torchrun --nproc_per_node 2 examples/train_megatron\.py ", "tests/test_runtime_megatron.py runs the example"),
     (r"^(DS_ACCELERATOR=cpu )?deepspeed --num_gpus 2 examples/train_dynamic\.py ",
      "tests/test_runtime_dynamic.py runs the example"),
