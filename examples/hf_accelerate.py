@@ -16,8 +16,7 @@ from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin
 from torch.utils.data import DataLoader
 
-from ds_autoplan.errors import one_line_errors
-from ds_autoplan.runtime.ending import finish
+from ds_autoplan.runtime.ending import finish, one_line_errors
 from ds_autoplan.models.tiny_hf import tiny_llama, token_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))

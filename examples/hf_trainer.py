@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
-from ds_autoplan.errors import one_line_errors
-from ds_autoplan.runtime.ending import finish
+from ds_autoplan.runtime.ending import finish, one_line_errors
 from ds_autoplan.models.tiny_hf import tiny_llama, token_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))

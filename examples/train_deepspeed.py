@@ -20,12 +20,12 @@ import sys
 
 import torch
 
-from ds_autoplan.errors import PlanError, one_line_errors
+from ds_autoplan.errors import PlanError
 from ds_autoplan.models.tiny_gpt import GPTConfig, TinyGPT, gpt_loss
 from ds_autoplan.plan import Plan
 from ds_autoplan.runtime.deepspeed import as_plan, initialize
 from ds_autoplan.runtime.deepspeed.dist import init_distributed
-from ds_autoplan.runtime.ending import finish
+from ds_autoplan.runtime.ending import finish, one_line_errors
 from ds_autoplan.schedule import build
 from ds_autoplan.search.pipeline import schedule_options
 

@@ -15,13 +15,12 @@ import time
 import torch
 from torch.utils.data import DataLoader
 
-from ds_autoplan.errors import one_line_errors
 from ds_autoplan.dynamic import CostModel, IterationPlanner, LengthSampler
 from ds_autoplan.dynamic.sampler import DynamicBatchSampler, VarLenTokens, pad_collate
 from ds_autoplan.models.tiny_gpt import GPTConfig, TinyGPT, gpt_loss
 from ds_autoplan.runtime.deepspeed import initialize
 from ds_autoplan.runtime.deepspeed.dist import init_distributed
-from ds_autoplan.runtime.ending import finish
+from ds_autoplan.runtime.ending import finish, one_line_errors
 from ds_autoplan.runtime.deepspeed.dynamic import static_plan, steps, train_batch
 
 

@@ -20,8 +20,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ds_autoplan.errors import one_line_errors
-from ds_autoplan.runtime.ending import finish
+from ds_autoplan.runtime.ending import finish, one_line_errors
 from ds_autoplan.runtime.megatron import (cpu_shim, get_forward_backward_func, initialize,
                                   split_backward_spec)
 from ds_autoplan.plan import Plan

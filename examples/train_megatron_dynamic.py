@@ -22,8 +22,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ds_autoplan.errors import one_line_errors
-from ds_autoplan.runtime.ending import finish
+from ds_autoplan.runtime.ending import finish, one_line_errors
 from ds_autoplan.dynamic import CostModel, IterationPlanner, LengthSampler
 from ds_autoplan.dynamic.sampler import DynamicBatchSampler, pad_collate
 from ds_autoplan.runtime.megatron import ScheduleRunner, cpu_shim, initialize, loss_weights, step_kwargs

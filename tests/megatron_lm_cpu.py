@@ -284,8 +284,8 @@ def _run_script(script: str) -> int:
             runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         code = _exit_code(e)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    from ds_autoplan.runtime.ending import tear_down
+    tear_down(barrier=code == 0)    # trained: every rank past its last collective before the group goes
     return code
 
 

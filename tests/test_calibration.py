@@ -304,3 +304,37 @@ def test_an_action_before_the_first_step_is_not_counted(tmp_path):
     r.action(Kind.F, 0.5, 0.0)
     r.step_begin()
     assert r._own_step == [0.0] * len(NAMES) and r.own == [0.0] * len(NAMES)
+
+
+def test_an_evaluation_forward_is_no_part_of_the_recorded_step(tmp_path, monkeypatch):
+    """DeepSpeed's plain engine under the record: a forward under ``no_grad`` (an evaluation
+    between training steps) begins no step and counts no F; a training forward does."""
+    import torch
+
+    from ds_autoplan.runtime.deepspeed.measure import record_engine
+    from ds_autoplan.search import plan_model
+    monkeypatch.setenv("DS_AUTOPLAN_OUT", str(tmp_path))
+    monkeypatch.setenv("DS_AUTOPLAN_MEASURE_STEPS", "3")
+    lin = torch.nn.Linear(2, 2)
+
+    class Engine:
+        module, optimizer = lin, None
+
+        def forward(self, x):
+            return lin(x)
+
+        def backward(self, loss):
+            loss.backward()
+
+        def step(self):
+            pass
+
+        def is_gradient_accumulation_boundary(self):
+            return True
+    engine = Engine()
+    rec = record_engine(engine, plan_model("gpt-tiny", "cpu-2", 8))
+    with torch.no_grad():
+        engine.forward(torch.ones(1, 2))
+    assert rec.step == -1 and sum(rec._count_step) == 0
+    engine.backward(engine.forward(torch.ones(1, 2)).sum())
+    assert rec.step == 0 and sum(rec._count_step) == 2

@@ -165,7 +165,7 @@ def test_a_command_launch_needs_the_model(tmp_path, capsys, monkeypatch):
 def test_the_plans_flags_replace_the_commands():
     """A plan's parallel flags replace those of the command line (values included, ``=`` forms
     too); every other flag stays in its place."""
-    from ds_autoplan.clients.megatron_lm import with_plan_flags
+    from ds_autoplan.emit.megatron import with_plan_flags
     from ds_autoplan.search import SearchOptions, plan_model
     plan = plan_model("gpt-tiny", "cpu-2", 8, options=SearchOptions(pp=2, schedules=["1f1b"], precision="fp32"))
     got = with_plan_flags(["pretrain_gpt.py", "--micro-batch-size", "8", "--lr", "1e-3", "--sequence-parallel",

@@ -483,3 +483,19 @@ def test_the_per_iteration_overhead_is_charged_once_however_many_stages(bert8):
         _, plan = ctx.search(parts)
         times.append(ctx.pipeline_time(parts, plan))
     assert times[1] - times[0] == pytest.approx(5e-3, rel=1e-9)
+
+
+@pytest.mark.parametrize("overhead", [1.0, 4.0])
+def test_a_calibrated_memory_overhead_is_part_of_every_fit(overhead):
+    """A cluster's calibrated ``memory_overhead_gb`` (device memory above the modelled states and
+    activations) is in every reported peak, so the search's fit checks hold it too: without a
+    pipeline, GPT-3 2.7B on 24 GB devices was planned at 22.5 GB (1 GB overhead) and 25.5 GB
+    (4 GB) against a 21.8 GB budget."""
+    import dataclasses
+
+    from ds_autoplan.search import SearchOptions, plan_model
+    from ds_autoplan.spec.cluster import load_cluster
+    cluster = dataclasses.replace(load_cluster("8xtitan-24gb"), memory_overhead_gb=overhead)
+    plan = plan_model("gpt3-2.7b", cluster, 32, options=SearchOptions(pp=1))
+    peak, budget = max(plan.predicted["peak_memory_gb_per_stage"]), plan.predicted["memory_budget_gb"]
+    assert peak <= budget, (peak, budget, plan.micro_batch_size, plan.zero_stage, plan.recompute_per_stage)

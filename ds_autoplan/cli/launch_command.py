@@ -2,7 +2,7 @@
 [flags]``: plan ``--model`` for the command's ranks, run the command (Megatron-LM's patched
 ``pretrain_gpt.py``, or any script that reads ``DS_AUTOPLAN_PLAN``) with the plan named, and
 with ``--calibrate N`` run it again under each switched plan (runtime/replan.py: every start
-takes the parallel flags from the plan it runs, ``clients.megatron_lm.with_plan_flags``).
+takes the parallel flags from the plan it runs, ``emit.megatron.with_plan_flags``).
 """
 from __future__ import annotations
 
@@ -80,8 +80,8 @@ def schedules_for(own_scheds, script_args: list[str]):
 
 def planned_command(cmd: list[str], script_args: list[str], plan_path: str) -> list[str]:
     """``cmd`` with the script's parallel flags those of the plan ``plan_path`` holds now
-    (``clients.megatron_lm.with_plan_flags``), which are printed on one line."""
-    from ..clients.megatron_lm import plan_flags, with_plan_flags
+    (``emit.megatron.with_plan_flags``), which are printed on one line."""
+    from ..emit.megatron import plan_flags, with_plan_flags
     from ..plan import Plan
     plan = Plan.load(plan_path)
     print(f"ds-autoplan: the script runs with the plan's {' '.join(plan_flags(plan))}", flush=True)
@@ -94,7 +94,7 @@ def run_command(own, cmd: list[str], planner_options) -> int:
     from ..outputs import check_folder, hold_for_launch, release_launch
     from ..runtime import replan
     from ..runtime.common.record import STEPS_ENV
-    from .launch_cmd import OUT_FILES, PLAN_ENV, _plan_model_now, replan_request
+    from .launch_plan import OUT_FILES, PLAN_ENV, _plan_model_now, replan_request
     if not cmd:
         raise UserError("give the command after --, e.g. -- torchrun --nproc_per_node 2 pretrain_gpt.py ...")
     if not own.model:
@@ -125,19 +125,10 @@ def run_command(own, cmd: list[str], planner_options) -> int:
         release_launch(out, remove=True, created=created)
         raise
     try:
-        rc = subprocess.call(planned_command(cmd, script_args, plan_path), env=env)
-        while rc == 0 and state is not None and replan.restart_due(state):
-            print("ds-autoplan: restarting the ranks under the switched plan (resumed from "
-                  f"{os.path.join(out, replan.CHECKPOINT)})", flush=True)
-            rc = subprocess.call(planned_command(cmd, script_args, plan_path), env=env)
+        rc = replan.launch_loop(state, lambda: subprocess.call(planned_command(cmd, script_args, plan_path),
+                                                               env=env))
         if rc:
             raise UserError(f"{os.path.basename(cmd[0])} exited with status {rc}")
-        if state is not None:
-            error, note = replan.finish(state)
-            if note:
-                print(f"ds-autoplan: {note}", flush=True)
-            if error:
-                raise UserError(error)
     finally:
         release_launch(out)
     return 0

@@ -36,7 +36,7 @@ def split_argv(argv: list[str]) -> tuple[dict, list[str], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     from ..runtime.reaper import die_with_me
     die_with_me(parent=os.getppid())   # first: nothing this rank starts outlives it, nor it its launcher
-    from ..errors import one_line_errors
+    from ..runtime.ending import one_line_errors
     from .deepspeed_hook import install
     opts, _, script_argv = split_argv(sys.argv[1:] if argv is None else argv)
     if opts.get("out"):         # where this rank's run records itself (runtime/common/record.py)

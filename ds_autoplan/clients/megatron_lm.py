@@ -67,44 +67,6 @@ def install_from_env() -> None:
         _hook_replan(state)
 
 
-# the flags a plan decides (emit.megatron.megatron_args): ``ds-autoplan launch -- torchrun ...``
-# gives the script the plan's, whatever its command line says, and keeps every other flag
-PLAN_FLAGS = frozenset((
-    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
-    "--pipeline-model-parallel-layout", "--num-virtual-stages-per-pipeline-rank",
-    "--num-layers-per-virtual-pipeline-stage", "--virtual-pipeline-model-parallel-size",
-    "--microbatch-group-size-per-virtual-pipeline-stage", "--decoder-first-pipeline-num-layers",
-    "--decoder-last-pipeline-num-layers", "--sequence-parallel", "--context-parallel-size",
-    "--cp-comm-type", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
-    "--moe-token-dispatcher-type", "--use-distributed-optimizer", "--optimizer-cpu-offload",
-    "--optimizer-offload-fraction", "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
-    "--recompute-granularity", "--recompute-method", "--recompute-num-layers"))
-
-
-def with_plan_flags(argv: list[str], plan) -> list[str]:
-    """The script's arguments ``argv`` with every flag of :data:`PLAN_FLAGS` (and its values)
-    taken out and ``plan``'s own appended.  Flags the plan does not decide (the model, data,
-    optimizer, the global batch) stay as the user wrote them and are checked against the
-    plan at start-up as always."""
-    kept, i = [], 0
-    while i < len(argv):
-        tok = argv[i]
-        i += 1
-        if tok.split("=", 1)[0] not in PLAN_FLAGS:
-            kept.append(tok)
-            continue
-        while "=" not in tok and i < len(argv) and not argv[i].startswith("--"):
-            i += 1              # the flag's values
-    return kept + plan_flags(plan)
-
-
-def plan_flags(plan) -> list[str]:
-    """The flags of :data:`PLAN_FLAGS` for ``plan`` (emit.megatron.megatron_args), as tokens."""
-    from ..emit.megatron import megatron_args
-    return [tok for flag in megatron_args(plan) if flag.split(" ", 1)[0] in PLAN_FLAGS
-            for tok in flag.split(" ")]
-
-
 def _hook_replan(path: str) -> None:
     """``launch --calibrate N`` (runtime/replan.py) in Megatron-LM's loop: a start after a
     switch loads the switch's checkpoint (ds_autoplan's plan-independent one) when Megatron-LM

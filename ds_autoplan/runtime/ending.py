@@ -18,8 +18,11 @@ multiprocessing's finalizers among them), flushes its output and leaves with ``o
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+
+from ..errors import UserError
 
 
 def tear_down(barrier: bool = True) -> None:
@@ -58,4 +61,19 @@ def finish(code: int = 0, barrier: bool = True) -> None:
     sys.exit(code)
 
 
-__all__ = ["finish", "leave", "tear_down"]
+@contextlib.contextmanager
+def one_line_errors(prog: str):
+    """A training script's run: a :class:`UserError` inside it (a bad ``DS_AUTOPLAN_*`` value, a
+    plan that cannot run) ends the process as the CLI does, with ``prog: error: ...`` on rank
+    0's stderr and exit status 2, not a traceback; the process group is torn down and the rank
+    ends as :func:`finish` ends it."""
+    try:
+        yield
+    except UserError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        finish(2, barrier=False)
+        raise SystemExit(2) from None
+
+
+__all__ = ["finish", "leave", "one_line_errors", "tear_down"]

@@ -54,6 +54,28 @@ def label(plan) -> str:
             f"{plan.micro_batch_size} x {plan.num_microbatches} schedule={plan.schedule_label}")
 
 
+# what makes two plans train differently (Plan's fields): not the cluster they were costed on,
+# their predictions or notes
+RUN_FIELDS = ("parallel", "precision", "schedule", "schedule_options", "layers_per_stage",
+              "recompute_per_stage", "selective_recompute", "layer_strategies")
+
+
+def same_run(a, b) -> bool:
+    """Whether plans ``a`` and ``b`` train the same way: degrees, batch split, ZeRO and
+    offload (``parallel``), precision, schedule, layer split and recomputation.  Two plans
+    with one :func:`label` can differ in the last two: a re-plan that moves layers between
+    stages or recomputes less is another plan."""
+    return all(getattr(a, f) == getattr(b, f) for f in RUN_FIELDS)
+
+
+def _shown(new, now) -> str:
+    """``new``'s label, with its layer split and recomputation where only they differ."""
+    if label(new) != label(now):
+        return label(new)
+    return (f"{label(new)} layers {list(new.layers_per_stage)} recompute "
+            f"{[round(float(x), 3) for x in new.recompute_per_stage]}")
+
+
 def _integer(flag: str, n, what: str) -> int:
     try:
         v = int(n)
@@ -105,6 +127,24 @@ def start(folder: str, steps: int, request: dict, rounds: int = 1) -> str:
     return write_state(folder, {"format": FORMAT, "steps": steps, "rounds": rounds, "request": request,
                                 "phase": "measure", "resume": None, "restart": False, "replans": [],
                                 "before": None, "records": []})
+
+
+def launch_loop(state: str | None, start) -> int:
+    """The launcher's: ``start()`` runs the ranks once (their exit status), again while they
+    stopped to switch plans (the state ``state``, None: no ``--calibrate``); then the launch's
+    end (:func:`finish`: its note printed, its error raised).  Returns the last status."""
+    rc = start()
+    while rc == 0 and state is not None and restart_due(state):
+        print("ds-autoplan: restarting the ranks under the switched plan (resumed from "
+              f"{os.path.join(os.path.dirname(state), CHECKPOINT)})", flush=True)
+        rc = start()
+    if rc == 0 and state is not None:
+        error, note = finish(state)
+        if note:
+            print(f"ds-autoplan: {note}", flush=True)
+        if error:
+            raise UserError(error)
+    return rc
 
 
 def restart_due(path: str) -> bool:
@@ -247,14 +287,14 @@ def _round(state: dict, folder: str, step: int, now, measured: float, out: dict)
              "measured_before_s": measured, "measured_after_s": None, "kept": True}
     if new is None:
         out["lines"].append(say(f"{head}; keeping the plan: the re-plan does not fit ({why})"))
-    elif label(new) == label(now) or new.predicted.iteration_time_s >= mine * (1 - band):
-        out["lines"].append(say(f"{head}; keeping the plan: the re-plan ({label(new)}: predicted "
+    elif same_run(new, now) or new.predicted.iteration_time_s >= mine * (1 - band):
+        out["lines"].append(say(f"{head}; keeping the plan: the re-plan ({_shown(new, now)}: predicted "
                                 f"{new.predicted.iteration_time_s:.4g} s vs {mine:.4g} s) is within the band "
                                 f"(+-{100 * band:.1f}%)"))
         entry["re_planned"] = label(new)
     else:
         out.update(switch=True, tag=f"step{step}-to-replan")
-        out["lines"].append(say(f"{head}; re-planned {label(new)}: predicted {new.predicted.iteration_time_s:.4g} s "
+        out["lines"].append(say(f"{head}; re-planned {_shown(new, now)}: predicted {new.predicted.iteration_time_s:.4g} s "
                                 f"(the plan: {mine:.4g} s); switching at step {step}"))
         entry.update(to=label(new), predicted_s=new.predicted.iteration_time_s, kept=None)
         state.update(phase="after", next=new.to_dict(),

@@ -34,6 +34,9 @@ class Context:
         self.strategies = strategies
         self.g = max(2.0 ** 20, self.E / units)          # memory unit (§6 #4)
         self.units = int(self.E // self.g)
+        # what a stage's Eq. 2 peak may reach: the budget less the cluster's calibrated device
+        # memory above the model (spec/cluster.py), which every reported peak includes
+        self.fit = self.E - cm.cluster.memory_overhead_gb * GB
         self.paper_mode = paper_mode
         t = self.tab
         bad = ~t.allowed
@@ -204,7 +207,7 @@ class Context:
                 break
             plan = self._backtrack(types, K, args, e, s)
             ea = self.e_all(types, plan, K)
-            if ea <= self.E:
+            if ea <= self.fit:
                 out = StagePlan(plan, ea)
                 break
             if self.paper_mode:
@@ -227,7 +230,7 @@ class Context:
             return None
         plan = [0] * len(ty)
         ea = self.e_all(types, plan, K)
-        return StagePlan(plan, ea) if ea <= self.E else None
+        return StagePlan(plan, ea) if ea <= self.fit else None
 
     def _solve_ckpt_count(self, types: tuple, K: int) -> StagePlan | None:
         """The DP's answer for the two-level set in closed form: the first k checkpointable
@@ -235,7 +238,7 @@ class Context:
         once with exact Eq. 2 peaks; the cheapest k that fits."""
         sel, f1, run, ms, cost = self._ckpt_terms(types)
         peak = (K - 1) * f1 + run + ms
-        total = np.where(peak <= self.E, cost, INF)
+        total = np.where(peak <= self.fit, cost, INF)
         i = int(np.argmin(total))
         if not np.isfinite(total[i]):
             return None

@@ -3,14 +3,14 @@ other, in the ranks of one launch (``deepspeed --num_gpus N shim_runs.py``, ``SH
 list of the script's argument lists): reference runs in DeepSpeed's own engines share one
 launcher and one start-up of the ranks.  Each run is ``python train.py [--local_rank=N] ARGS``
 as the launcher would start it, with the script's own seeding; the previous run's objects are
-collected first; after the last the rank ends at once (harness.forked.exit_now)."""
+collected first; after the last the rank ends (ds_autoplan.runtime.ending.finish)."""
 import gc
 import json
 import os
 import runpy
 import sys
 
-from harness.forked import exit_now
+from ds_autoplan.runtime.ending import finish
 
 
 def main() -> None:
@@ -21,7 +21,7 @@ def main() -> None:
         sys.argv = [script, *inserted, *argv]
         runpy.run_path(script, run_name="__main__")
         gc.collect()
-    exit_now(0)
+    finish(0)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Test-side CPU shim for DeepSpeedExamples' pipeline_parallelism/train.py, on the PYTHONPATH of
 its ranks (never an edit of the client): ``torch.cuda.set_device`` is a no-op on CPU ranks;
-a rank ends as soon as the script has run to its end (harness.forked.exit_now);
+a rank ends as soon as the script has run to its end (ds_autoplan.runtime.ending.finish);
 rank 0 prints every ``train_batch`` loss (``SHIM_LOSS``; DeepSpeed's pipeline engine and
 ds_autoplan's plain one), and DeepSpeed's own plain engine every rank's micro-step loss
 (``SHIM_MICRO_LOSS rank loss``); with ``SHIM_PARTS`` (layer
@@ -70,14 +70,15 @@ def _patch_deepspeed():
 
 def _exit_after_script():
     """``runpy.run_path`` (how the bootstrap runs the script) ends the rank when the script
-    returns; one that raises goes on as before (a refusal's message and exit status 2)."""
+    returns (ds_autoplan.runtime.ending.finish); one that raises goes on as before (a
+    refusal's message and exit status 2)."""
     import runpy
     run_path = runpy.run_path
 
     def run(*a, **k):
         result = run_path(*a, **k)
-        from harness.forked import exit_now      # tests/ is on the ranks' path
-        exit_now(0)
+        from ds_autoplan.runtime.ending import finish
+        finish(0)           # every rank done: a barrier, the group torn down, no interpreter teardown
         return result
     runpy.run_path = run
 

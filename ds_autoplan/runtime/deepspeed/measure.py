@@ -40,6 +40,8 @@ def record_engine(engine, plan, runtime: str = "deepspeed-plain"):
 
     def timed(kind, fn):
         def run(*args, **kwargs):
+            if kind is Kind.F and not torch.is_grad_enabled():
+                return fn(*args, **kwargs)      # an evaluation's forward: no part of a training step
             if not open_[0]:
                 rec.step_begin()
                 timing.new_step()
@@ -47,7 +49,7 @@ def record_engine(engine, plan, runtime: str = "deepspeed-plain"):
                 open_[0], forwards[0] = True, 0
             mb = forwards[0] if kind is Kind.F else forwards[0] - 1
             forwards[0] += kind is Kind.F
-            track = tracker.track() if kind is Kind.F and torch.is_grad_enabled() else contextlib.nullcontext()
+            track = tracker.track() if kind is Kind.F else contextlib.nullcontext()
             token = timing.begin()
             try:
                 with track:
