@@ -365,9 +365,9 @@ def test_a_bf16_checkpoint_resumes_as_the_uninterrupted_run(tmp_path, fix):
     assert run("--steps", "6", "--load", str(tmp_path / "ck")) == {k: whole[k] for k in range(3, 6)}
 
 
-def test_deepspeed_autoplan_refuses_calibrate_by_name(tmp_path, capsys, monkeypatch):
-    """``deepspeed --autoplan`` with ``DS_AUTOPLAN_CALIBRATE``: DeepSpeed's own launcher cannot
-    restart the ranks, so it is one line naming the command that can, and exit 2."""
+def test_deepspeed_autoplan_without_the_model_is_one_line(tmp_path, capsys, monkeypatch):
+    """``deepspeed --autoplan`` with ``DS_AUTOPLAN_CALIBRATE`` re-plans the plan made before launch:
+    without ``DS_AUTOPLAN_MODEL`` it is one line naming it, and exit 2."""
     import signal
 
     from deepspeed.launcher import runner
@@ -378,14 +378,41 @@ def test_deepspeed_autoplan_refuses_calibrate_by_name(tmp_path, capsys, monkeypa
     try:
         with pytest.raises(SystemExit) as e:
             launch_cmd.autoplan_in_runner(runner.parse_args(["--num_gpus", "2", SCRIPT]), 2,
-                                          {"DS_AUTOPLAN_CALIBRATE": "3", "DS_AUTOPLAN_MODEL": "gpt-tiny"})
+                                          {"DS_AUTOPLAN_CALIBRATE": "3"})
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1, err
-    assert err.startswith("ds-autoplan: error: DS_AUTOPLAN_CALIBRATE: ") and "ds-autoplan launch --calibrate N" in err
+    assert err.startswith("ds-autoplan: error: DS_AUTOPLAN_CALIBRATE re-plans") and "DS_AUTOPLAN_MODEL" in err
     assert not (tmp_path / "ds_autoplan_out").exists()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+def test_deepspeed_autoplan_with_calibrate_switches_as_the_launch_does(tmp_path):
+    """``DS_AUTOPLAN_CALIBRATE=3 ... deepspeed --autoplan``: the patched runner's hook (called here
+    as the patch calls it, with the runner's own parsed arguments and ``sys.argv``) runs the
+    launch's measure, re-plan and switch loop: links too slow in the cluster file, the pp=2 plan
+    switches to dp=2 at step 3, measures faster and is kept; every step is trained once."""
+    code = ("import os, sys\n"
+            "from deepspeed.launcher import runner\n"
+            "from ds_autoplan.cli.launch_cmd import autoplan_in_runner\n"
+            "sys.argv = ['deepspeed', *sys.argv[1:]]\n"
+            "args = runner.parse_args([a for a in sys.argv[1:] if a != '--autoplan'])\n"
+            "autoplan_in_runner(args, 2, dict(os.environ))\n")
+    env = _env(DS_AUTOPLAN_CALIBRATE="3", DS_AUTOPLAN_MODEL="gpt-tiny", DS_AUTOPLAN_OUT="run",
+               DS_AUTOPLAN_CLUSTER=_cluster(tmp_path, SLOW_SLEEP))
+    r = subprocess.run([sys.executable, "-c", code, "--autoplan", "--num_gpus", "2", "--master_port", _port(),
+                        SLEEP, "--steps", "10", "--truth", _cluster(tmp_path, TRUTH)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "Traceback" not in out, out
+    assert "; switching at step 3" in out and "keeping it" in out, out
+    (entry,) = _record(tmp_path / "run")["replans"]
+    assert entry["from"].startswith("pp=2 ") and entry["to"].startswith("pp=1 tp=1 dp=2 "), entry
+    assert entry["measured_after_s"] < entry["measured_before_s"] and entry["kept"] is True, entry
+    assert sorted(_losses(out)) == list(range(10)), out
 
 
 def test_a_re_plan_with_the_same_label_but_another_layer_split_is_another_plan():

@@ -193,13 +193,28 @@ def autoplan_in_runner(args, world: int, env) -> dict:
     stop_launch_on_signals("ds-autoplan")
     try:
         if env.get("DS_AUTOPLAN_CALIBRATE"):
-            raise UserError("DS_AUTOPLAN_CALIBRATE: a re-plan restarts the ranks, which DeepSpeed's own "
-                            "launcher cannot do; use ds-autoplan launch --calibrate N (same options)")
+            sys.exit(_calibrate_in_runner(env))
         check_launch(args)
         return apply_autoplan(args, launch_resources(args), env)
     except UserError as e:
         print(f"ds-autoplan: error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def _calibrate_in_runner(env) -> int:
+    """``deepspeed --autoplan`` with ``DS_AUTOPLAN_CALIBRATE=N`` (and ``DS_AUTOPLAN_CALIBRATE_ROUNDS=K``):
+    DeepSpeed's runner starts the ranks once, and a switch restarts them, so the launch is
+    ``ds-autoplan launch --calibrate N``'s (its restart loop), run from here on the runner's own
+    arguments (``--autoplan`` taken out) with the same ``DS_AUTOPLAN_*`` planner variables."""
+    from ..env import env_str
+    if not env_str("DS_AUTOPLAN_MODEL", env=env):
+        raise UserError("DS_AUTOPLAN_CALIBRATE re-plans the plan made before launch: set DS_AUTOPLAN_MODEL "
+                        "(the model description the script builds)")
+    own = ["--calibrate", env_str("DS_AUTOPLAN_CALIBRATE", env=env)]
+    for var, flag in (("DS_AUTOPLAN_CALIBRATE_ROUNDS", "--calibrate-rounds"), ("DS_AUTOPLAN_MODEL", "--model")):
+        if env_str(var, env=env):
+            own += [flag, env_str(var, env=env)]
+    return _run(argparse.Namespace(argv=own + [a for a in sys.argv[1:] if a != "--autoplan"]))
 
 
 def check_launch(a) -> None:
