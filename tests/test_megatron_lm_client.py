@@ -340,7 +340,9 @@ def test_pretrain_gpt_moe_expert_parallel_v_half(client):
 @pytest.mark.multiproc
 @pytest.mark.timeout(1200)
 def test_two_node_plans_train_as_on_one_node(client, capsys):
-    """``ds-autoplan plan --cluster auto --nodes 2`` (pp 2 x dp 2 over 2 nodes of 2 CPU ranks)
+    """``ds-autoplan plan --cluster auto --nodes 2 --pp 2 --tp 1`` (pp 2 x dp 2 over 2 nodes of 2 CPU
+    ranks; ``--tp 1``: the figures of a detected cluster are a measurement of this machine, and
+    one taken beside a running suite planned tp=2 dp=1, 1 of 4 runs)
     with 1F1B and V-Half: ``pretrain_gpt.py`` under two ``torchrun --nnodes 2 --node_rank i``
     (both plans in one launch: forked runs) trains with the losses of one ``torchrun`` of 4
     ranks on one node running the same plans; a plan made for one node of 4 is refused on
@@ -353,7 +355,7 @@ def test_two_node_plans_train_as_on_one_node(client, capsys):
     for s in ("1f1b", "v-half"):
         out = tmp / f"nodes-{s}"
         assert main(["plan", "--model", "gpt-tiny", "--cluster", "auto", "--nodes", "2", "--gpus-per-node", "2",
-                     "--global-batch", "8", "--pp", "2", "--schedules", s, "--precision", "fp32",
+                     "--global-batch", "8", "--pp", "2", "--tp", "1", "--schedules", s, "--precision", "fp32",
                      "--out", str(out), "--quiet", "--no-wide"]) == 0
         plan = Plan.load(out / "plan.json")
         assert (plan.pp, plan.dp, plan.gpus_per_node, plan.cluster) == (2, 2, 2, "cpu-auto-2x2"), plan
