@@ -121,7 +121,6 @@ def _hook_replan(path: str) -> None:
         except replan.Restart:
             from ..runtime.ending import finish
             finish(0)                   # the group torn down, the rank ended (runtime/ending.py)
-            raise
     mt.train = train_until_restart
 
 

@@ -73,7 +73,6 @@ def one_line_errors(prog: str):
         if os.environ.get("RANK", "0") == "0":
             print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         finish(2, barrier=False)
-        raise SystemExit(2) from None
 
 
 __all__ = ["finish", "leave", "one_line_errors", "tear_down"]
