@@ -315,11 +315,14 @@ def _run_child(run: dict, rank: int, world: int) -> int:
 def runs(job: str) -> None:
     """``--runs JOB.json``: several runs of one script in this launch, each in a forked child
     of this rank after the imports (megatron-core and Megatron-LM's, seconds per rank) are paid
-    once.  ``JOB``: a list of ``{"tag", "argv": [script, flags...], "env", "log", "store"}``.
+    once.  ``JOB``: a list of ``{"tag", "argv": [script, flags...], "env", "log", "store"}``
+    (and ``"refusal": true`` for a run that is meant to end non-zero).
     A run's children (one per rank) form a process group of their own (the file store
     ``store``; Megatron-LM then skips its own ``init_process_group``), write their output to
     ``log`` and see ``env`` added; each rank prints ``MLM_CPU_RUN {"tag", "rank", "exit"}``
-    after each run.  The rank exits non-zero if a run failed."""
+    after each run.  The rank exits non-zero if a run failed that is not a refusal: a launch
+    with a refusal in it ends 0 when every run did what it should, so its launcher's summary
+    ("local rank 0 exited with code 1") names a real failure, not the refusal's status."""
     with open(job) as f:
         todo = json.load(f)
     script = todo[0]["argv"][0]
@@ -334,7 +337,7 @@ def runs(job: str) -> None:
     failed = False
     for run in todo:
         code = fork_wait(lambda run=run: _run_child(run, rank, world), run["log"], RUN_TIMEOUT)
-        failed |= code != 0
+        failed |= code != 0 and not run.get("refusal")
         # one write of one line (print writes the text and the newline apart: ranks sharing the
         # launcher's pipe interleaved there, two results on one line)
         sys.stdout.write("MLM_CPU_RUN " + json.dumps({"tag": run["tag"], "rank": rank, "exit": code}) + "\n")

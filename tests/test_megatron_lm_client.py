@@ -91,14 +91,17 @@ def _run(cmd: str, cwd: pathlib.Path, tag: str, tmp: pathlib.Path, **env) -> Sim
     return _result(r.returncode, r.stdout + r.stderr, cmd, tag, tmp)
 
 
-def _forked_runs(cmds: dict, cwd: pathlib.Path, tmp: pathlib.Path, nproc: int, nodes: int = 1) -> dict:
+def _forked_runs(cmds: dict, cwd: pathlib.Path, tmp: pathlib.Path, nproc: int, nodes: int = 1,
+                 refusals: tuple = ()) -> dict:
     """``{tag: (cmd, env)}``, commands as :func:`_run` takes them (``VAR=x ... torchrun ...
     SHIM pretrain_gpt.py $(cat FILE) flags``), run in ONE launch of ``nproc`` ranks per node on
     ``nodes`` nodes (``nodes`` > 1: one ``torchrun --nnodes N --node_rank i`` per node, all on
     this machine): each command's script and flags (``$(cat FILE)`` expanded as the shell does)
     run in forked children of the ranks, with the command's variables and ``env`` (the shim's
     ``--runs``: the ranks' imports are paid once).  Per tag: what :func:`_run` returns, with
-    that run's output and its worst exit status over the ranks."""
+    that run's output and its worst exit status over the ranks.  ``refusals``: tags meant to end
+    non-zero; they do not fail the ranks, so the launch itself must end 0 (asserted: a rank
+    that failed otherwise, or died, is named by the launcher's summary in the message)."""
     job = tmp / f"runs-{'+'.join(cmds)}.json"
     todo = []
     for tag, (cmd, env) in cmds.items():
@@ -107,7 +110,7 @@ def _forked_runs(cmds: dict, cwd: pathlib.Path, tmp: pathlib.Path, nproc: int, n
         script_args = re.sub(r"\$\(cat (\S+)\)", lambda m: pathlib.Path(m.group(1)).read_text().strip(),
                              script_args)
         todo.append({"tag": tag, "argv": shlex.split(script_args), "log": str(tmp / f"{tag}.log"),
-                     "store": str(tmp / f"{tag}.store"),
+                     "store": str(tmp / f"{tag}.store"), "refusal": tag in refusals,
                      "env": {**dict(a.split("=", 1) for a in assigned.split()), **env, **_outputs(tag, tmp)}})
     job.write_text(json.dumps(todo))
     run = f"{sys.executable} -m torch.distributed.run --nproc_per_node {nproc} {SHIM} --runs {job}"
@@ -134,6 +137,8 @@ def _forked_runs(cmds: dict, cwd: pathlib.Path, tmp: pathlib.Path, nproc: int, n
                     f"(the launch's exit status {r.returncode} stands in) ---\n")
         res[run["tag"]] = _result(rc, out if rc == 0 else out + "\n--- launch ---\n" + launch_out,
                                   cmds[run["tag"]][0], run["tag"], tmp)
+    assert not refusals or r.returncode == 0, (f"the launch ended {r.returncode}:\n" + "\n".join(
+        f"--- run {t} (exit {x.rc}) ---\n{x.out}" for t, x in res.items()))
     return res
 
 
@@ -365,7 +370,7 @@ def test_two_node_plans_train_as_on_one_node(client, capsys):
     capsys.readouterr()
     refusal = {"nodes-refused": (f"DS_AUTOPLAN_PLAN={tmp}/one-node-plan.json "
                            + _train_command(train, "1f1b", tmp / "nodes-1f1b", ours=False), {})}
-    two = _forked_runs({**cmds, **refusal}, client, tmp, 2, nodes=2)
+    two = _forked_runs({**cmds, **refusal}, client, tmp, 2, nodes=2, refusals=("nodes-refused",))
     one = _forked_runs({f"one-{t}": c for t, c in cmds.items()}, client, tmp, 4)   # tags: own loss files
     print(json.dumps({"two_node_losses": {t: two[t].losses for t in cmds},
                       "one_node_losses": {t: one[f"one-{t}"].losses for t in cmds}}))
