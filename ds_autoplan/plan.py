@@ -256,6 +256,12 @@ class Plan(_PlanFields):
         """The pipeline schedule as messages name it: none with one stage (pp = 1)."""
         return self.schedule if self.pp > 1 else "none (no pipeline, pp=1)"
 
+    def label(self) -> str:
+        """The plan in one line, as the launcher's and calibration's records name it: its
+        degrees, ZeRO stage, batch split and schedule."""
+        return (f"pp={self.pp} tp={self.tp} dp={self.dp} ZeRO-{self.zero_stage} micro-batch "
+                f"{self.micro_batch_size} x {self.num_microbatches} schedule={self.schedule_label}")
+
     def stage_placement(self) -> tuple[int, ...]:
         """The pipeline rank of each stage: the schedule's placement (the builder registry's),
         stage s on rank s mod pp where the builder decides it itself."""

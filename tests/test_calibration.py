@@ -114,7 +114,7 @@ def test_fit_to_the_model_own_records(modelled, capsys):
     for f in ("host_memory_gb", "cpu_cores", "cpu_adam_rate_per_core", "host_link_GBps", "reserve_gb"):
         assert getattr(c2, f) == WRONG[f], f
     assert "action_overhead_us" in doc["calibrated"]["unchanged"]
-    assert doc["calibrated"]["runs"][0]["plan"].startswith("pp=2 tp=1 dp=1 mbs=2x4")
+    assert doc["calibrated"]["runs"][0]["plan"].startswith("pp=2 tp=1 dp=1 ZeRO-0 micro-batch 2 x 4")
     assert c2.calibration_runs == 1 and c2.calibration_error <= 0.005
     # the plan's error band now names the calibration
     band = recost(plans["A"], c2).predicted.error_band

@@ -177,3 +177,20 @@ def test_the_plans_flags_replace_the_commands():
     assert ours[:4] == ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"], ours
     assert ours[ours.index("--micro-batch-size") + 1] == str(plan.micro_batch_size), ours
     assert "--sequence-parallel" not in ours and "--recompute-granularity" not in ours, ours
+
+
+def test_a_command_launch_writes_into_ds_autoplan_out(tmp_path, monkeypatch):
+    """Without --out, the command form plans into DS_AUTOPLAN_OUT (checked as every
+    DS_AUTOPLAN_* value is) and names it to the ranks; no ds_autoplan_out/ appears."""
+    from ds_autoplan.cli import main
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DS_AUTOPLAN_OUT", str(tmp_path / "envout"))
+    (tmp_path / "rank.py").write_text(
+        "import os, pathlib\n"
+        "pathlib.Path(os.environ['DS_AUTOPLAN_OUT'], 'seen' + os.environ['RANK']).write_text(os.environ['DS_AUTOPLAN_PLAN'])\n")
+    rc = main(["launch", "--model", "gpt-tiny", "--cluster", "cpu-2", "--", sys.executable, "-m",
+               "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "rank.py", "--global-batch-size", "8"])
+    assert rc == 0
+    out = tmp_path / "envout"
+    assert (out / "plan.json").is_file() and not (tmp_path / "ds_autoplan_out").exists()
+    assert [(out / f"seen{r}").read_text() for r in (0, 1)] == [str(out / "plan.json")] * 2

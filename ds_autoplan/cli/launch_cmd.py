@@ -361,12 +361,13 @@ def _run(args) -> int:
     if own.help:
         print_help()
         return 0
-    _planner_options(os.environ)          # a bad DS_AUTOPLAN_* value: refused before anything runs
+    env_options = _planner_options(os.environ)     # a bad DS_AUTOPLAN_* value: refused before anything runs
     fault_settings(os.environ)
     if command is not None:
         if rest:
             raise UserError(f"before --, only ds-autoplan's options (the launcher's go after it): {' '.join(rest)}")
         from .launch_command import run_command
+        own.out = own.out or env_options["out"]     # --out, else DS_AUTOPLAN_OUT, else ds_autoplan_out
         return run_command(own, command, _checked_options(own))
     if not argv:
         raise UserError("give the training script, e.g. ds-autoplan launch --num_gpus 2 train.py")

@@ -89,8 +89,8 @@ def planned_command(cmd: list[str], script_args: list[str], plan_path: str) -> l
 
 
 def run_command(own, cmd: list[str], planner_options) -> int:
-    """The launch of ``cmd`` (module docstring); ``own``: ds-autoplan's parsed options,
-    ``planner_options``: launch_cmd's checks of them (``(steps, rounds, schedules, offload)``)."""
+    """The launch of ``cmd`` (module docstring); ``own``: ds-autoplan's parsed options (its
+    ``out`` already --out, else DS_AUTOPLAN_OUT, else the default), ``planner_options``: launch_cmd's checks of them (``(steps, rounds, schedules, offload)``)."""
     from ..outputs import check_folder, hold_for_launch, release_launch
     from ..runtime import replan
     from ..runtime.common.record import STEPS_ENV
@@ -105,7 +105,7 @@ def run_command(own, cmd: list[str], planner_options) -> int:
     steps, rounds, scheds, offload = planner_options
     gb = global_batch(own, script_args)
     scheds = schedules_for(scheds, script_args)
-    out = own.out or os.environ.get("DS_AUTOPLAN_OUT") or "ds_autoplan_out"
+    out = own.out
     check_folder(out, OUT_FILES)
     out, created = hold_for_launch(out)
     # Megatron-LM's precision is the script's flag; the plan is costed for it

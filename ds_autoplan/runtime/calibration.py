@@ -141,7 +141,7 @@ def calibrated_yaml(res, runs, source: str, cl0, out: str) -> str:
     cl1 = res.cluster
     doc = {"cluster": {k: v for k, v in vars(cl1).items() if v is not None},
            "calibrated": {"from": source, "date": datetime.date.today().isoformat(),
-                          "runs": [{"folder": os.path.abspath(r.folder), "plan": _label(r.plan),
+                          "runs": [{"folder": os.path.abspath(r.folder), "plan": r.plan.label(),
                                     "steps": r.steps, "recorded": r.written,
                                     "residual": round(e, 6)} for r, e in zip(runs, res.residuals)],
                           "moved": {f: {"from": _plain(b), "to": _plain(a), "why": why}
@@ -156,6 +156,3 @@ def _plain(x):
     return round(float(x), 9) if isinstance(x, float) else x
 
 
-def _label(plan) -> str:
-    return (f"pp={plan.pp} tp={plan.tp} dp={plan.dp} mbs={plan.micro_batch_size}x{plan.num_microbatches} "
-            f"zero={plan.zero_stage} schedule={plan.schedule_label}")

@@ -49,9 +49,8 @@ class Restart(SystemExit):
 
 
 def label(plan) -> str:
-    """A plan as ``plan`` prints it."""
-    return (f"pp={plan.pp} tp={plan.tp} dp={plan.dp} ZeRO-{plan.zero_stage} micro-batch "
-            f"{plan.micro_batch_size} x {plan.num_microbatches} schedule={plan.schedule_label}")
+    """A plan in one line (:meth:`Plan.label`)."""
+    return plan.label()
 
 
 # what makes two plans train differently (Plan's fields): not the cluster they were costed on,
