@@ -345,12 +345,15 @@ def test_pretrain_gpt_moe_expert_parallel_v_half(client):
 @pytest.mark.multiproc
 @pytest.mark.timeout(1200)
 def test_two_node_plans_train_as_on_one_node(client, capsys):
-    """``ds-autoplan plan --cluster auto --nodes 2 --pp 2 --tp 1`` (pp 2 x dp 2 over 2 nodes of 2 CPU
-    ranks; ``--tp 1``: the figures of a detected cluster are a measurement of this machine, and
-    one taken beside a running suite planned tp=2 dp=1, 1 of 4 runs)
-    with 1F1B and V-Half: ``pretrain_gpt.py`` under two ``torchrun --nnodes 2 --node_rank i``
-    (both plans in one launch: forked runs) trains with the losses of one ``torchrun`` of 4
-    ranks on one node running the same plans; a plan made for one node of 4 is refused on
+    """``ds-autoplan plan --cluster auto --nodes 2 --fix pp=2,tp=1,mbs=1,schedule=S`` (pp 2 x dp 2
+    over 2 nodes of 2 CPU ranks) with S 1F1B and V-Half.  ``--fix``: the figures of a detected
+    cluster are a measurement of this machine, so the planner's free choice moved with its load
+    (one taken beside a running suite planned tp=2 dp=1, 1 of 4 runs; and V-Half lost to the
+    1F1B baseline at micro-batch 2 x 2 for most figures, so the "V-Half" run trained 1F1B);
+    fixed, every run trains both schedules and the figures move only the layer partition.
+    ``pretrain_gpt.py`` under two ``torchrun --nnodes 2 --node_rank i`` (both plans in one
+    launch: forked runs) trains with the losses of one ``torchrun`` of 4 ranks on one node
+    running the same plans; a plan made for one node of 4 is refused on
     the two nodes before training."""
     from ds_autoplan.cli import main
     from ds_autoplan.plan import Plan
@@ -360,10 +363,11 @@ def test_two_node_plans_train_as_on_one_node(client, capsys):
     for s in ("1f1b", "v-half"):
         out = tmp / f"nodes-{s}"
         assert main(["plan", "--model", "gpt-tiny", "--cluster", "auto", "--nodes", "2", "--gpus-per-node", "2",
-                     "--global-batch", "8", "--pp", "2", "--tp", "1", "--schedules", s, "--precision", "fp32",
+                     "--global-batch", "8", "--fix", f"pp=2,tp=1,mbs=1,schedule={s}", "--precision", "fp32",
                      "--out", str(out), "--quiet", "--no-wide"]) == 0
         plan = Plan.load(out / "plan.json")
-        assert (plan.pp, plan.dp, plan.gpus_per_node, plan.cluster) == (2, 2, 2, "cpu-auto-2x2"), plan
+        assert (plan.pp, plan.dp, plan.gpus_per_node, plan.cluster, plan.schedule, plan.micro_batch_size) == \
+            (2, 2, 2, "cpu-auto-2x2", s, 1), plan
         cmds[f"nodes-{s}"] = (f"DS_AUTOPLAN_PLAN={out}/plan.json " + _train_command(train, s, out, ours=False), {})
     one_node = Plan(**{**Plan.load(tmp / "nodes-1f1b" / "plan.json").to_dict(), "gpus_per_node": 4})
     one_node.save(tmp / "one-node-plan.json")
