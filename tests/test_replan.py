@@ -419,11 +419,11 @@ def test_a_re_plan_with_the_same_label_but_another_layer_split_is_another_plan()
     """The re-plan's 'same plan' is the run's fields, not the label: another layer split or
     recomputation under the same degrees and schedule is a plan to switch to."""
     from ds_autoplan.plan import Plan
-    from ds_autoplan.runtime.replan import label, same_run
+    from ds_autoplan.runtime.replan import same_run
     a = Plan(pp=2, micro_batch_size=1, num_microbatches=8, global_batch_size=8, precision="fp32",
              schedule="1f1b", layers_per_stage=[4, 4], recompute_per_stage=[0.0, 0.0], num_layers=8)
     b = Plan.from_dict({**a.to_dict(), "layers_per_stage": [5, 3]})
     c = Plan.from_dict({**a.to_dict(), "recompute_per_stage": [0.5, 0.0]})
     d = Plan.from_dict({**a.to_dict(), "cluster": "elsewhere", "notes": ["costed elsewhere"]})
-    assert label(a) == label(b) == label(c)
+    assert a.label() == b.label() == c.label()
     assert not same_run(a, b) and not same_run(a, c) and same_run(a, d)

@@ -90,7 +90,8 @@ def planned_command(cmd: list[str], script_args: list[str], plan_path: str) -> l
 
 def run_command(own, cmd: list[str], planner_options) -> int:
     """The launch of ``cmd`` (module docstring); ``own``: ds-autoplan's parsed options (its
-    ``out`` already --out, else DS_AUTOPLAN_OUT, else the default), ``planner_options``: launch_cmd's checks of them (``(steps, rounds, schedules, offload)``)."""
+    ``out`` already --out, else DS_AUTOPLAN_OUT, else the default), ``planner_options``:
+    launch_cmd's checks of them (``(steps, rounds, schedules, offload)``)."""
     from ..outputs import check_folder, hold_for_launch, release_launch
     from ..runtime import replan
     from ..runtime.common.record import STEPS_ENV

@@ -154,5 +154,3 @@ def calibrated_yaml(res, runs, source: str, cl0, out: str) -> str:
 
 def _plain(x):
     return round(float(x), 9) if isinstance(x, float) else x
-
-

@@ -48,11 +48,6 @@ class Restart(SystemExit):
         super().__init__(0)
 
 
-def label(plan) -> str:
-    """A plan in one line (:meth:`Plan.label`)."""
-    return plan.label()
-
-
 # what makes two plans train differently (Plan's fields): not the cluster they were costed on,
 # their predictions or notes
 RUN_FIELDS = ("parallel", "precision", "schedule", "schedule_options", "layers_per_stage",
@@ -62,16 +57,16 @@ RUN_FIELDS = ("parallel", "precision", "schedule", "schedule_options", "layers_p
 def same_run(a, b) -> bool:
     """Whether plans ``a`` and ``b`` train the same way: degrees, batch split, ZeRO and
     offload (``parallel``), precision, schedule, layer split and recomputation.  Two plans
-    with one :func:`label` can differ in the last two: a re-plan that moves layers between
+    with one :meth:`Plan.label` can differ in the last two: a re-plan that moves layers between
     stages or recomputes less is another plan."""
     return all(getattr(a, f) == getattr(b, f) for f in RUN_FIELDS)
 
 
 def _shown(new, now) -> str:
     """``new``'s label, with its layer split and recomputation where only they differ."""
-    if label(new) != label(now):
-        return label(new)
-    return (f"{label(new)} layers {list(new.layers_per_stage)} recompute "
+    if new.label() != now.label():
+        return new.label()
+    return (f"{new.label()} layers {list(new.layers_per_stage)} recompute "
             f"{[round(float(x), 3) for x in new.recompute_per_stage]}")
 
 
@@ -171,7 +166,7 @@ def finish(path: str) -> tuple[str | None, str | None]:
                 "measured; nothing re-planned (give fewer steps, or train longer)"), None
     if not state["replans"]:
         return None, None
-    ran = label(Plan.load(os.path.join(folder, "plan.json")))
+    ran = Plan.load(os.path.join(folder, "plan.json")).label()
     state["replans"][-1]["ended_on"] = ran
     note = None
     if state.pop("next", None) is not None:
@@ -282,7 +277,7 @@ def _round(state: dict, folder: str, step: int, now, measured: float, out: dict)
     new, why = _replan(req, res.cluster)
     head = (f"measured {measured:.4g} s/it vs predicted {now.predicted.iteration_time_s:.4g} s "
             f"(calibrated{f' on {len(runs)} runs' if len(runs) > 1 else ''}: {_moved(res)})")
-    entry = {"step": step, "from": label(now), "to": label(now), "predicted_s": mine,
+    entry = {"step": step, "from": now.label(), "to": now.label(), "predicted_s": mine,
              "measured_before_s": measured, "measured_after_s": None, "kept": True}
     if new is None:
         out["lines"].append(say(f"{head}; keeping the plan: the re-plan does not fit ({why})"))
@@ -290,12 +285,12 @@ def _round(state: dict, folder: str, step: int, now, measured: float, out: dict)
         out["lines"].append(say(f"{head}; keeping the plan: the re-plan ({_shown(new, now)}: predicted "
                                 f"{new.predicted.iteration_time_s:.4g} s vs {mine:.4g} s) is within the band "
                                 f"(+-{100 * band:.1f}%)"))
-        entry["re_planned"] = label(new)
+        entry["re_planned"] = new.label()
     else:
         out.update(switch=True, tag=f"step{step}-to-replan")
         out["lines"].append(say(f"{head}; re-planned {_shown(new, now)}: predicted {new.predicted.iteration_time_s:.4g} s "
                                 f"(the plan: {mine:.4g} s); switching at step {step}"))
-        entry.update(to=label(new), predicted_s=new.predicted.iteration_time_s, kept=None)
+        entry.update(to=new.label(), predicted_s=new.predicted.iteration_time_s, kept=None)
         state.update(phase="after", next=new.to_dict(),
                      before={"plan": now.to_dict(), "measured_s": measured, "step": step})
     state["replans"].append(entry)
